@@ -1,0 +1,35 @@
+# posttrain: two commands for a newcomer.
+#   make run   - set up everything, then run the default pipeline on the bundled tiny data
+#   make test  - set up everything, then run the whole test suite
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test setup assets bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m pip install -q --no-deps -e .
+	@touch $(STAMP)
+
+run: setup
+	$(BIN)/posttrain prepare --config configs/prepare/sample_chat.yaml
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+assets: setup
+	$(BIN)/python tools/make_assets.py
+
+bench: setup
+	$(BIN)/python bench/packing.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

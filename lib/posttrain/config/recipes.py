@@ -1,0 +1,105 @@
+"""Recipe configs: the top-level YAML of each step, composed of the parts' own configs.
+
+Each library part owns its small frozen config (`TokenizerConfig`, `SourceConfig`,
+`PackingConfig`, ...); a recipe config only composes them and checks cross-part constraints.
+`load_recipe(path, cls)` reads YAML with `yaml.safe_load` and fails on the first unknown key,
+naming the file and the dotted key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, TypeVar
+
+from posttrain.config.loader import build, load_yaml
+from posttrain.data.encode import LengthConfig
+from posttrain.data.formats import DEFAULT_ROLES, FormatConfig, FormatName
+from posttrain.data.sources import CacheConfig, SourceConfig
+from posttrain.data.tokenizer import TokenizerConfig
+from posttrain.errors import ConfigError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ColumnNames:
+    messages: str = "messages"
+    prompt: str = "prompt"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What to read and how to validate it. `train`/`eval` list sources; names must be unique."""
+
+    train: list[SourceConfig]
+    eval: list[SourceConfig] = field(default_factory=list)
+    format: FormatName = "chat"
+    columns: ColumnNames = ColumnNames()
+    roles: list[str] = field(default_factory=lambda: list(DEFAULT_ROLES))
+    on_bad_row: Literal["error", "skip"] = "error"
+    max_tokens_per_sample: int = 4096
+    overlong: Literal["truncate", "drop", "error"] = "truncate"
+
+    def __post_init__(self) -> None:
+        if not self.train:
+            raise ValueError("data.train needs at least one source")
+        for split in ("train", "eval"):
+            names = [s.name for s in getattr(self, split) if s.name]
+            dup = {n for n in names if names.count(n) > 1}
+            if dup:
+                raise ValueError(f"data.{split}: duplicate source name(s) {sorted(dup)}")
+        if self.max_tokens_per_sample < 2:
+            raise ValueError("max_tokens_per_sample must be at least 2")
+
+    def format_config(self) -> FormatConfig:
+        c = self.columns
+        return FormatConfig(format=self.format, messages_field=c.messages, prompt_field=c.prompt,
+                            chosen_field=c.chosen, rejected_field=c.rejected,
+                            roles=tuple(self.roles))
+
+    def length_config(self) -> LengthConfig:
+        return LengthConfig(self.max_tokens_per_sample, self.overlong)
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    dir: str                        # local directory or s3:// prefix
+    rows_per_shard: int = 50_000
+
+    def __post_init__(self) -> None:
+        if self.rows_per_shard < 1:
+            raise ValueError("rows_per_shard must be positive")
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    tokenizer: TokenizerConfig
+    data: DataConfig
+    output: OutputConfig
+    cache: CacheConfig | None = None
+
+
+def load_recipe(path: str | Path, cls: type[T], overrides: dict | None = None) -> T:
+    """Load a recipe YAML into `cls`; errors name the file and the key."""
+    data = load_yaml(path)
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted, value)
+    try:
+        return build(cls, data, where=str(path))
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _set_dotted(data: dict, dotted: str, value) -> None:
+    node = data
+    *parents, last = dotted.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: '{key}' is not a mapping")
+    node[last] = value

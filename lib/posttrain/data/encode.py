@@ -1,0 +1,152 @@
+"""Turn validated records into token columns, applying the over-long policy.
+
+One encoder per format; each returns a dict of columns matching `schema_for(format)`, which is
+what the tokenized Parquet shards hold. Over-long samples are truncated (keeping the beginning;
+for preference pairs the responses are cut, never the shared prompt), dropped, or refused, per
+`LengthConfig`; a sample left with no loss token is refused, because it would teach nothing and
+skew the token-weighted loss.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+
+from posttrain.data.formats import (ChatRecord, FormatName, PreferenceRecord, PromptRecord,
+                                    Record, SequenceRecord)
+from posttrain.data.tokenizer import ChatTokenizer, Encoded
+from posttrain.errors import DataError
+
+
+@dataclass(frozen=True)
+class LengthConfig:
+    max_tokens_per_sample: int = 4096
+    overlong: Literal["truncate", "drop", "error"] = "truncate"
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_per_sample < 2:
+            raise ValueError("max_tokens_per_sample must be at least 2")
+
+
+_IDS = pa.list_(pa.int32())
+_MASK = pa.list_(pa.int8())
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "chat": pa.schema([("input_ids", _IDS), ("loss_mask", _MASK), ("num_tokens", pa.int32()),
+                       ("num_loss_tokens", pa.int32())]),
+    "sequence": pa.schema([("input_ids", _IDS), ("loss_mask", _MASK),
+                           ("num_tokens", pa.int32()), ("num_loss_tokens", pa.int32())]),
+    "preference": pa.schema([("chosen_input_ids", _IDS), ("chosen_loss_mask", _MASK),
+                             ("rejected_input_ids", _IDS), ("rejected_loss_mask", _MASK),
+                             ("prompt_length", pa.int32()), ("num_tokens", pa.int32()),
+                             ("num_loss_tokens", pa.int32())]),
+    "prompt": pa.schema([("prompt_ids", _IDS), ("num_tokens", pa.int32()),
+                         ("num_loss_tokens", pa.int32()), ("prompt_messages", pa.string()),
+                         ("extras", pa.string())]),
+}
+
+
+def schema_for(fmt: FormatName) -> pa.Schema:
+    return SCHEMAS[fmt]
+
+
+@dataclass
+class EncodedRow:
+    columns: dict[str, Any]
+    truncated: bool
+
+
+class RecordEncoder:
+    """Encode records of one format with one tokenizer and one length policy."""
+
+    def __init__(self, tokenizer: ChatTokenizer, fmt: FormatName, lengths: LengthConfig):
+        self.tok = tokenizer
+        self.fmt = fmt
+        self.lengths = lengths
+
+    def encode(self, record: Record, *, file: str | None = None,
+               line: int | None = None) -> EncodedRow:
+        if isinstance(record, ChatRecord):
+            enc = self.tok.encode_chat(record.messages, source=file, line=line)
+            return self._single(enc, file, line, field="messages")
+        if isinstance(record, SequenceRecord):
+            ids = record.tokens if record.tokens is not None else self.tok.encode_text(record.text)
+            enc = Encoded(list(ids), [1] * len(ids))
+            return self._single(enc, file, line, field="tokens" if record.tokens else "text")
+        if isinstance(record, PreferenceRecord):
+            return self._preference(record, file, line)
+        if isinstance(record, PromptRecord):
+            return self._prompt(record, file, line)
+        raise AssertionError(f"unknown record {type(record).__name__}")
+
+    def _too_long(self, n: int, file: str | None, line: int | None, field: str) -> DataError:
+        return DataError(f"{n} tokens exceed max_tokens_per_sample="
+                         f"{self.lengths.max_tokens_per_sample}", file=file, line=line,
+                         field=field, reason="too_long")
+
+    def _fit(self, enc: Encoded, file, line, field) -> tuple[Encoded, bool]:
+        limit = self.lengths.max_tokens_per_sample
+        if len(enc.input_ids) <= limit:
+            return enc, False
+        if self.lengths.overlong != "truncate":
+            raise self._too_long(len(enc.input_ids), file, line, field)
+        return Encoded(enc.input_ids[:limit], enc.loss_mask[:limit]), True
+
+    def _single(self, enc: Encoded, file, line, field) -> EncodedRow:
+        enc, truncated = self._fit(enc, file, line, field)
+        n_loss = int(sum(enc.loss_mask))
+        if n_loss == 0:
+            raise DataError("no token left to train on (after truncation)" if truncated else
+                            "no token to train on", file=file, line=line, field=field,
+                            reason="no_loss_tokens")
+        return EncodedRow({"input_ids": np.asarray(enc.input_ids, np.int32),
+                           "loss_mask": np.asarray(enc.loss_mask, np.int8),
+                           "num_tokens": len(enc.input_ids), "num_loss_tokens": n_loss},
+                          truncated)
+
+    def _preference(self, rec: PreferenceRecord, file, line) -> EncodedRow:
+        chosen, rejected = self.tok.encode_preference(rec.prompt, rec.chosen, rec.rejected)
+        prompt_len = _shared_prefix(chosen.input_ids, rejected.input_ids)
+        limit = self.lengths.max_tokens_per_sample
+        if prompt_len >= limit:
+            raise self._too_long(prompt_len, file, line, "prompt")
+        truncated = False
+        out = {}
+        for name, enc in (("chosen", chosen), ("rejected", rejected)):
+            fitted, cut = self._fit(enc, file, line, name)
+            truncated |= cut
+            if not any(fitted.loss_mask):
+                raise DataError("response has no token to train on", file=file, line=line,
+                                field=name, reason="no_loss_tokens")
+            out[f"{name}_input_ids"] = np.asarray(fitted.input_ids, np.int32)
+            out[f"{name}_loss_mask"] = np.asarray(fitted.loss_mask, np.int8)
+        out["prompt_length"] = prompt_len
+        out["num_tokens"] = len(out["chosen_input_ids"]) + len(out["rejected_input_ids"])
+        out["num_loss_tokens"] = int(out["chosen_loss_mask"].sum() + out["rejected_loss_mask"].sum())
+        return EncodedRow(out, truncated)
+
+    def _prompt(self, rec: PromptRecord, file, line) -> EncodedRow:
+        ids = self.tok.encode_prompt(rec.prompt)
+        if len(ids) > self.lengths.max_tokens_per_sample:
+            # A truncated prompt asks a different question: never truncate, always refuse.
+            raise self._too_long(len(ids), file, line, "prompt")
+        try:
+            extras = json.dumps(rec.extras, ensure_ascii=False, sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise DataError(f"extra columns are not JSON-serializable: {e}", file=file,
+                            line=line, field="<extras>", reason="wrong_type") from None
+        return EncodedRow({"prompt_ids": np.asarray(ids, np.int32), "num_tokens": len(ids),
+                           "num_loss_tokens": 0,
+                           "prompt_messages": json.dumps(rec.prompt, ensure_ascii=False),
+                           "extras": extras}, False)
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    x, y = np.asarray(a[:n]), np.asarray(b[:n])
+    diff = np.nonzero(x != y)[0]
+    return int(diff[0]) if len(diff) else n

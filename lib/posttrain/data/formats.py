@@ -1,0 +1,191 @@
+"""Row formats: validate raw rows into typed records, naming the field that is wrong.
+
+Four formats cover the recipes:
+
+* ``chat``: ``{"messages": [{"role": ..., "content": ...}, ...]}`` for SFT. An assistant
+  message may carry ``"train": false`` to keep it out of the loss, and ``reasoning_content``
+  for templates that render thinking blocks.
+* ``preference``: ``{"prompt": ..., "chosen": ..., "rejected": ...}`` for DPO and reward
+  models; the prompt is shared, each response is a string or a list of assistant messages.
+* ``prompt``: ``{"prompt": ..., <extra columns>}`` for RL; the extra columns (e.g. ``answer``)
+  travel with the prompt to the reward functions.
+* ``sequence``: ``{"tokens": [int, ...]}`` or ``{"text": "..."}`` for models trained on
+  non-language event sequences; every token is a target.
+
+A prompt (and a chat conversation) may also be given as a plain string, meaning one user turn.
+Validation never changes content; it only normalizes shapes (string -> one message).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from posttrain.errors import DataError
+
+FormatName = Literal["chat", "preference", "prompt", "sequence"]
+DEFAULT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class FormatConfig:
+    """How raw rows are read; column names are configurable for datasets with other schemas."""
+
+    format: FormatName = "chat"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    roles: tuple[str, ...] = DEFAULT_ROLES
+
+
+@dataclass
+class ChatRecord:
+    messages: list[dict[str, Any]]
+
+
+@dataclass
+class PreferenceRecord:
+    prompt: list[dict[str, Any]]
+    chosen: list[dict[str, Any]]
+    rejected: list[dict[str, Any]]
+
+
+@dataclass
+class PromptRecord:
+    prompt: list[dict[str, Any]]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SequenceRecord:
+    tokens: list[int] | None = None
+    text: str | None = None
+
+
+Record = ChatRecord | PreferenceRecord | PromptRecord | SequenceRecord
+
+
+class _Where:
+    """Carries file/line so every error names the row."""
+
+    def __init__(self, file: str | None, line: int | None):
+        self.file, self.line = file, line
+
+    def error(self, field_path: str, message: str, reason: str) -> DataError:
+        return DataError(message, file=self.file, line=self.line, field=field_path, reason=reason)
+
+
+def parse_row(row: dict[str, Any], cfg: FormatConfig, *, file: str | None = None,
+              line: int | None = None) -> Record:
+    """Validate one raw row for `cfg.format`; raise `DataError` naming file, line and field."""
+    where = _Where(file, line)
+    if not isinstance(row, dict):
+        raise where.error("<row>", f"expected a JSON object, got {type(row).__name__}",
+                          "not_an_object")
+    if cfg.format == "chat":
+        messages = _messages(_require(row, cfg.messages_field, where), cfg.messages_field,
+                             cfg.roles, where)
+        _require_assistant(messages, cfg.messages_field, where)
+        return ChatRecord(messages)
+    if cfg.format == "preference":
+        prompt = _messages(_require(row, cfg.prompt_field, where), cfg.prompt_field,
+                           cfg.roles, where, string_role="user")
+        chosen = _response(_require(row, cfg.chosen_field, where), cfg.chosen_field, cfg, where)
+        rejected = _response(_require(row, cfg.rejected_field, where), cfg.rejected_field,
+                             cfg, where)
+        return PreferenceRecord(prompt, chosen, rejected)
+    if cfg.format == "prompt":
+        prompt = _messages(_require(row, cfg.prompt_field, where), cfg.prompt_field,
+                           cfg.roles, where, string_role="user")
+        if prompt[-1]["role"] == "assistant":
+            raise where.error(f"{cfg.prompt_field}[{len(prompt) - 1}].role",
+                              "a prompt must not end with an assistant turn", "bad_role")
+        extras = {k: v for k, v in row.items() if k != cfg.prompt_field}
+        return PromptRecord(prompt, extras)
+    if cfg.format == "sequence":
+        return _sequence(row, where)
+    raise AssertionError(f"unknown format {cfg.format}")
+
+
+def _require(row: dict, key: str, where: _Where) -> Any:
+    if key not in row:
+        present = ", ".join(sorted(map(str, row))) or "none"
+        raise where.error(key, f"missing required field (row has: {present})", "missing_field")
+    return row[key]
+
+
+def _messages(value: Any, name: str, roles: tuple[str, ...], where: _Where,
+              string_role: str | None = None) -> list[dict[str, Any]]:
+    if isinstance(value, str) and string_role is not None:
+        if not value.strip():
+            raise where.error(name, "empty prompt", "empty")
+        return [{"role": string_role, "content": value}]
+    if not isinstance(value, list):
+        raise where.error(name, f"expected a list of messages, got {type(value).__name__}",
+                          "wrong_type")
+    if not value:
+        raise where.error(name, "empty conversation", "empty")
+    return [_message(m, f"{name}[{i}]", roles, where) for i, m in enumerate(value)]
+
+
+def _message(m: Any, path: str, roles: tuple[str, ...], where: _Where) -> dict[str, Any]:
+    if not isinstance(m, dict):
+        raise where.error(path, f"a message must be an object, got {type(m).__name__}",
+                          "wrong_type")
+    role = m.get("role")
+    if role is None:
+        raise where.error(f"{path}.role", "missing role", "missing_field")
+    if role not in roles:
+        raise where.error(f"{path}.role", f"unknown role {role!r} (allowed: {', '.join(roles)})",
+                          "bad_role")
+    content = m.get("content")
+    if not isinstance(content, str):
+        got = "missing" if "content" not in m else type(content).__name__
+        raise where.error(f"{path}.content", f"content must be a string, got {got}",
+                          "wrong_type")
+    if not content.strip() and role != "assistant" and not m.get("tool_calls"):
+        raise where.error(f"{path}.content", "empty content", "empty")
+    if "train" in m and not isinstance(m["train"], bool):
+        raise where.error(f"{path}.train", "must be true or false", "wrong_type")
+    return m
+
+
+def _require_assistant(messages: list[dict], name: str, where: _Where) -> None:
+    if not any(m["role"] == "assistant" for m in messages):
+        raise where.error(name, "conversation has no assistant turn: nothing to train on",
+                          "no_assistant_turn")
+    if not any(m["role"] == "assistant" and m.get("train", True) for m in messages):
+        raise where.error(name, "every assistant turn is marked train: false", "no_assistant_turn")
+
+
+def _response(value: Any, name: str, cfg: FormatConfig, where: _Where) -> list[dict]:
+    messages = _messages(value, name, cfg.roles, where, string_role="assistant")
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            raise where.error(f"{name}[{i}].role",
+                              f"a response may only hold assistant turns, got {m['role']!r}",
+                              "bad_role")
+    if not any(m["content"].strip() for m in messages):
+        raise where.error(name, "empty response", "empty")
+    return messages
+
+
+def _sequence(row: dict, where: _Where) -> SequenceRecord:
+    if "tokens" in row:
+        tokens = row["tokens"]
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+            raise where.error("tokens", "must be a list of non-negative integers", "wrong_type")
+        if not tokens:
+            raise where.error("tokens", "empty sequence", "empty")
+        return SequenceRecord(tokens=tokens)
+    if "text" in row:
+        text = row["text"]
+        if not isinstance(text, str):
+            raise where.error("text", f"must be a string, got {type(text).__name__}",
+                              "wrong_type")
+        if not text.strip():
+            raise where.error("text", "empty text", "empty")
+        return SequenceRecord(text=text)
+    raise where.error("tokens", "a sequence row needs 'tokens' or 'text'", "missing_field")

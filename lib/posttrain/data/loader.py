@@ -1,0 +1,244 @@
+"""The training-side data pipeline: tokenized shards -> (shuffle) -> mixer -> packer -> batches.
+
+    per source: ShardSamples (this rank's share of the Parquet shards, `epochs` passes)
+                  -> ShuffleBuffer (seeded, bounded)
+    sources   -> Mixer (weighted, seeded)
+              -> AsyncPacker (best fit, background thread)   or  padded batches
+              -> collate(rows_per_batch rows) -> batch dict of tensors
+
+Every stage follows `posttrain.data.stream.StatefulIterable`; `TrainLoader.state_dict()` is the
+position after the last batch handed out, and a loader built the same way and restored with
+`load_state_dict` yields exactly the batches an uninterrupted one would.
+
+Ranks and loader workers: shard k of ``num_ranks * num_workers`` (k = rank * num_workers +
+worker) reads the files (or rows) that `posttrain.data.sources.RowStream` assigns to it. A saved
+state belongs to one (rank, world size) pair; it is restored on the same layout.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import fsspec
+import numpy as np
+
+from posttrain.data.mixer import Mixer, MixerConfig
+from posttrain.data.packing import (AsyncPacker, Packer, PackingConfig, Sample, collate,
+                                    pad_rows)
+from posttrain.data.sources import RowStream, shard_for
+from posttrain.data.stream import StatefulIterable
+from posttrain.errors import ConfigError, DataError
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    packing: PackingConfig = PackingConfig()
+    mode: Literal["packed", "padded"] = "packed"
+    rows_per_batch: int = 1
+    shuffle_buffer_samples: int = 0       # 0 keeps the shard order
+    seed: int = 0
+    epochs: int = 1
+    background: bool = True               # pack in a background thread
+    mixer: MixerConfig = MixerConfig()
+    weights: dict[str, float] = field(default_factory=dict)   # by source name; default 1.0
+
+    def __post_init__(self) -> None:
+        if self.rows_per_batch < 1:
+            raise ValueError("rows_per_batch must be positive")
+        if self.epochs < 1:
+            raise ValueError("epochs must be at least 1")
+        if self.shuffle_buffer_samples < 0:
+            raise ValueError("shuffle_buffer_samples must be >= 0")
+
+
+class ShardSamples(StatefulIterable[Sample]):
+    """Samples from tokenized shards written by `steps/prepare.py`, over `epochs` passes."""
+
+    def __init__(self, files: list[str], *, shard_index: int = 0, num_shards: int = 1,
+                 epochs: int = 1, storage_options: dict | None = None):
+        if not files:
+            raise DataError("no tokenized shards to read")
+        self.files = files
+        self.shard_index, self.num_shards = shard_index, num_shards
+        self.epochs = epochs
+        self.storage_options = storage_options
+        self._epoch = 0
+        self._rows = self._stream()
+
+    def _stream(self) -> RowStream:
+        return RowStream(self.files, fmt="parquet", shard_index=self.shard_index,
+                         num_shards=self.num_shards, storage_options=self.storage_options)
+
+    def __iter__(self) -> Iterator[Sample]:
+        while self._epoch < self.epochs:
+            for raw in self._rows:
+                if raw.error is not None:
+                    raise raw.error
+                data = raw.data
+                yield Sample(np.asarray(data["input_ids"], np.int32),
+                             np.asarray(data["loss_mask"], np.uint8))
+            self._epoch += 1
+            self._rows = self._stream()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "rows": self._rows.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._epoch = int(state["epoch"])
+        self._rows = self._stream()
+        self._rows.load_state_dict(state["rows"])
+
+
+class ShuffleBuffer(StatefulIterable[Sample]):
+    """Seeded shuffle over a bounded buffer: fill to `size`, then emit a random slot per input.
+
+    The state holds the buffer's samples, the generator state and the upstream position, so a
+    restored buffer continues bit for bit.
+    """
+
+    def __init__(self, upstream: StatefulIterable[Sample], size: int, seed: int):
+        self.upstream, self.size = upstream, size
+        self._rng = np.random.Generator(np.random.PCG64(seed))
+        self._buffer: list[Sample] = []
+
+    def __iter__(self) -> Iterator[Sample]:
+        for sample in self.upstream:
+            if len(self._buffer) < self.size:
+                self._buffer.append(sample)
+                continue
+            i = int(self._rng.integers(len(self._buffer)))
+            out, self._buffer[i] = self._buffer[i], sample
+            yield out
+        while self._buffer:
+            i = int(self._rng.integers(len(self._buffer)))
+            self._buffer[i], self._buffer[-1] = self._buffer[-1], self._buffer[i]
+            yield self._buffer.pop()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"upstream": self.upstream.state_dict(), "rng": self._rng.bit_generator.state,
+                "buffer": [[s.input_ids.tolist(), s.loss_mask.tolist()] for s in self._buffer]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.upstream.load_state_dict(state["upstream"])
+        self._rng.bit_generator.state = state["rng"]
+        self._buffer = [Sample(np.asarray(ids, np.int32), np.asarray(mask, np.uint8))
+                        for ids, mask in state["buffer"]]
+
+
+class _PaddedBatches:
+    """Padded-batch mode (for comparison): `rows_per_batch` consecutive samples per batch."""
+
+    def __init__(self, samples: StatefulIterable[Sample], cfg: LoaderConfig):
+        self.samples, self.cfg = samples, cfg
+
+    def batches(self) -> Iterator[list]:
+        it = iter(self.samples)
+        while True:
+            chunk = [s for _, s in zip(range(self.cfg.rows_per_batch), it)]
+            if not chunk:
+                return
+            rows = list(pad_rows(chunk, self.cfg.packing, self.cfg.rows_per_batch))
+            if rows:
+                yield rows
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples": self.samples.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.samples.load_state_dict(state["samples"])
+
+    def close(self) -> None:
+        pass
+
+
+class TrainLoader(StatefulIterable[dict]):
+    """Batches for one rank (and loader worker) from named sources of tokenized shards."""
+
+    def __init__(self, sources: dict[str, list[str]], cfg: LoaderConfig, *, rank: int = 0,
+                 world_size: int = 1, worker_id: int = 0, num_workers: int = 1,
+                 storage_options: dict | None = None):
+        unknown = set(cfg.weights) - set(sources)
+        if unknown:
+            raise ConfigError(f"loader.weights names unknown source(s) {sorted(unknown)}; "
+                              f"sources are {sorted(sources)}")
+        self.cfg = cfg
+        shard_index, num_shards = shard_for(rank, world_size, worker_id, num_workers)
+        streams: dict[str, StatefulIterable[Sample]] = {}
+        for i, (name, files) in enumerate(sorted(sources.items())):
+            s: StatefulIterable[Sample] = ShardSamples(
+                files, shard_index=shard_index, num_shards=num_shards, epochs=cfg.epochs,
+                storage_options=storage_options)
+            if cfg.shuffle_buffer_samples:
+                s = ShuffleBuffer(s, cfg.shuffle_buffer_samples,
+                                  seed=_mix_seed(cfg.seed, shard_index, i))
+            streams[name] = s
+        if len(streams) == 1:
+            (samples,) = streams.values()
+        else:
+            weights = {name: cfg.weights.get(name, 1.0) for name in streams}
+            samples = Mixer(streams, weights, cfg.mixer)
+        if cfg.mode == "padded":
+            self._rows = _PaddedBatches(samples, cfg)
+        else:
+            packer_cls = AsyncPacker if cfg.background else Packer
+            self._rows = packer_cls(samples, cfg.packing)
+        self.batches_out = 0
+
+    def __iter__(self) -> Iterator[dict]:
+        if isinstance(self._rows, _PaddedBatches):
+            for rows in self._rows.batches():
+                self.batches_out += 1
+                yield collate(rows)
+            return
+        it = iter(self._rows)
+        while True:
+            rows = [r for _, r in zip(range(self.cfg.rows_per_batch), it)]
+            if not rows:
+                return
+            self.batches_out += 1
+            yield collate(rows)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return dict(getattr(self._rows, "stats", {}))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches_out": self.batches_out, "rows": self._rows.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batches_out = int(state["batches_out"])
+        self._rows.load_state_dict(state["rows"])
+
+    def close(self) -> None:
+        close = getattr(self._rows, "close", None)
+        if close:
+            close()
+
+    def __enter__(self) -> "TrainLoader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _mix_seed(seed: int, shard_index: int, source_index: int) -> int:
+    return int(np.random.SeedSequence([seed, shard_index, source_index]).generate_state(1)[0])
+
+
+def sources_from_manifest(prepared_dir: str, split: str = "train") -> dict[str, list[str]]:
+    """Shard URIs per source name from a prepare manifest (`<dir>/manifest.json`)."""
+    fs, root = fsspec.core.url_to_fs(prepared_dir)
+    path = f"{root.rstrip('/')}/manifest.json"
+    if not fs.exists(path):
+        raise DataError(f"no manifest.json in {prepared_dir}: run `posttrain prepare` first",
+                        file=path)
+    with fs.open(path) as f:
+        manifest = json.load(f)
+    out = {s["name"]: [sh["uri"] for sh in s["shards"]]
+           for s in manifest["sources"] if s["split"] == split and s["shards"]}
+    if not out:
+        raise DataError(f"the manifest has no non-empty '{split}' source", file=path)
+    return out

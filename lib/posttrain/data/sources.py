@@ -1,0 +1,706 @@
+"""Stream raw rows from JSONL and Parquet files, local or remote, with bounded memory.
+
+A *source* is one or more paths (files, directories, globs, ``s3://`` URIs). `expand_paths`
+turns them into a sorted file list, and `RowStream` reads that list row by row:
+
+* **Formats.** JSONL is read line by line from a binary stream and each line is decoded
+  strictly as UTF-8, so one bad line never costs more than one row. Parquet is read one batch
+  at a time with ``ParquetFile.iter_batches``. Nothing holds a whole file in memory.
+* **Bad rows are data, not exceptions.** A malformed JSONL line becomes a `RawRow` with
+  ``data=None`` and a `DataError` that names file, line and reason (``invalid_json``,
+  ``invalid_utf8``, ``not_an_object``), so that the caller can write a rejected-rows report and
+  carry on. A missing or unreadable *file* does raise: nothing sensible can follow it.
+* **Sharding.** Ranks and loader workers split the data deterministically (see `RowStream`),
+  and all shards together yield every row exactly once.
+* **Resumption.** `RowStream.state_dict` records the position (file, row, JSONL byte offset),
+  and a fresh stream given that state yields exactly what the original would have yielded next.
+* **Remote files.** Remote files are streamed directly, or, with a `CacheConfig`, downloaded a
+  few files ahead by a background thread into a size-capped local cache, so that training
+  never waits on the network and never fills the local disk.
+
+Credentials and endpoints for ``s3://`` come from the environment (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ...) or from ``storage_options``, which is passed to fsspec unchanged for
+remote paths only.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import copy
+import json
+import math
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from typing import IO, Any, Literal
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from posttrain.errors import ConfigError, DataError
+
+Format = Literal["auto", "jsonl", "parquet"]
+ShardBy = Literal["auto", "file", "row"]
+
+_JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+_PARQUET_SUFFIXES = (".parquet", ".pq")
+_COMPRESSION_SUFFIXES = {".gz": "gzip"}
+_GLOB_CHARS = "*?["
+_LOCAL_PROTOCOLS = ("file", "local")
+_STATE_VERSION = 1
+_COPY_CHUNK_BYTES = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Local disk cache for remote files.
+
+    `dir` is where each stream makes its own private subdirectory (the system temp dir when
+    None); `max_bytes` caps what one stream keeps there at any moment, downloads in progress
+    included; `prefetch_files` is how many files ahead of the one being read are fetched.
+    """
+
+    dir: str | None = None
+    max_bytes: int = 2 << 30
+    prefetch_files: int = 2
+
+    def __post_init__(self) -> None:
+        if self.max_bytes <= 0:
+            raise ConfigError(f"cache.max_bytes must be positive, got {self.max_bytes}")
+        if self.prefetch_files < 1:
+            raise ConfigError(f"cache.prefetch_files must be at least 1, got {self.prefetch_files}")
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """One data source: paths, their format, and its weight in a mixture.
+
+    ``format: auto`` picks the reader by extension: ``.jsonl``, ``.json``, ``.ndjson`` (also
+    gzipped, ``.jsonl.gz``) are JSON Lines, one object per line; ``.parquet`` and ``.pq`` are
+    Parquet.
+    """
+
+    path: str | list[str]
+    format: Format = "auto"
+    weight: float = 1.0
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("source.path is empty: give a file, directory, glob or s3:// URI")
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise ConfigError(f"source.weight must be a positive number, got {self.weight}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths
+
+
+def expand_paths(path: str | list[str], storage_options: dict | None = None) -> list[str]:
+    """Turn files, directories, globs and URIs into a deterministic list of files.
+
+    Each entry expands to a sorted list: a glob to the files it matches, a directory to the
+    data files below it (by extension, recursively), a file to itself; globs and directories
+    skip names that start with '.' or '_'. Entries keep their given
+    order and a file named twice is kept once. A missing path, an empty glob or directory, or a
+    listing failure raises `DataError` naming the entry. Remote files come back as URIs
+    (``s3://bucket/key``), local ones as absolute paths.
+    """
+    entries = [path] if isinstance(path, str) else list(path)
+    if not entries:
+        raise DataError("no data path given: name a file, directory, glob or s3:// URI",
+                        reason="missing_file")
+    files: list[str] = []
+    seen: set[str] = set()
+    for entry in entries:
+        for uri in _expand_entry(entry, storage_options):
+            if uri not in seen:
+                seen.add(uri)
+                files.append(uri)
+    return files
+
+
+def _expand_entry(entry: str, storage_options: dict | None) -> list[str]:
+    fs, root = _filesystem(entry, storage_options)
+    try:
+        fs.invalidate_cache()
+        if any(c in root for c in _GLOB_CHARS):
+            found = [p for p, info in fs.glob(root, detail=True).items()
+                     if info["type"] == "file" and not _is_hidden(p)]
+            missing = "the pattern matches no files"
+        elif fs.isdir(root):
+            found = [p for p in fs.find(root) if _is_data_file(p)]
+            missing = ("the directory holds no data files (.jsonl, .json, .ndjson, .parquet, "
+                       ".pq, optionally .gz for JSON Lines)")
+        elif fs.isfile(root):
+            found, missing = [root], ""
+        else:
+            found, missing = [], "no such file or directory"
+    except Exception as e:  # storage errors vary by backend; the cause stays chained
+        raise DataError(f"cannot list it: {type(e).__name__}: {e}", file=entry,
+                        reason="unreadable_file") from e
+    if not found:
+        raise DataError(missing, file=entry, reason="missing_file")
+    return sorted(p if _is_local(entry) else fs.unstrip_protocol(p) for p in found)
+
+
+def _is_hidden(path: str) -> bool:
+    """Names starting with '.' or '_' are bookkeeping (``_SUCCESS``, ``.crc``), as in Hadoop."""
+    return os.path.basename(path).startswith((".", "_"))
+
+
+def _is_data_file(path: str) -> bool:
+    if _is_hidden(path):
+        return False
+    stem, _ = _split_compression(os.path.basename(path).lower())
+    return stem.endswith(_JSONL_SUFFIXES + _PARQUET_SUFFIXES)
+
+
+def _is_local(uri: str) -> bool:
+    return fsspec.utils.get_protocol(uri) in _LOCAL_PROTOCOLS
+
+
+def _filesystem(uri: str, storage_options: dict | None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and in-filesystem path of `uri`; options go to remote filesystems only."""
+    options = {} if _is_local(uri) else dict(storage_options or {})
+    return fsspec.core.url_to_fs(uri, **options)
+
+
+def _split_compression(name: str) -> tuple[str, str | None]:
+    for suffix, compression in _COMPRESSION_SUFFIXES.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix)], compression
+    return name, None
+
+
+def _file_format(uri: str, fmt: Format) -> tuple[str, str | None]:
+    """(``"jsonl"`` or ``"parquet"``, compression) for one file."""
+    stem, compression = _split_compression(uri.lower())
+    if fmt != "auto":
+        kind = fmt
+    elif stem.endswith(_JSONL_SUFFIXES):
+        kind = "jsonl"
+    elif stem.endswith(_PARQUET_SUFFIXES):
+        kind = "parquet"
+    else:
+        raise DataError("cannot tell the format from the file name (expected .jsonl, .json, "
+                        ".ndjson, .jsonl.gz, .parquet or .pq); set `format: jsonl` or "
+                        "`format: parquet` on the source", file=uri, reason="unknown_format")
+    if kind == "parquet" and compression:
+        raise DataError("a Parquet file cannot be gzipped as a whole; Parquet compresses its "
+                        "columns itself", file=uri, reason="unknown_format")
+    return kind, compression
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows and sharding
+
+
+@dataclass(frozen=True)
+class RawRow:
+    """One row as read: `data` is None exactly when `error` says why the row is unusable.
+
+    `line` is the 1-based line number for JSON Lines (blank lines included) and the 1-based row
+    number for Parquet.
+    """
+
+    data: dict | None
+    file: str
+    line: int
+    error: DataError | None = None
+
+
+def shard_for(rank: int, world_size: int, worker_id: int = 0,
+              num_workers: int = 1) -> tuple[int, int]:
+    """``(shard_index, num_shards)`` of one loader worker on one rank.
+
+    Every (rank, worker) pair gets a distinct shard, ``rank * num_workers + worker_id`` of
+    ``world_size * num_workers``, so the same data split follows from the same launch shape.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+    if not 0 <= worker_id < num_workers:
+        raise ValueError(f"worker_id {worker_id} is outside 0..{num_workers - 1}")
+    return rank * num_workers + worker_id, world_size * num_workers
+
+
+def _bad_row(file: str, line: int, reason: str, message: str) -> RawRow:
+    return RawRow(None, file, line, DataError(message, file=file, line=line, reason=reason))
+
+
+def _parse_jsonl_line(raw: bytes, file: str, line: int) -> RawRow:
+    if line == 1 and raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8):]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return _bad_row(file, line, "invalid_utf8",
+                        f"not valid UTF-8 (byte {raw[e.start:e.start + 1]!r} at offset {e.start} "
+                        "in the line); re-encode the file as UTF-8")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        return _bad_row(file, line, "invalid_json",
+                        f"not valid JSON: {e.msg} at column {e.colno}")
+    if not isinstance(value, dict):
+        return _bad_row(file, line, "not_an_object",
+                        f"expected one JSON object per line, got a JSON {_json_kind(value)}")
+    return RawRow(value, file, line)
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
+
+
+@dataclass
+class _Position:
+    """Where a stream is; all counts are of what has been consumed so far."""
+
+    file_index: int = 0  # into the stream's own file list
+    line: int = 0  # JSONL: physical lines of the current file; Parquet: its rows
+    offset: int = 0  # JSONL: bytes of the current file
+    global_row: int = 0  # rows (not blank lines) before this point in the files read
+
+
+class RowStream:
+    """A resumable, sharded stream of `RawRow`s over a list of files.
+
+    Sharding rule, for ``num_shards`` shards of which this is ``shard_index``:
+
+    * ``shard_by="file"``: file ``i`` of `files` belongs to shard ``i % num_shards``, read whole.
+    * ``shard_by="row"``: every shard reads every file, and the ``g``-th row of the whole list
+      (0-based, in file order, blank lines not counted, malformed rows counted) belongs to shard
+      ``g % num_shards``. Every shard reads every byte, so prefer many files.
+    * ``shard_by="auto"``: ``"file"`` when there are at least as many files as shards, else
+      ``"row"`` (so no shard is left without data).
+
+    The stream is stateful: iterating continues from the current position, and `state_dict` /
+    `load_state_dict` save and restore it. `stats` counts, per file, the rows this shard
+    yielded, how many of them were errors, and the blank lines it skipped. Use it as a context
+    manager (or call `close`) so that a prefetch thread stops and its cache is removed.
+    """
+
+    def __init__(self, files: list[str], *, fmt: Format = "auto", shard_index: int = 0,
+                 num_shards: int = 1, shard_by: ShardBy = "auto",
+                 cache: CacheConfig | None = None, storage_options: dict | None = None,
+                 parquet_batch_rows: int = 1024):
+        if num_shards < 1 or not 0 <= shard_index < num_shards:
+            raise ValueError(f"shard_index {shard_index} is outside 0..{num_shards - 1}")
+        if shard_by not in ("auto", "file", "row"):
+            raise ValueError(f"shard_by must be 'auto', 'file' or 'row', got {shard_by!r}")
+        if parquet_batch_rows < 1:
+            raise ValueError(f"parquet_batch_rows must be positive, got {parquet_batch_rows}")
+        self._all_files = list(files)
+        self._formats = [_file_format(f, fmt) for f in self._all_files]
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        if shard_by == "auto":
+            shard_by = "file" if len(self._all_files) >= num_shards else "row"
+        self.shard_by: Literal["file", "row"] = shard_by
+        own = range(len(self._all_files))
+        self._own = list(own[shard_index::num_shards] if shard_by == "file" else own)
+        self._cache = cache
+        self._storage_options = storage_options
+        self._parquet_batch_rows = parquet_batch_rows
+        self._pos = _Position()
+        self._stats: dict[str, dict[str, int]] = {}
+        self._active: Generator[RawRow, None, None] | None = None
+        self._prefetcher: _Prefetcher | None = None
+
+    @classmethod
+    def from_source(cls, source: SourceConfig, **kwargs: Any) -> RowStream:
+        """A stream over `source`'s files; `kwargs` are `RowStream`'s keyword arguments."""
+        files = expand_paths(source.path, kwargs.get("storage_options"))
+        return cls(files, fmt=source.format, **kwargs)
+
+    @property
+    def files(self) -> list[str]:
+        """The files this shard reads, in reading order."""
+        return [self._all_files[i] for i in self._own]
+
+    @property
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per file: ``rows`` yielded by this shard, ``errors`` among them, ``blank_lines``."""
+        return copy.deepcopy(self._stats)
+
+    @property
+    def cache_stats(self) -> dict[str, int]:
+        """From the latest prefetcher: files ``downloaded``, ``streamed_direct``, ``peak_bytes``."""
+        return dict(self._prefetcher.stats) if self._prefetcher else {}
+
+    def __iter__(self) -> Iterator[RawRow]:
+        self._close_active()
+        self._active = self._iterate()
+        return self._active
+
+    def __enter__(self) -> RowStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop iterating: close open files, stop the prefetch thread, delete its cache."""
+        self._close_active()
+
+    def state_dict(self) -> dict:
+        """The position after the rows yielded so far, as plain JSON data."""
+        k = self._pos.file_index
+        return {
+            "version": _STATE_VERSION,
+            "shard_index": self.shard_index,
+            "num_shards": self.num_shards,
+            "shard_by": self.shard_by,
+            "num_files": len(self._all_files),
+            "file_index": k,
+            "file": self._all_files[self._own[k]] if k < len(self._own) else None,
+            "line": self._pos.line,
+            "offset": self._pos.offset,
+            "global_row": self._pos.global_row,
+            "stats": self.stats,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state`; the stream must have the same files and shard settings."""
+        self._check_state(state)
+        self._close_active()
+        self._pos = _Position(file_index=state["file_index"], line=state["line"],
+                              offset=state["offset"], global_row=state["global_row"])
+        self._stats = copy.deepcopy(state["stats"])
+
+    def _check_state(self, state: dict) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ConfigError(f"data position has version {state.get('version')!r}; this "
+                              f"version of posttrain reads version {_STATE_VERSION}")
+        ours = {"shard_index": self.shard_index, "num_shards": self.num_shards,
+                "shard_by": self.shard_by, "num_files": len(self._all_files)}
+        for key, value in ours.items():
+            if state.get(key) != value:
+                raise ConfigError(f"data position was saved with {key}={state.get(key)!r} but "
+                                  f"this stream has {key}={value!r}; resume with the same data "
+                                  "and the same number of ranks and workers, or start fresh")
+        k = state["file_index"]
+        expected = self._all_files[self._own[k]] if k < len(self._own) else None
+        saved = state.get("file")
+        if (saved is None) != (expected is None) or (
+                saved and os.path.basename(saved) != os.path.basename(expected)):
+            raise ConfigError(f"data position points at file {saved!r} but this stream has "
+                              f"{expected!r} there; the file list changed since it was saved")
+
+    def _close_active(self) -> None:
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+
+    def _iterate(self) -> Generator[RawRow, None, None]:
+        prefetcher = self._start_prefetcher()
+        try:
+            while self._pos.file_index < len(self._own):
+                k = self._pos.file_index
+                yield from self._read_file(k, prefetcher)
+                if prefetcher is not None:
+                    prefetcher.release(k)
+                self._pos = _Position(file_index=k + 1, global_row=self._pos.global_row)
+        finally:
+            if prefetcher is not None:
+                prefetcher.close()
+
+    def _start_prefetcher(self) -> _Prefetcher | None:
+        files = self.files
+        start = self._pos.file_index
+        if self._cache is None or all(_is_local(f) for f in files[start:]):
+            return None
+        self._prefetcher = _Prefetcher(files, start, self._cache, self._storage_options)
+        return self._prefetcher
+
+    def _read_file(self, k: int, prefetcher: _Prefetcher | None) -> Iterator[RawRow]:
+        uri = self._all_files[self._own[k]]
+        kind, compression = self._formats[self._own[k]]
+        local_copy = prefetcher.acquire(k) if prefetcher is not None else None
+        with _open_binary(uri, local_copy, compression, self._storage_options) as f:
+            if kind == "jsonl":
+                yield from self._jsonl_rows(f, uri)
+            else:
+                yield from self._parquet_rows(f, uri)
+
+    def _mine(self, global_row: int) -> bool:
+        return self.shard_by == "file" or global_row % self.num_shards == self.shard_index
+
+    def _file_stats(self, uri: str) -> dict[str, int]:
+        return self._stats.setdefault(uri, {"rows": 0, "errors": 0, "blank_lines": 0})
+
+    def _emit(self, row: RawRow) -> RawRow:
+        stats = self._file_stats(row.file)
+        stats["rows"] += 1
+        stats["errors"] += row.error is not None
+        return row
+
+    def _jsonl_rows(self, f: IO[bytes], uri: str) -> Iterator[RawRow]:
+        pos = self._pos
+        if pos.offset:
+            f.seek(pos.offset)
+        while raw := _read_line(f, uri, pos.line + 1):
+            pos.offset += len(raw)
+            pos.line += 1
+            if not raw.strip():
+                self._file_stats(uri)["blank_lines"] += 1
+                continue
+            pos.global_row += 1
+            if self._mine(pos.global_row - 1):
+                yield self._emit(_parse_jsonl_line(raw, uri, pos.line))
+
+    def _parquet_rows(self, f: IO[bytes], uri: str) -> Iterator[RawRow]:
+        parquet = _parquet_file(f, uri)
+        first_group, skip = _locate_row(parquet.metadata, self._pos.line)
+        groups = range(first_group, parquet.metadata.num_row_groups)
+        for batch in _batches(parquet, groups, self._parquet_batch_rows, uri):
+            if skip >= batch.num_rows:
+                skip -= batch.num_rows
+                continue
+            yield from self._batch_rows(batch.slice(skip), uri)
+            skip = 0
+
+    def _batch_rows(self, batch: pa.RecordBatch, uri: str) -> Iterator[RawRow]:
+        pos = self._pos
+        first_line, first_global, n = pos.line, pos.global_row, batch.num_rows
+        if self.shard_by == "file":
+            offsets = range(n)
+            rows = batch.to_pylist()
+        else:
+            offsets = range((self.shard_index - first_global) % self.num_shards, n,
+                            self.num_shards)
+            rows = batch.take(pa.array(offsets, type=pa.int64())).to_pylist()
+        for i, data in zip(offsets, rows):
+            pos.line, pos.global_row = first_line + i + 1, first_global + i + 1
+            yield self._emit(RawRow(data, uri, first_line + i + 1))
+        pos.line, pos.global_row = first_line + n, first_global + n
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading files
+
+
+@contextlib.contextmanager
+def _open_binary(uri: str, local_copy: str | None, compression: str | None,
+                 storage_options: dict | None) -> Iterator[IO[bytes]]:
+    """Open `uri` (or its cached `local_copy`) for binary reading, failing with a DataError."""
+    try:
+        fs, path = _filesystem(local_copy or uri, storage_options)
+        f = fs.open(path, "rb", compression=compression)
+    except FileNotFoundError as e:
+        raise DataError("file not found (deleted or moved after the file list was made?)",
+                        file=uri, reason="missing_file") from e
+    except Exception as e:  # storage errors vary by backend; the cause stays chained
+        raise DataError(f"cannot open it for reading: {type(e).__name__}: {e}", file=uri,
+                        reason="unreadable_file") from e
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def _read_line(f: IO[bytes], uri: str, line: int) -> bytes:
+    try:
+        return f.readline()
+    except Exception as e:  # a network or decompression failure mid-file
+        raise DataError(f"reading failed: {type(e).__name__}: {e}", file=uri, line=line,
+                        reason="unreadable_file") from e
+
+
+def _parquet_file(f: IO[bytes], uri: str) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(f)
+    except Exception as e:
+        raise DataError(f"not a readable Parquet file: {type(e).__name__}: {e}", file=uri,
+                        reason="invalid_parquet") from e
+
+
+def _locate_row(metadata: pq.FileMetaData, row: int) -> tuple[int, int]:
+    """The row group holding 0-based `row`, and how many of its rows come before it."""
+    start = 0
+    for group in range(metadata.num_row_groups):
+        size = metadata.row_group(group).num_rows
+        if row < start + size:
+            return group, row - start
+        start += size
+    return metadata.num_row_groups, 0
+
+
+def _batches(parquet: pq.ParquetFile, groups: range, batch_rows: int,
+             uri: str) -> Iterator[pa.RecordBatch]:
+    if not groups:
+        return
+    batches = parquet.iter_batches(batch_size=batch_rows, row_groups=list(groups),
+                                   use_threads=False)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as e:
+            raise DataError(f"reading Parquet data failed: {type(e).__name__}: {e}", file=uri,
+                            reason="invalid_parquet") from e
+        yield batch
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefetching remote files
+
+
+class _Stopped(Exception):
+    """The prefetcher was closed while its thread waited or downloaded."""
+
+
+@dataclass
+class _Fetched:
+    local_path: str | None  # None: read the original file directly
+    size: int = 0
+    error: BaseException | None = None
+
+
+class _Prefetcher:
+    """Downloads the upcoming remote files of one stream into a private, size-capped directory.
+
+    The thread fetches files strictly in reading order, at most `prefetch_files` ahead of the
+    one being read, and reserves a file's size before downloading it, so the bytes on disk
+    (partial downloads included) never exceed `max_bytes`. A file larger than the cap, or a
+    local one, is marked to be read directly. Since the reader releases a file before asking
+    for the next, and each cached file fits the cap alone, the thread can always progress.
+    """
+
+    def __init__(self, uris: list[str], start: int, cache: CacheConfig,
+                 storage_options: dict | None):
+        self._uris = uris
+        self._max_bytes = cache.max_bytes
+        self._ahead = cache.prefetch_files
+        self._storage_options = storage_options
+        if cache.dir is not None:
+            os.makedirs(cache.dir, exist_ok=True)
+        self.dir = tempfile.mkdtemp(prefix="posttrain-prefetch-", dir=cache.dir)
+        self.stats = {"downloaded": 0, "streamed_direct": 0, "peak_bytes": 0}
+        self._cond = threading.Condition()
+        self._fetched: dict[int, _Fetched] = {}
+        self._reading = start
+        self._reserved = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, args=(start,), daemon=True,
+                                        name="posttrain-prefetch")
+        self._thread.start()
+
+    def acquire(self, i: int) -> str | None:
+        """Wait for file `i`: its local copy, or None to read it directly."""
+        with self._cond:
+            while i not in self._fetched:
+                if not self._thread.is_alive():
+                    raise RuntimeError(f"the prefetch thread ended before fetching {self._uris[i]}")
+                self._cond.wait(timeout=1.0)
+            fetched = self._fetched[i]
+        if fetched.error is not None:
+            raise self._describe(self._uris[i], fetched.error) from fetched.error
+        return fetched.local_path
+
+    def release(self, i: int) -> None:
+        """File `i` is read: delete its copy and let the thread fetch further."""
+        with self._cond:
+            fetched = self._fetched.pop(i, None)
+            if fetched is not None and fetched.local_path is not None:
+                os.remove(fetched.local_path)
+                self._reserved -= fetched.size
+            self._reading = i + 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _describe(self, uri: str, error: BaseException) -> DataError:
+        if isinstance(error, DataError):
+            return error
+        if isinstance(error, FileNotFoundError):
+            return DataError("file not found (deleted or moved after the file list was made?)",
+                             file=uri, reason="missing_file")
+        return DataError(f"prefetching it into the cache {self.dir} failed: "
+                         f"{type(error).__name__}: {error}", file=uri, reason="unreadable_file")
+
+    def _run(self, start: int) -> None:
+        for i in range(start, len(self._uris)):
+            try:
+                fetched = self._fetch(i)
+            except _Stopped:
+                return
+            except Exception as e:  # handed to the reader, who raises it with the file named
+                fetched = _Fetched(None, error=e)
+            with self._cond:
+                self._fetched[i] = fetched
+                self._cond.notify_all()
+            if fetched.error is not None:
+                return
+
+    def _fetch(self, i: int) -> _Fetched:
+        uri = self._uris[i]
+        if _is_local(uri):
+            return _Fetched(None)
+        fs, path = _filesystem(uri, self._storage_options)
+        size = fs.size(path)
+        if size > self._max_bytes:
+            self.stats["streamed_direct"] += 1
+            return _Fetched(None)
+        self._reserve(i, size)
+        try:
+            local_path = self._download(fs, path, i, size)
+        except BaseException:
+            with self._cond:
+                self._reserved -= size
+                self._cond.notify_all()
+            raise
+        self.stats["downloaded"] += 1
+        return _Fetched(local_path, size)
+
+    def _reserve(self, i: int, size: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._stopping or (
+                i - self._reading <= self._ahead and self._reserved + size <= self._max_bytes))
+            if self._stopping:
+                raise _Stopped
+            self._reserved += size
+            self.stats["peak_bytes"] = max(self.stats["peak_bytes"], self._reserved)
+
+    def _download(self, fs: fsspec.AbstractFileSystem, path: str, i: int, size: int) -> str:
+        name = f"{i:06d}-{os.path.basename(path)}"
+        partial = os.path.join(self.dir, name + ".part")
+        try:
+            self._copy(fs, path, partial, size)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(partial)
+            raise
+        final = os.path.join(self.dir, name)
+        os.replace(partial, final)
+        return final
+
+
+    def _copy(self, fs: fsspec.AbstractFileSystem, path: str, target: str, size: int) -> None:
+        written = 0
+        with fs.open(path, "rb") as src, open(target, "wb") as dst:
+            for chunk in iter(lambda: src.read(_COPY_CHUNK_BYTES), b""):
+                if self._stopping:
+                    raise _Stopped
+                written += len(chunk)
+                if written > size:
+                    raise DataError(f"the file grew past its listed size of {size} bytes while "
+                                    "being downloaded", file=fs.unstrip_protocol(path),
+                                    reason="unreadable_file")
+                dst.write(chunk)

@@ -1,0 +1,54 @@
+"""The `posttrain` command: run a step without Metaflow.
+
+    posttrain prepare --config configs/prepare/sample_chat.yaml
+    posttrain verify-model --hf-dir path/to/model
+
+User mistakes (bad config, bad data, missing files) print one clear line and exit 2; a stack
+trace is only shown with POSTTRAIN_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from posttrain.errors import PosttrainError
+
+
+def _prepare(argv_rest: argparse.Namespace) -> int:
+    from steps import prepare
+    return prepare.main(argv_rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from steps import prepare
+    parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="tokenize raw data into Parquet shards")
+    prepare.add_arguments(p)
+    p.set_defaults(func=_prepare)
+    sub.add_parser("verify-model", add_help=False,
+                   help="compare a native model's logits with transformers'")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if argv and argv[0] == "verify-model":
+        from posttrain.models.verify import main as verify_main
+        return verify_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PosttrainError as e:
+        if os.environ.get("POSTTRAIN_DEBUG"):
+            raise
+        print(f"posttrain {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

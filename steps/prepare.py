@@ -1,0 +1,212 @@
+"""Prepare: stream raw rows, validate, tokenize with loss masks, write tokenized Parquet shards.
+
+For every source of every split (train, eval) this step streams rows with bounded memory
+(local files, globs or ``s3://``), validates them for the configured format, renders chats with
+the tokenizer's own chat template (ids identical to ``apply_chat_template``, loss mask on the
+assistant turns), applies the over-long policy, and writes
+
+    <output.dir>/<split>/<source>/part-NNNNN.parquet   tokenized rows
+    <output.dir>/tokenizer/                            the tokenizer, with any added tokens
+    <output.dir>/manifest.json                         counts, content hashes, length histograms
+    <output.dir>/rejects.jsonl                         every rejected row: file, line, field, reason
+
+A bad row stops the run with a message naming file, line and field, or, with
+``data.on_bad_row: skip``, is counted and reported. Invariant: rows read = written + rejected.
+
+Run it without Metaflow:
+
+    posttrain prepare --config configs/prepare/sample_chat.yaml
+    python -m steps.prepare --config configs/prepare/sample_chat.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import fsspec
+from tqdm.auto import tqdm
+
+from posttrain.config.loader import to_dict
+from posttrain.config.recipes import PrepareConfig, load_recipe
+from posttrain.data.encode import RecordEncoder, schema_for
+from posttrain.data.formats import FormatConfig, parse_row
+from posttrain.data.shards import ShardWriter, join_uri
+from posttrain.data.sources import RowStream, SourceConfig, expand_paths
+from posttrain.data.tokenizer import ChatTokenizer
+from posttrain.errors import DataError
+
+
+@dataclass
+class SourceReport:
+    """What one source produced; `rows_read == rows_written + rows_rejected` always."""
+
+    split: str
+    name: str
+    files: list[str]
+    rows_read: int = 0
+    rows_written: int = 0
+    rows_rejected: int = 0
+    rows_truncated: int = 0
+    rejected_by_reason: Counter = field(default_factory=Counter)
+    shards: list[dict] = field(default_factory=list)
+    num_tokens: int = 0
+    num_loss_tokens: int = 0
+    content_hash: str = ""
+    length_histogram: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["rejected_by_reason"] = dict(sorted(self.rejected_by_reason.items()))
+        return d
+
+
+def run(config: PrepareConfig | str | Path, *, overrides: dict | None = None,
+        show_progress: bool = True) -> dict:
+    """Prepare every split and source; return the manifest (also written to output.dir)."""
+    cfg = config if isinstance(config, PrepareConfig) else \
+        load_recipe(config, PrepareConfig, overrides)
+    started = time.time()
+    tokenizer = ChatTokenizer(cfg.tokenizer)
+    encoder = RecordEncoder(tokenizer, cfg.data.format, cfg.data.length_config())
+    fmt = cfg.data.format_config()
+    out_fs, out_root = fsspec.core.url_to_fs(cfg.output.dir)
+    out_fs.makedirs(out_root, exist_ok=True)
+
+    reports: list[SourceReport] = []
+    with out_fs.open(f"{out_root}/rejects.jsonl", "w") as rejects:
+        for split in ("train", "eval"):
+            for i, source in enumerate(getattr(cfg.data, split)):
+                name = source.name or f"source{i}"
+                reports.append(_prepare_source(cfg, split, name, source, fmt, encoder, rejects,
+                                               show_progress))
+
+    _save_tokenizer(tokenizer, out_fs, out_root)
+    manifest = _manifest(cfg, tokenizer, reports, time.time() - started)
+    with out_fs.open(f"{out_root}/manifest.json", "w") as f:
+        json.dump(manifest, f, indent=2)
+    return manifest
+
+
+def _prepare_source(cfg: PrepareConfig, split: str, name: str, source: SourceConfig,
+                    fmt: FormatConfig, encoder: RecordEncoder, rejects, show_progress: bool,
+                    ) -> SourceReport:
+    files = expand_paths(source.path)
+    report = SourceReport(split, name, files)
+    writer = ShardWriter(join_uri(cfg.output.dir, split, name), schema_for(cfg.data.format),
+                         rows_per_shard=cfg.output.rows_per_shard)
+    stream = RowStream(files, fmt=source.format, cache=cfg.cache)
+    bar = tqdm(desc=f"prepare {split}/{name}", unit=" rows", disable=not show_progress,
+               mininterval=1.0)
+    try:
+        for raw in stream:
+            report.rows_read += 1
+            bar.update()
+            try:
+                if raw.error is not None:
+                    raise raw.error
+                record = parse_row(raw.data, fmt, file=raw.file, line=raw.line)
+                encoded = encoder.encode(record, file=raw.file, line=raw.line)
+            except DataError as err:
+                if cfg.data.on_bad_row == "error":
+                    raise DataError(f"{err.detail} (set data.on_bad_row: skip to count and "
+                                    f"skip such rows)", file=err.file, line=err.line,
+                                    field=err.field, reason=err.reason) from None
+                report.rows_rejected += 1
+                report.rejected_by_reason[err.reason] += 1
+                rejects.write(json.dumps({"split": split, "source": name, **err.to_record()})
+                              + "\n")
+                continue
+            writer.write(encoded.columns)
+            report.rows_written += 1
+            report.rows_truncated += int(encoded.truncated)
+    finally:
+        bar.close()
+        close = getattr(stream, "close", None)
+        if close:
+            close()
+    report.shards = [s.__dict__ for s in writer.close()]
+    report.num_tokens, report.num_loss_tokens = writer.num_tokens, writer.num_loss_tokens
+    report.content_hash = writer.content_hash
+    report.length_histogram = writer.histogram.to_dict()
+    assert report.rows_read == report.rows_written + report.rows_rejected
+    return report
+
+
+def _save_tokenizer(tokenizer: ChatTokenizer, fs, root: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        fs.makedirs(f"{root}/tokenizer", exist_ok=True)
+        for path in sorted(Path(tmp).iterdir()):
+            fs.put_file(str(path), f"{root}/tokenizer/{path.name}")
+
+
+def _manifest(cfg: PrepareConfig, tokenizer: ChatTokenizer, reports: list[SourceReport],
+              seconds: float) -> dict:
+    resolved = to_dict(cfg)
+    config_hash = hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()
+    dataset_hash = hashlib.sha256("".join(
+        f"{r.split}/{r.name}:{r.content_hash};" for r in reports).encode()).hexdigest()
+    totals = {k: sum(getattr(r, k) for r in reports) for k in
+              ("rows_read", "rows_written", "rows_rejected", "rows_truncated", "num_tokens",
+               "num_loss_tokens")}
+    return {
+        "format": cfg.data.format,
+        "output_dir": cfg.output.dir,
+        "content_hash": dataset_hash,
+        "config_hash": config_hash,
+        "config": resolved,
+        "tokenizer": tokenizer.describe(),
+        "totals": totals,
+        "sources": [r.to_dict() for r in reports],
+        "seconds": round(seconds, 3),
+    }
+
+
+def summarize(manifest: dict) -> str:
+    """A short human-readable table of what was produced."""
+    lines = [f"prepared {manifest['format']} data -> {manifest['output_dir']}",
+             f"{'split/source':<28}{'read':>8}{'written':>9}{'rejected':>10}{'truncated':>11}"
+             f"{'tokens':>11}{'loss tok':>10}"]
+    for s in manifest["sources"]:
+        lines.append(f"{s['split'] + '/' + s['name']:<28}{s['rows_read']:>8}"
+                     f"{s['rows_written']:>9}{s['rows_rejected']:>10}{s['rows_truncated']:>11}"
+                     f"{s['num_tokens']:>11}{s['num_loss_tokens']:>10}")
+        if s["rejected_by_reason"]:
+            lines.append(f"{'':<4}rejected: " + ", ".join(
+                f"{k}={v}" for k, v in s["rejected_by_reason"].items()))
+    t = manifest["totals"]
+    tok = manifest["tokenizer"]
+    lines += [f"totals: {t['rows_read']} read = {t['rows_written']} written + "
+              f"{t['rows_rejected']} rejected; {t['num_tokens']} tokens "
+              f"({t['num_loss_tokens']} in the loss)",
+              f"tokenizer: vocab_size={tok.get('vocab_size')}",
+              f"content hash: {manifest['content_hash'][:16]}…  "
+              f"manifest: {manifest['output_dir']}/manifest.json  "
+              f"rejects: {manifest['output_dir']}/rejects.jsonl"]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="prepare recipe YAML")
+    parser.add_argument("--output-dir", help="override output.dir (local path or s3:// URI)")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    overrides = {"output.dir": args.output_dir} if args.output_dir else None
+    manifest = run(args.config, overrides=overrides, show_progress=not args.no_progress)
+    print(summarize(manifest))
+    return 0
+
+
+if __name__ == "__main__":
+    from steps.cli import main as cli_main
+    sys.exit(cli_main(["prepare", *sys.argv[1:]]))

@@ -1,0 +1,89 @@
+import pytest
+
+from posttrain.data.formats import (ChatRecord, FormatConfig, PreferenceRecord, PromptRecord,
+                                    SequenceRecord, parse_row)
+from posttrain.errors import DataError
+
+CHAT = FormatConfig("chat")
+
+
+def _err(row, cfg=CHAT) -> DataError:
+    with pytest.raises(DataError) as e:
+        parse_row(row, cfg, file="data.jsonl", line=7)
+    assert "data.jsonl:7" in str(e.value)
+    return e.value
+
+
+def test_chat_ok():
+    rec = parse_row({"messages": [{"role": "system", "content": "s"},
+                                  {"role": "user", "content": "u"},
+                                  {"role": "assistant", "content": "a"}]}, CHAT)
+    assert isinstance(rec, ChatRecord) and len(rec.messages) == 3
+
+
+@pytest.mark.parametrize("row, field, reason", [
+    ({}, "messages", "missing_field"),
+    ({"messages": []}, "messages", "empty"),
+    ({"messages": "hi"}, "messages", "wrong_type"),
+    ({"messages": [{"role": "user", "content": "u"}]}, "messages", "no_assistant_turn"),
+    ({"messages": [{"role": "user", "content": "u"}, {"role": "robot", "content": "a"}]},
+     "messages[1].role", "bad_role"),
+    ({"messages": [{"content": "u"}]}, "messages[0].role", "missing_field"),
+    ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}]},
+     "messages[0].content", "wrong_type"),
+    ({"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "a"}]},
+     "messages[0].content", "empty"),
+    ({"messages": [{"role": "user", "content": "u"},
+                   {"role": "assistant", "content": "a", "train": False}]},
+     "messages", "no_assistant_turn"),
+    ({"messages": [{"role": "user", "content": "u"},
+                   {"role": "assistant", "content": "a", "train": "yes"}]},
+     "messages[1].train", "wrong_type"),
+    (["not", "a", "dict"], "<row>", "not_an_object"),
+])
+def test_chat_errors_name_field_and_reason(row, field, reason):
+    err = _err(row)
+    assert err.field == field and err.reason == reason
+    assert f"field '{field}'" in str(err)
+
+
+def test_preference_normalizes_strings():
+    rec = parse_row({"prompt": "2+2?", "chosen": "4", "rejected": "5"},
+                    FormatConfig("preference"))
+    assert isinstance(rec, PreferenceRecord)
+    assert rec.prompt == [{"role": "user", "content": "2+2?"}]
+    assert rec.chosen == [{"role": "assistant", "content": "4"}]
+
+
+def test_preference_response_must_be_assistant():
+    err = _err({"prompt": "q", "chosen": [{"role": "user", "content": "x"}], "rejected": "y"},
+               FormatConfig("preference"))
+    assert err.field == "chosen[0].role"
+
+
+def test_prompt_keeps_extra_columns():
+    rec = parse_row({"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2", "id": 3},
+                    FormatConfig("prompt"))
+    assert isinstance(rec, PromptRecord) and rec.extras == {"answer": "2", "id": 3}
+
+
+def test_prompt_must_not_end_with_assistant():
+    err = _err({"prompt": [{"role": "user", "content": "q"},
+                           {"role": "assistant", "content": "a"}]}, FormatConfig("prompt"))
+    assert err.reason == "bad_role"
+
+
+def test_sequence_tokens_and_text():
+    cfg = FormatConfig("sequence")
+    assert parse_row({"tokens": [1, 2, 3]}, cfg) == SequenceRecord(tokens=[1, 2, 3])
+    assert parse_row({"text": "abc"}, cfg) == SequenceRecord(text="abc")
+    assert _err({"tokens": [1, -2]}, cfg).field == "tokens"
+    assert _err({"tokens": []}, cfg).reason == "empty"
+    assert _err({"other": 1}, cfg).reason == "missing_field"
+
+
+def test_custom_column_and_roles():
+    cfg = FormatConfig("chat", messages_field="conversation", roles=("human", "gpt", "assistant"))
+    rec = parse_row({"conversation": [{"role": "human", "content": "h"},
+                                      {"role": "assistant", "content": "a"}]}, cfg)
+    assert rec.messages[0]["role"] == "human"

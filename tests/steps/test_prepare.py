@@ -1,0 +1,187 @@
+"""steps/prepare.py end to end: counts, rejects, parity with apply_chat_template, s3, CLI."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from posttrain.config.recipes import PrepareConfig, load_recipe
+from posttrain.errors import ConfigError, DataError
+from steps import prepare
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENIZER = str(ROOT / "assets" / "tokenizer")
+
+GOOD = {"messages": [{"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": "What is 2 + 3?"},
+                     {"role": "assistant", "content": "2 + 3 = 5."},
+                     {"role": "user", "content": "And 4 + 4?"},
+                     {"role": "assistant", "content": "4 + 4 = 8."}]}
+
+# (raw line, expected reason, expected field) for every bad-input case of the issue.
+BAD_LINES = [
+    (b'{"messages": [{"role": "user", "content": "x"}', "invalid_json", None),
+    (json.dumps({"conversation": []}).encode(), "missing_field", "messages"),
+    (json.dumps({"messages": [{"role": "wizard", "content": "x"},
+                              {"role": "assistant", "content": "y"}]}).encode(),
+     "bad_role", "messages[0].role"),
+    (json.dumps({"messages": []}).encode(), "empty", "messages"),
+    (json.dumps({"messages": [{"role": "user", "content": "only a question"}]}).encode(),
+     "no_assistant_turn", "messages"),
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "invalid_utf8", None),
+    (json.dumps({"messages": [{"role": "user", "content": "long " * 400},
+                              {"role": "assistant", "content": "ok"}]}).encode(),
+     "too_long", "messages"),
+    (b'[1, 2, 3]', "not_an_object", None),
+]
+
+
+def _write_jsonl(path: Path, lines: list[bytes]) -> None:
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def _config(tmp_path: Path, train_path: str, **data) -> PrepareConfig:
+    cfg = {"tokenizer": {"path": TOKENIZER},
+           "data": {"format": "chat", "train": [{"name": "t", "path": train_path}],
+                    "max_tokens_per_sample": 256, "overlong": "drop", **data},
+           "output": {"dir": str(tmp_path / "out"), "rows_per_shard": 3}}
+    path = tmp_path / "prepare.yaml"
+    import yaml
+    path.write_text(yaml.safe_dump(cfg))
+    return load_recipe(path, PrepareConfig)
+
+
+def _read_rows(manifest: dict, split="train") -> list[dict]:
+    rows = []
+    for src in manifest["sources"]:
+        if src["split"] == split:
+            for shard in src["shards"]:
+                rows += pq.read_table(shard["uri"]).to_pylist()
+    return rows
+
+
+def test_skip_counts_and_reports_every_bad_row(tmp_path):
+    good = json.dumps(GOOD).encode()
+    lines = [good] + [line for line, _, _ in BAD_LINES] + [good, good]
+    _write_jsonl(tmp_path / "train.jsonl", lines)
+    manifest = prepare.run(_config(tmp_path, str(tmp_path / "train.jsonl"),
+                                   on_bad_row="skip"), show_progress=False)
+    src = manifest["sources"][0]
+    assert src["rows_read"] == len(lines)
+    assert src["rows_written"] == 3 and src["rows_rejected"] == len(BAD_LINES)
+    assert src["rows_read"] == src["rows_written"] + src["rows_rejected"]
+    assert len(src["shards"]) == 1 and src["shards"][0]["rows"] == 3
+
+    rejects = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert [r["reason"] for r in rejects] == [reason for _, reason, _ in BAD_LINES]
+    assert [r["line"] for r in rejects] == list(range(2, 2 + len(BAD_LINES)))
+    for r, (_, _, field) in zip(rejects, BAD_LINES):
+        assert r["file"].endswith("train.jsonl")
+        if field:
+            assert r["field"] == field
+
+
+@pytest.mark.parametrize("line, reason, field", BAD_LINES, ids=[b[1] for b in BAD_LINES])
+def test_error_mode_names_file_line_and_field(tmp_path, line, reason, field):
+    _write_jsonl(tmp_path / "train.jsonl", [json.dumps(GOOD).encode(), line])
+    with pytest.raises(DataError) as e:
+        prepare.run(_config(tmp_path, str(tmp_path / "train.jsonl")), show_progress=False)
+    msg = str(e.value)
+    assert "train.jsonl:2" in msg and e.value.reason == reason
+    if field:
+        assert f"field '{field}'" in msg
+    assert "on_bad_row: skip" in msg
+
+
+def test_ids_equal_apply_chat_template_and_mask_on_assistant(tmp_path):
+    convs = [GOOD, {"messages": [{"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "hello there"}]}]
+    _write_jsonl(tmp_path / "train.jsonl", [json.dumps(c).encode() for c in convs])
+    manifest = prepare.run(_config(tmp_path, str(tmp_path / "train.jsonl")), show_progress=False)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "out" / "tokenizer")
+    rows = _read_rows(manifest)
+    for conv, row in zip(convs, rows):
+        ids = tok.apply_chat_template(conv["messages"], tokenize=True)
+        ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        assert row["input_ids"] == list(ids)
+        masked = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+        expected = "".join(m["content"] + "<|im_end|>" for m in conv["messages"]
+                           if m["role"] == "assistant")
+        assert masked == expected
+        assert row["num_loss_tokens"] == sum(row["loss_mask"])
+
+
+def test_truncate_keeps_beginning_and_counts(tmp_path):
+    conv = {"messages": [{"role": "user", "content": "q"},
+                         {"role": "assistant", "content": "word " * 300}]}
+    _write_jsonl(tmp_path / "train.jsonl", [json.dumps(conv).encode()])
+    manifest = prepare.run(_config(tmp_path, str(tmp_path / "train.jsonl"), overlong="truncate",
+                                   max_tokens_per_sample=64), show_progress=False)
+    (row,) = _read_rows(manifest)
+    assert row["num_tokens"] == 64 and manifest["sources"][0]["rows_truncated"] == 1
+
+
+def test_content_hash_is_deterministic(tmp_path):
+    _write_jsonl(tmp_path / "train.jsonl", [json.dumps(GOOD).encode()] * 5)
+    a = prepare.run(_config(tmp_path, str(tmp_path / "train.jsonl")), show_progress=False)
+    b = prepare.run(_config(tmp_path, str(tmp_path / "train.jsonl")), show_progress=False)
+    assert a["content_hash"] == b["content_hash"] and a["config_hash"] == b["config_hash"]
+    assert sum(a["sources"][0]["length_histogram"].values()) == 5
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(DataError, match="nope.jsonl"):
+        prepare.run(_config(tmp_path, str(tmp_path / "nope.jsonl")), show_progress=False)
+
+
+def test_bad_config_key_names_the_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("tokenizer: {path: x}\ndata: {train: [{path: a.jsonl}], formatt: chat}\n"
+                    "output: {dir: out}\n")
+    with pytest.raises(ConfigError, match=r"data\.formatt: unknown key \(did you mean 'format'"):
+        load_recipe(path, PrepareConfig)
+
+
+def test_cli_prints_one_clear_line_not_a_trace(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("tokenizer: {path: x}\ndata: {train: [{path: a.jsonl}]}\noutput: {dir: o}\n"
+                    "extra: 1\n")
+    proc = subprocess.run([sys.executable, "-m", "steps.cli", "prepare", "--config", str(path)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "extra: unknown key" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_s3_in_and_out(tmp_path, s3):
+    s3.put("raw/chat/part-0.jsonl", (json.dumps(GOOD) + "\n").encode() * 4)
+    s3.put("raw/chat/part-1.jsonl", (json.dumps(GOOD) + "\n").encode() * 3)
+    cfg = _config(tmp_path, f"s3://{s3.bucket}/raw/chat/*.jsonl")
+    cfg = load_recipe(tmp_path / "prepare.yaml", PrepareConfig,
+                      {"output.dir": f"s3://{s3.bucket}/prepared"})
+    manifest = prepare.run(cfg, show_progress=False)
+    assert manifest["totals"]["rows_written"] == 7
+    assert all(sh["uri"].startswith("s3://") for sh in manifest["sources"][0]["shards"])
+    local = prepare.run(_config(tmp_path, str(_local_copy(tmp_path, 7))), show_progress=False)
+    assert local["content_hash"] == manifest["content_hash"]
+
+
+def _local_copy(tmp_path: Path, n: int) -> Path:
+    path = tmp_path / "local.jsonl"
+    path.write_text((json.dumps(GOOD) + "\n") * n)
+    return path
+
+
+@pytest.mark.parametrize("name", ["sample_chat", "sample_preference",
+                                  "sample_arithmetic_prompts"])
+def test_bundled_configs_run(tmp_path, name, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    manifest = prepare.run(f"configs/prepare/{name}.yaml",
+                           overrides={"output.dir": str(tmp_path / name)}, show_progress=False)
+    t = manifest["totals"]
+    assert t["rows_written"] > 0 and t["rows_read"] == t["rows_written"] + t["rows_rejected"]
+    assert manifest["tokenizer"]["vocab_size"] > 0
+    assert "read =" in prepare.summarize(manifest)
