@@ -1,6 +1,7 @@
 """The `posttrain` command: run a step without Metaflow.
 
     posttrain prepare --config configs/prepare/sample_chat.yaml
+    posttrain train-sft --config configs/sft/tiny.yaml
     posttrain verify-model --hf-dir path/to/model
 
 User mistakes (bad config, bad data, missing files) print one clear line and exit 2; a stack
@@ -17,18 +18,26 @@ import sys
 from posttrain.errors import PosttrainError
 
 
-def _prepare(argv_rest: argparse.Namespace) -> int:
+def _prepare(args: argparse.Namespace) -> int:
     from steps import prepare
-    return prepare.main(argv_rest)
+    return prepare.main(args)
+
+
+def _train_sft(args: argparse.Namespace) -> int:
+    from steps import train_sft
+    return train_sft.main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from steps import prepare
+    from steps import prepare, train_sft
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize raw data into Parquet shards")
     prepare.add_arguments(p)
     p.set_defaults(func=_prepare)
+    t = sub.add_parser("train-sft", help="supervised fine-tuning on Ray trainer workers")
+    train_sft.add_arguments(t)
+    t.set_defaults(func=_train_sft)
     sub.add_parser("verify-model", add_help=False,
                    help="compare a native model's logits with transformers'")
     return parser

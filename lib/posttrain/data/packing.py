@@ -474,7 +474,8 @@ def collate(rows: list[PackedRow]) -> dict[str, Any]:
     """Stack rows of equal length into a batch.
 
     Returns ``input_ids``, ``labels``, ``position_ids`` as int64 tensors [B, L],
-    ``document_lengths`` (list of per-row segment lengths, pad segment included), and the
+    ``document_lengths`` (list of per-row segment lengths, pad segment included),
+    ``row_num_pad`` (per row, the length of its trailing pad segment, 0 if none), and the
     counts ``num_documents``, ``num_pad_tokens``, ``num_real_tokens`` and ``num_loss_tokens``
     (labels != -100; the normalizer of a token-mean loss) as ints.
     """
@@ -492,6 +493,7 @@ def collate(rows: list[PackedRow]) -> dict[str, Any]:
         "labels": torch.from_numpy(labels),
         "position_ids": torch.from_numpy(np.stack([r.position_ids for r in rows])),
         "document_lengths": [list(r.document_lengths) for r in rows],
+        "row_num_pad": [r.num_pad for r in rows],
         "num_documents": sum(r.num_documents for r in rows),
         "num_pad_tokens": num_pad,
         "num_real_tokens": len(rows) * width - num_pad,

@@ -1,0 +1,121 @@
+"""The process's place in a torch.distributed job: rank, device, process group, device mesh.
+
+Everything reads the torchrun-style environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+`MASTER_ADDR`, `MASTER_PORT`), which torchrun sets and so does `WorkerGroup` for Ray actors.
+The helpers also work in a plain single process, where rank is 0 and the world is 1.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from posttrain.errors import ConfigError, PosttrainError
+
+MESH_DIM_NAMES = ("dp_shard", "tp")
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def rank() -> int:
+    """Global rank: from the process group if there is one, else `RANK`, else 0."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    """Number of processes: from the process group if there is one, else `WORLD_SIZE`, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def get_device() -> torch.device:
+    """`cuda:LOCAL_RANK` where CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port free on this host right now (the OS picks it; another process may take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(backend: str | None = None, timeout_s: int = 600) -> None:
+    """Join the default process group described by the environment; a no-op if already joined.
+
+    Without any launcher variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) this process
+    forms a group of one. `backend` defaults to NCCL where CUDA is available, else gloo.
+    """
+    if dist.is_initialized():
+        if backend is not None and dist.get_backend() != backend:
+            raise PosttrainError(
+                f"a process group with backend '{dist.get_backend()}' already exists; "
+                f"cannot re-initialise it with '{backend}'. Call "
+                "torch.distributed.destroy_process_group() first.")
+        return
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    kwargs = {}
+    if cuda and "nccl" in backend:
+        torch.cuda.set_device(local_rank())
+        kwargs["device_id"] = get_device()
+    launched = [k for k in _LAUNCH_VARS if k in os.environ]
+    if not launched:
+        # a plain `python script.py`: a one-process group, so that the same code (meshes,
+        # FSDP, DCP) runs unchanged; the in-memory store needs no address or port
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout_s), **kwargs)
+        return
+    missing = [k for k in _LAUNCH_VARS if k not in os.environ]
+    if missing:
+        raise PosttrainError(
+            f"cannot join a process group: environment variable(s) {', '.join(missing)} not set "
+            f"(found {', '.join(launched)}). Launch with torchrun or through "
+            "posttrain.distributed.WorkerGroup, or set all of them.")
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+                            rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), **kwargs)
+
+
+def resolve_mesh_shape(world: int, dp_shard: int = -1, tp: int = 1) -> tuple[int, int]:
+    """(dp_shard, tp) with `dp_shard=-1` filled in; raises ConfigError if it cannot fit `world`."""
+    if tp < 1:
+        raise ConfigError(f"parallel.tp must be >= 1, got {tp}")
+    if dp_shard == -1:
+        if world % tp:
+            raise ConfigError(
+                f"parallel.tp={tp} does not divide the world size {world}; "
+                f"choose a tp that divides {world}")
+        dp_shard = world // tp
+    elif dp_shard < 1:
+        raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (the rest), got {dp_shard}")
+    if dp_shard * tp != world:
+        raise ConfigError(
+            f"parallel.dp_shard={dp_shard} x parallel.tp={tp} = {dp_shard * tp} processes, but the "
+            f"world size is {world}; make the product equal {world} (or set dp_shard=-1)")
+    return dp_shard, tp
+
+
+def build_mesh(dp_shard: int = -1, tp: int = 1) -> DeviceMesh:
+    """A 2-D device mesh with dims ("dp_shard", "tp"), tp innermost (neighbouring ranks).
+
+    `dp_shard=-1` takes the rest of the world. Joins the process group first if needed
+    (`init_process_group()`: a group of one in a plain single process).
+    """
+    shape = resolve_mesh_shape(world_size(), dp_shard, tp)
+    init_process_group()
+    return init_device_mesh(get_device().type, shape, mesh_dim_names=MESH_DIM_NAMES)

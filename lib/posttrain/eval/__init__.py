@@ -1,0 +1,1 @@
+"""Evaluators that produce versioned metric tables (held-out loss, generation samples)."""

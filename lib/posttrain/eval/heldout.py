@@ -1,0 +1,77 @@
+"""Held-out loss/perplexity of a native model, and a few generated samples.
+
+Used after training on the exported checkpoint (single process): the numbers are what the
+exported model does, not what the trainer believed. Generation here re-runs the full prefix
+per token (no KV cache) and is meant for a handful of samples; the rollout engines of the RL
+layer are the fast path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from posttrain.data.loader import LoaderConfig, TrainLoader
+from posttrain.losses.sft import sft_loss_sum
+from posttrain.models.transformer import Transformer
+from posttrain.ops.vocab import sample_next_token
+
+
+@torch.no_grad()
+def heldout_loss(model: Transformer, sources: dict[str, list[str]], loader_cfg: LoaderConfig,
+                 max_batches: int) -> dict[str, float]:
+    """Token-mean cross-entropy over at most `max_batches` micro-batches of `sources`."""
+    model.eval()
+    loss_sum, tokens, batches = 0.0, 0, 0
+    cfg = LoaderConfig(packing=loader_cfg.packing, mode=loader_cfg.mode,
+                       rows_per_batch=loader_cfg.rows_per_batch, epochs=1, background=False)
+    with TrainLoader(sources, cfg) as loader:
+        for batch in loader:
+            if batches >= max_batches:
+                break
+            hidden = model(batch["input_ids"], batch["position_ids"], batch["document_lengths"])
+            loss_sum += float(sft_loss_sum(hidden, model.head.weight, batch["labels"],
+                                           real_vocab_size=model.head.real_vocab_size,
+                                           softcap=getattr(model.head, "softcap", None)))
+            tokens += batch["num_loss_tokens"]
+            batches += 1
+    loss = loss_sum / max(tokens, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens,
+            "batches": batches}
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt_ids: list[int], *, max_new_tokens: int,
+             stop_ids: set[int], temperature: float = 0.0, seed: int = 0) -> list[int]:
+    """Continue `prompt_ids` until a stop id or `max_new_tokens` (greedy at temperature 0)."""
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(prompt_ids)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        hidden = model(torch.tensor([ids]))
+        logits = model.logits(hidden[:, -1])
+        nxt = int(sample_next_token(logits, temperature=temperature, generator=gen,
+                                    real_vocab_size=model.head.real_vocab_size)[0])
+        out.append(nxt)
+        if nxt in stop_ids:
+            break
+        ids.append(nxt)
+    return out
+
+
+def sample_table(model: Transformer, tokenizer, conversations: list[list[dict[str, Any]]], *,
+                 max_new_tokens: int) -> list[dict[str, str]]:
+    """Prompt with each conversation minus its last assistant turn; compare with the reference."""
+    stop = {i for i in (tokenizer.end_of_turn_token_id, tokenizer.eos_token_id) if i is not None}
+    rows = []
+    for messages in conversations:
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompt = tokenizer.encode_prompt(messages[:last])
+        completion = generate(model, prompt, max_new_tokens=max_new_tokens, stop_ids=stop)
+        rows.append({"prompt": messages[last - 1]["content"],
+                     "reference": messages[last]["content"],
+                     "generated": tokenizer.hf.decode(completion, skip_special_tokens=True)})
+    return rows

@@ -1,0 +1,1 @@
+"""Losses as pure functions of tensors and masks (SFT, DPO, GRPO, distillation)."""

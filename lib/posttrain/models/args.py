@@ -1,0 +1,84 @@
+"""One architecture description for every native family.
+
+`ModelArgs` is what the native definitions are built from. Family bridges (`families/*.py`)
+translate a Hugging Face `config.json` into it and back; the FLOPs counter, LoRA, sharding and
+the verifier read it. Fields for one family default to values that switch the feature off for the
+others, so a Llama config never mentions sliding windows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Family = Literal["qwen3", "qwen3_moe", "llama", "gemma3"]
+
+
+def pad_to_multiple(n: int, multiple: int) -> int:
+    """Smallest multiple of `multiple` that is >= n (multiple <= 1 means no padding)."""
+    if multiple <= 1:
+        return n
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    family: Family
+    vocab_size: int                      # real vocabulary (tokenizer size); rows past it are padding
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    rope_scaling: dict[str, Any] | None = None    # HF rope_scaling / rope_parameters (llama3, linear)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False               # biases on gate/up/down (some Llama variants)
+    qk_norm: bool = False                # per-head RMSNorm on q and k (Qwen3, Gemma 3)
+    hidden_act: str = "silu"             # "silu" or "gelu_pytorch_tanh" (Gemma)
+    vocab_multiple: int = 64             # embedding/head rows padded to a multiple of this
+    # Gemma 3
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None    # per layer: "full_attention" | "sliding_attention"
+    rope_local_theta: float | None = None          # rope base of sliding layers
+    query_pre_attn_scalar: float | None = None     # attention scale = scalar ** -0.5
+    embed_scale: bool = False            # multiply embeddings by sqrt(hidden_size)
+    norm_offset: bool = False            # RMSNorm weight applied as (1 + w)
+    sandwich_norm: bool = False          # extra post-attention / post-MLP norms
+    final_logit_softcapping: float | None = None
+    # mixture of experts (Qwen3-MoE)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0    # weight of the load-balancing loss (models/moe.py)
+    # anything a bridge needs to write config.json back unchanged
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return pad_to_multiple(self.vocab_size, self.vocab_multiple)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    def is_sliding_layer(self, i: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[i] == "sliding_attention"
+
+    def replace(self, **changes: Any) -> "ModelArgs":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any], *, vocab_multiple: int = 64) -> "ModelArgs":
+        """Args from a Hugging Face config.json dict, via the bridge of its `model_type`."""
+        from posttrain.models.families import bridge_for_config
+
+        return bridge_for_config(config).args_from_hf(config, vocab_multiple=vocab_multiple)

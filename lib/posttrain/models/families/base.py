@@ -1,0 +1,171 @@
+"""What every family bridge shares: the HF <-> native name map and config helpers.
+
+A bridge translates one Hugging Face `model_type` to and from the native model: `config.json`
+to `ModelArgs` (and back for models built from args alone), and parameter names both ways. The
+HF config is first parsed by transformers' own config class, so that old (`rope_theta`,
+`rope_scaling`) and new (`rope_parameters`) spellings of a `config.json` read the same.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from posttrain.errors import ConfigError, PosttrainError
+from posttrain.models.args import ModelArgs
+
+# native module path inside `layers[i]` -> HF module path inside `model.layers[i]`
+COMMON_LAYER_NAMES: dict[str, str] = {
+    "attn.q": "self_attn.q_proj",
+    "attn.k": "self_attn.k_proj",
+    "attn.v": "self_attn.v_proj",
+    "attn.o": "self_attn.o_proj",
+    "attn.q_norm": "self_attn.q_norm",
+    "attn.k_norm": "self_attn.k_norm",
+    "mlp.gate": "mlp.gate_proj",
+    "mlp.up": "mlp.up_proj",
+    "mlp.down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "mlp_norm": "post_attention_layernorm",
+}
+TOP_NAMES: dict[str, str] = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "head.weight": "lm_head.weight",
+}
+VOCAB_PARAMS = ("embed.weight", "head.weight")   # rows padded to `padded_vocab_size`
+
+_NATIVE_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+class FamilyBridge:
+    """Base bridge; a family sets the class attributes and implements `args_from_hf`."""
+
+    family: str = ""
+    model_types: tuple[str, ...] = ()
+    architecture: str = ""                     # HF `architectures[0]` written on save
+    layer_names: dict[str, str] = COMMON_LAYER_NAMES
+    ignored_hf_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+    def __init__(self) -> None:
+        self._to_native = {hf: native for native, hf in self.layer_names.items()}
+        self._top_to_native = {hf: native for native, hf in TOP_NAMES.items()}
+
+    # ---- names ---------------------------------------------------------------------------
+    def to_hf(self, native: str) -> str:
+        """Native parameter name -> HF checkpoint key."""
+        if native in TOP_NAMES:
+            return TOP_NAMES[native]
+        m = _NATIVE_LAYER.match(native)
+        if m and m.group(2) in self.layer_names:
+            return f"model.layers.{m.group(1)}.{self.layer_names[m.group(2)]}.{m.group(3)}"
+        raise PosttrainError(f"native parameter '{native}' has no {self.family} HF name; "
+                             "merge adapters and use an LMHead before exporting")
+
+    def to_native(self, hf: str) -> str | None:
+        """HF checkpoint key -> native name; None for keys that carry no weights we use."""
+        if hf in self._top_to_native:
+            return self._top_to_native[hf]
+        if hf.endswith(self.ignored_hf_suffixes):
+            return None
+        m = _HF_LAYER.match(hf)
+        if m and m.group(2) in self._to_native:
+            return f"layers.{m.group(1)}.{self._to_native[m.group(2)]}.{m.group(3)}"
+        raise PosttrainError(f"checkpoint key '{hf}' is not part of a {self.family} model "
+                             f"({', '.join(self.model_types)}); is config.json's model_type right?")
+
+    def hf_names(self, native: str, args: ModelArgs) -> list[str]:
+        """HF keys that hold native parameter `native`: one, or for a parameter stacked along
+        dim 0 (MoE experts) one key per slice, in slice order."""
+        return [self.to_hf(native)]
+
+    def stack_index(self, hf: str) -> int | None:
+        """For an HF key that is one slice of a stacked native parameter (`to_native(hf)`),
+        its index along dim 0; None for keys that map one to one."""
+        return None
+
+    # ---- configs -------------------------------------------------------------------------
+    def args_from_hf(self, config: dict[str, Any], *, vocab_multiple: int = 64) -> ModelArgs:
+        raise NotImplementedError
+
+    def config_from_args(self, args: ModelArgs) -> dict[str, Any]:
+        """A config.json for args that did not come from one (models built from scratch)."""
+        return {
+            "model_type": self.model_types[0],
+            "architectures": [self.architecture],
+            "vocab_size": args.vocab_size,
+            "hidden_size": args.hidden_size,
+            "intermediate_size": args.intermediate_size,
+            "num_hidden_layers": args.num_layers,
+            "num_attention_heads": args.num_heads,
+            "num_key_value_heads": args.num_kv_heads,
+            "head_dim": args.head_dim,
+            "rms_norm_eps": args.rms_norm_eps,
+            "max_position_embeddings": args.max_position_embeddings,
+            "tie_word_embeddings": args.tie_word_embeddings,
+            "attention_bias": args.attention_bias,
+            "rope_parameters": {**(args.rope_scaling or {"rope_type": "default"}),
+                                "rope_theta": args.rope_theta},
+        }
+
+    def hf_config(self, args: ModelArgs) -> dict[str, Any]:
+        """config.json for `args`: the original one (or one made from the args) with the
+        (possibly resized) real vocab."""
+        cfg = dict(args.hf_config) if args.hf_config else self.config_from_args(args)
+        cfg["vocab_size"] = args.vocab_size
+        cfg["tie_word_embeddings"] = args.tie_word_embeddings
+        if not cfg.get("architectures"):
+            cfg["architectures"] = [self.architecture]
+        return cfg
+
+
+def parse_hf_config(config: dict[str, Any]) -> Any:
+    """The transformers config object for a config.json dict (normalises rope spellings)."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"config.json has model_type '{model_type}', unknown to transformers")
+    return CONFIG_MAPPING[model_type].from_dict(dict(config))
+
+
+def common_fields(cfg: Any, *, vocab_multiple: int) -> dict[str, Any]:
+    """ModelArgs fields every family reads the same way from a transformers config."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=bool(cfg.tie_word_embeddings),
+        attention_bias=bool(getattr(cfg, "attention_bias", False)),
+        vocab_multiple=vocab_multiple,
+    )
+
+
+def split_rope(params: dict[str, Any] | None, *, where: str) -> tuple[float, dict[str, Any] | None]:
+    """HF rope_parameters -> (theta, scaling dict without theta, or None for plain RoPE)."""
+    if not params or params.get("rope_theta") is None:
+        raise ConfigError(f"{where}: no rope_theta in the config's rope parameters")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{where}: partial_rotary_factor is not supported by native models")
+    theta = float(params["rope_theta"])
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
+
+
+def sliding_fields(cfg: Any) -> dict[str, Any]:
+    """sliding_window / layer_types, set only when some layer uses a window."""
+    layer_types = tuple(getattr(cfg, "layer_types", None) or ())
+    window = getattr(cfg, "sliding_window", None)
+    if window is None or "sliding_attention" not in layer_types:
+        return {}
+    return {"sliding_window": int(window), "layer_types": layer_types}

@@ -1,0 +1,191 @@
+"""Blocks shared by every native family: RMSNorm, rotary embeddings, attention, dense MLP.
+
+Everything here is written for one device and plain tensors. Module and parameter names are
+part of the contract: LoRA, sharding plans and the HF name maps (`families/*.py`) find modules by
+them (`attn.q`, `attn.k`, `attn.v`, `attn.o`, `attn.q_norm`, `attn.k_norm`, `mlp.gate`,
+`mlp.up`, `mlp.down`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posttrain.errors import ConfigError
+from posttrain.models.args import ModelArgs
+from posttrain.ops import attention as attention_ops
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32.
+
+    `offset=False` (Llama, Qwen3): `w * norm(x).to(dtype)`, weight initialised to ones.
+    `offset=True` (Gemma): `(norm(x) * (1 + w)).to(dtype)`, weight initialised to zeros. The
+    order of the cast differs between the two on purpose; it is what the checkpoints were
+    trained with.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, offset: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.offset = offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (normed * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * normed.type_as(x)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(0.0 if self.offset else 1.0)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}"
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None,
+                  ) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] (fp32, CPU) for plain, linear or llama3 RoPE.
+
+    `scaling` is the HF `rope_parameters` dict without its base (`rope_type`, `factor`, ...).
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    assert scaling is not None
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are interpolated by `factor`, short ones kept, the band between
+        # is blended linearly in old_len / wavelen (Llama 3.1 "smooth" scaling)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(medium, blended, scaled)
+    raise ConfigError(
+        f"rope_type '{rope_type}' is not supported by the native models (supported: default, "
+        "linear, llama3); add it to posttrain/models/layers.py:rope_inv_freq")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for given position ids.
+
+    The inverse frequencies are a plain attribute computed on the CPU rather than a buffer:
+    they survive building on the meta device and are never sharded or checkpointed.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.scaling = scaling
+        self._inv_freq_cpu = rope_inv_freq(head_dim, theta, scaling)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = self._inv_freq_cpu.to(device)
+        return self._inv_freq[device]
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, T] -> (cos, sin), each [B, T, head_dim] in `dtype`."""
+        freqs = position_ids[..., None].float() * self.inv_freq(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}, scaling={self.scaling}"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    """Rotate q or k [B, H, T, D] by the half-split (GPT-NeoX / HF) convention."""
+    cos, sin = cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
+    return x_BHTD * cos + _rotate_half(x_BHTD) * sin
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention with optional per-head q/k norm and a sliding window.
+
+    The kernel is `posttrain.ops.attention.attention`, which applies the causal mask, the
+    document mask of packed rows and the sliding window itself.
+    """
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.num_heads = args.num_heads
+        self.num_kv_heads = args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.sliding_window = args.sliding_window if args.is_sliding_layer(layer_id) else None
+        pre_scalar = args.query_pre_attn_scalar
+        self.scale = (pre_scalar if pre_scalar is not None else args.head_dim) ** -0.5
+        bias = args.attention_bias
+        self.q = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=bias)
+        self.k = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
+        self.v = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
+        self.o = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, offset=args.norm_offset)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, offset=args.norm_offset)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x_BTH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                document_lengths: list[list[int]] | None = None) -> torch.Tensor:
+        B, T, _ = x_BTH.shape
+        q = self.q(x_BTH).view(B, T, -1, self.head_dim)
+        k = self.k(x_BTH).view(B, T, -1, self.head_dim)
+        v = self.v(x_BTH).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention_ops.attention(q, k, v, document_lengths=document_lengths,
+                                      sliding_window=self.sliding_window, scale=self.scale)
+        return self.o(out.transpose(1, 2).reshape(B, T, -1))
+
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class FeedForward(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, args: ModelArgs, intermediate_size: int | None = None):
+        super().__init__()
+        if args.hidden_act not in _ACTIVATIONS:
+            raise ConfigError(f"hidden_act '{args.hidden_act}' is not supported; "
+                              f"use one of {sorted(_ACTIVATIONS)}")
+        self.act = _ACTIVATIONS[args.hidden_act]
+        inter = intermediate_size or args.intermediate_size
+        bias = args.mlp_bias
+        self.gate = nn.Linear(args.hidden_size, inter, bias=bias)
+        self.up = nn.Linear(args.hidden_size, inter, bias=bias)
+        self.down = nn.Linear(inter, args.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.gate(x)) * self.up(x))

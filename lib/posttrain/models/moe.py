@@ -1,0 +1,175 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE) and its load-balancing loss.
+
+Module tree of one MoE layer (names are the contract for LoRA, sharding and the HF name map):
+
+    layers[i].mlp.router        nn.Linear [num_experts, hidden], no bias (HF `mlp.gate`)
+    layers[i].mlp.experts.gate  Parameter [E, I, H]   (HF `mlp.experts.{e}.gate_proj.weight`)
+    layers[i].mlp.experts.up    Parameter [E, I, H]   (HF `mlp.experts.{e}.up_proj.weight`)
+    layers[i].mlp.experts.down  Parameter [E, H, I]   (HF `mlp.experts.{e}.down_proj.weight`)
+
+Routing, as transformers' Qwen3-MoE does it, per token x:
+
+    logits = router(x)                                   (model dtype)
+    p = softmax(logits) in fp32;  w, e = top_k(p)
+    w = w / sum(w)  if norm_topk_prob;  w cast back to the model dtype
+    y = sum_j w_j * down_{e_j}(act(gate_{e_j}(x)) * up_{e_j}(x))
+
+Dispatch sorts the (token, expert) pairs by expert and runs every expert that received tokens
+once, over exactly its tokens (`index_select` in, `index_add` out): an expert with no tokens
+costs nothing, and the FLOPs are those of top_k dense MLPs of width I per token. The stacked
+weights are `unbind`-ed once per forward so that the backward writes each expert's gradient
+into one stacked buffer instead of a full-size zero tensor per expert.
+
+Every MoE block keeps its last router logits (`router_logits_NE`, with their graph), from which
+`load_balancing_loss` computes the Switch-Transformer auxiliary loss exactly as transformers'
+`load_balancing_loss_func` does; `moe_aux_loss(model)` scales it by `router_aux_loss_coef`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posttrain.errors import ConfigError
+from posttrain.models.args import ModelArgs
+from posttrain.models.layers import _ACTIVATIONS
+
+__all__ = ["Experts", "MoEBlock", "build_moe", "load_balancing_loss", "moe_aux_loss",
+           "router_logits"]
+
+
+class Experts(nn.Module):
+    """`num_experts` gated MLPs stored as stacked tensors (grouped matmuls, expert sharding)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 hidden_act: str):
+        super().__init__()
+        if hidden_act not in _ACTIVATIONS:
+            raise ConfigError(f"hidden_act '{hidden_act}' is not supported; "
+                              f"use one of {sorted(_ACTIVATIONS)}")
+        self.act = _ACTIVATIONS[hidden_act]
+        self.num_experts = num_experts
+        self.gate = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.up = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        for p in (self.gate, self.up, self.down):
+            nn.init.normal_(p, std=std)
+
+    def forward(self, x_NH: torch.Tensor, expert_NK: torch.Tensor,
+                weight_NK: torch.Tensor) -> torch.Tensor:
+        """x [N, H], chosen experts [N, k] and their weights [N, k] -> [N, H]."""
+        k = expert_NK.shape[1]
+        flat_expert = expert_NK.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)          # pairs grouped by expert
+        token_idx = order // k
+        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
+        x_sorted = x_NH.index_select(0, token_idx)
+        gates, ups, downs = self.gate.unbind(0), self.up.unbind(0), self.down.unbind(0)
+        outs = []
+        for e, x_e in enumerate(x_sorted.split(counts)):
+            if x_e.shape[0] == 0:
+                continue
+            h = self.act(F.linear(x_e, gates[e])) * F.linear(x_e, ups[e])
+            outs.append(F.linear(h, downs[e]))
+        if not outs:
+            return torch.zeros_like(x_NH)
+        y_sorted = torch.cat(outs) * weight_NK.reshape(-1)[order, None]
+        return torch.zeros_like(x_NH).index_add(0, token_idx, y_sorted.to(x_NH.dtype))
+
+    def extra_repr(self) -> str:
+        e, i, h = self.gate.shape
+        return f"num_experts={e}, hidden={h}, intermediate={i}"
+
+
+class MoEBlock(nn.Module):
+    """Top-k softmax router + experts; keeps the last router logits for the auxiliary loss."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        if not 0 < args.num_experts_per_tok <= args.num_experts:
+            raise ConfigError(f"num_experts_per_tok={args.num_experts_per_tok} must be between 1 "
+                              f"and num_experts={args.num_experts}")
+        if args.moe_intermediate_size <= 0:
+            raise ConfigError("a mixture-of-experts layer needs moe_intermediate_size > 0")
+        self.top_k = args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
+        self.router = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size,
+                               args.hidden_act)
+        self.router_logits_NE: torch.Tensor | None = None
+
+    def route(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (router logits [N, E], chosen experts [N, k], their weights [N, k])."""
+        logits = self.router(x_NH)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weight, expert = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        return logits, expert, weight.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_NH = x.reshape(-1, x.shape[-1])
+        logits, expert, weight = self.route(x_NH)
+        self.router_logits_NE = logits
+        return self.experts(x_NH, expert, weight).view_as(x)
+
+
+def build_moe(args: ModelArgs, layer_id: int) -> nn.Module:
+    """The MoE MLP of layer `layer_id` (called by `transformer.default_mlp_factory`)."""
+    assert args.is_moe_layer(layer_id), layer_id
+    return MoEBlock(args)
+
+
+def router_logits(model: nn.Module) -> list[torch.Tensor]:
+    """The last forward's router logits [B*T, E] of every MoE block, in layer order."""
+    out = []
+    for module in model.modules():
+        if isinstance(module, MoEBlock):
+            if module.router_logits_NE is None:
+                raise RuntimeError("MoE router logits are read before any forward pass")
+            out.append(module.router_logits_NE)
+    return out
+
+
+def load_balancing_loss(router_logits_LNE: list[torch.Tensor], top_k: int,
+                        token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch-Transformer load-balancing loss (Fedus et al. 2021, eqs. 4-6), over all layers.
+
+        f_e = (1 / (L * N)) * sum_{l, tokens} [e in top_k(softmax(logits_l))]
+        P_e = (1 / (L * N)) * sum_{l, tokens} softmax(logits_l)_e
+        loss = E * sum_e f_e * P_e
+
+    Counts and probabilities are pooled over layers before the product, as transformers'
+    `load_balancing_loss_func` does. `token_mask` [B, T] (1 = real token) leaves padding out.
+    """
+    num_experts = router_logits_LNE[0].shape[-1]
+    device = router_logits_LNE[0].device
+    count_E = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob_E = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    mask_N = None if token_mask is None else token_mask.reshape(-1).to(device, torch.float32)
+    for logits in router_logits_LNE:
+        probs = torch.softmax(logits, dim=-1)
+        _, expert = torch.topk(probs, top_k, dim=-1)
+        weight = (torch.ones_like(expert, dtype=torch.float32) if mask_N is None
+                  else mask_N[:, None].expand_as(expert))
+        count_E = count_E.scatter_add(0, expert.reshape(-1), weight.reshape(-1))
+        probs = probs.float()
+        prob_E = prob_E + (probs if mask_N is None else probs * mask_N[:, None]).sum(0)
+        rows = rows + (probs.shape[0] if mask_N is None else mask_N.sum())
+    return num_experts * torch.sum((count_E / rows) * (prob_E / rows))
+
+
+def moe_aux_loss(model: nn.Module, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`router_aux_loss_coef * load_balancing_loss` of the last forward, the term to add to the
+    training loss (0 for a model without MoE layers)."""
+    logits = router_logits(model)
+    args: ModelArgs = model.args
+    if not logits:
+        return torch.zeros(())
+    return args.router_aux_loss_coef * load_balancing_loss(logits, args.num_experts_per_tok,
+                                                           token_mask)

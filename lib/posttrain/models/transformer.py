@@ -1,0 +1,234 @@
+"""The native decoder-only transformer shared by Qwen3, Llama 3.x and Gemma 3 (text).
+
+Module tree (names are the contract for LoRA, sharding and the HF name maps):
+
+    embed                       nn.Embedding [padded_vocab, hidden]
+    layers[i].attn_norm         RMSNorm
+    layers[i].attn.{q,k,v,o}    nn.Linear   (+ q_norm, k_norm with qk-norm families)
+    layers[i].post_attn_norm    RMSNorm     (Gemma sandwich norms only)
+    layers[i].mlp_norm          RMSNorm
+    layers[i].mlp               dense: {gate,up,down}; MoE: router + experts (models/moe.py)
+    layers[i].post_mlp_norm     RMSNorm     (Gemma sandwich norms only)
+    norm                        RMSNorm
+    head                        LMHead [padded_vocab, hidden] (tied to embed when configured),
+                                or any module mapping hidden [B,T,H] -> [B,T,*]
+
+`model(input_ids, position_ids, document_lengths)` returns the final-normed hidden states; the
+loss (chunked cross-entropy over `head.weight`) is computed outside, `model.logits(hidden)`
+gives full logits where they are needed (verification, sampling).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posttrain.errors import ConfigError
+from posttrain.models.args import ModelArgs
+from posttrain.models.layers import Attention, FeedForward, RMSNorm, RotaryEmbedding
+from posttrain.ops.vocab import mask_padded_logits
+
+MLPFactory = Callable[[ModelArgs, int], nn.Module]
+"""Builds `layers[i].mlp` from the model args and the layer index."""
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def default_mlp_factory(args: ModelArgs, layer_id: int) -> nn.Module:
+    """Dense `FeedForward`, or the MoE block of `posttrain.models.moe` on MoE layers."""
+    if args.is_moe_layer(layer_id):
+        try:
+            from posttrain.models import moe
+        except ImportError as exc:
+            raise ConfigError(
+                f"layer {layer_id} of this {args.family} model is a mixture-of-experts layer, "
+                "but posttrain.models.moe is not available") from exc
+        return moe.build_moe(args, layer_id)
+    return FeedForward(args)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block; with `args.sandwich_norm` also post-norms each branch (Gemma 3)."""
+
+    def __init__(self, args: ModelArgs, layer_id: int,
+                 mlp_factory: MLPFactory = default_mlp_factory):
+        super().__init__()
+        self.layer_id = layer_id
+        self.layer_type = SLIDING if args.is_sliding_layer(layer_id) else FULL
+        eps, offset = args.rms_norm_eps, args.norm_offset
+        self.attn_norm = RMSNorm(args.hidden_size, eps, offset=offset)
+        self.attn = Attention(args, layer_id)
+        self.mlp_norm = RMSNorm(args.hidden_size, eps, offset=offset)
+        self.mlp = mlp_factory(args, layer_id)
+        if args.sandwich_norm:
+            self.post_attn_norm = RMSNorm(args.hidden_size, eps, offset=offset)
+            self.post_mlp_norm = RMSNorm(args.hidden_size, eps, offset=offset)
+        else:
+            self.post_attn_norm = self.post_mlp_norm = None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                document_lengths: list[list[int]] | None = None) -> torch.Tensor:
+        h = self.attn(self.attn_norm(x), rope, document_lengths)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
+        return x + h
+
+
+class LMHead(nn.Module):
+    """Output projection over the padded vocabulary.
+
+    Columns at or past `real_vocab_size` are padding (kept so the matrix shards evenly); their
+    logits are set to -inf so they never get probability. `softcap` is Gemma's final-logit
+    soft-capping, `cap * tanh(logits / cap)`; a loss computed from `weight` directly must apply
+    it too.
+    """
+
+    def __init__(self, hidden_size: int, padded_vocab_size: int, real_vocab_size: int,
+                 softcap: float | None = None):
+        super().__init__()
+        assert real_vocab_size <= padded_vocab_size
+        self.real_vocab_size = real_vocab_size
+        self.softcap = softcap
+        self.weight = nn.Parameter(torch.empty(padded_vocab_size, hidden_size))
+
+    def tie_to(self, embedding: nn.Embedding) -> None:
+        """Read the weight from `embedding` instead of owning one.
+
+        The head then has no parameter of its own, so there is exactly one tensor to shard,
+        materialize (`to_empty` would otherwise untie two parameter objects) and checkpoint.
+        The embedding is held by reference, not as a submodule, so names do not change.
+        """
+        self._parameters.pop("weight", None)
+        self.__dict__["_tied_embedding"] = embedding
+
+    def __getattr__(self, name: str):
+        if name == "weight" and "_tied_embedding" in self.__dict__:
+            return self.__dict__["_tied_embedding"].weight
+        return super().__getattr__(name)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return mask_padded_logits(logits, self.real_vocab_size)
+
+    def extra_repr(self) -> str:
+        return (f"{tuple(self.weight.shape)}, real_vocab_size={self.real_vocab_size}, "
+                f"softcap={self.softcap}")
+
+
+def position_ids_from_documents(document_lengths: list[list[int]], seq_len: int,
+                                device: torch.device | str | None = None) -> torch.Tensor:
+    """[B, T] positions restarting at 0 at every document start of a packed row."""
+    rows = []
+    for lengths in document_lengths:
+        if sum(lengths) != seq_len:
+            raise ValueError(f"document lengths {lengths} sum to {sum(lengths)}, but rows have "
+                             f"{seq_len} tokens; every token must belong to one document")
+        rows.append(torch.cat([torch.arange(n) for n in lengths]) if lengths
+                    else torch.zeros(0, dtype=torch.long))
+    return torch.stack(rows).to(device)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM body + replaceable head, built from `ModelArgs` for one device."""
+
+    def __init__(self, args: ModelArgs, mlp_factory: MLPFactory = default_mlp_factory):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.padded_vocab_size, args.hidden_size)
+        self.rope = nn.ModuleDict({FULL: RotaryEmbedding(args.head_dim, args.rope_theta,
+                                                         args.rope_scaling)})
+        if any(args.is_sliding_layer(i) for i in range(args.num_layers)):
+            self.rope[SLIDING] = (
+                RotaryEmbedding(args.head_dim, args.rope_local_theta)
+                if args.rope_local_theta is not None else self.rope[FULL])
+        self.layers = nn.ModuleList(
+            TransformerBlock(args, i, mlp_factory) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=args.norm_offset)
+        self.head: nn.Module = LMHead(args.hidden_size, args.padded_vocab_size, args.vocab_size,
+                                      softcap=args.final_logit_softcapping)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share `embed.weight` with `head.weight` when the config ties them."""
+        if self.args.tie_word_embeddings and isinstance(self.head, LMHead):
+            self.head.tie_to(self.embed)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        if self.args.embed_scale:
+            # Gemma rounds sqrt(hidden) to the model dtype before multiplying (55.4 -> 55.5 in bf16)
+            scale = torch.tensor(self.args.hidden_size ** 0.5, dtype=torch.float32)
+            h = h * scale.to(device=h.device, dtype=h.dtype)
+        return h
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_lengths: list[list[int]] | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> final-normed hidden states [B, T, hidden].
+
+        `document_lengths[b]` lists the lengths of the documents packed into row b (summing to
+        T); attention never crosses them. Without `position_ids`, positions restart at every
+        document (or run 0..T-1 when no documents are given).
+        """
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = (position_ids_from_documents(document_lengths, T, input_ids.device)
+                            if document_lengths is not None
+                            else torch.arange(T, device=input_ids.device).expand(B, T))
+        h = self.embed_tokens(input_ids)
+        tables = {name: rope(position_ids, h.dtype) for name, rope in self.rope.items()}
+        for layer in self.layers:
+            h = layer(h, tables[layer.layer_type], document_lengths)
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, T, H] -> head output; [B, T, padded_vocab] for an `LMHead`."""
+        return self.head(hidden)
+
+    def moe_aux_loss(self, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`router_aux_loss_coef` x the MoE load-balancing loss of the last forward (a zero
+        scalar without MoE layers); see `posttrain.models.moe.load_balancing_loss`."""
+        from posttrain.models import moe
+
+        return moe.moe_aux_loss(self, token_mask)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Random init: normal(0, std) matrices, zero biases, unit norms, zero padding rows."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (nn.Embedding, LMHead)):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+            elif module is not self and hasattr(module, "init_weights"):
+                module.init_weights()
+        for weight in (self.embed.weight, getattr(self.head, "weight", None)):
+            if weight is not None and weight.shape[0] == self.args.padded_vocab_size:
+                weight[self.args.vocab_size:].zero_()
+
+
+def build_model(args: ModelArgs, *, device: torch.device | str | None = None,
+                dtype: torch.dtype | None = None, seed: int | None = None,
+                mlp_factory: MLPFactory = default_mlp_factory) -> Transformer:
+    """A randomly initialised native model (`device="meta"` builds it without storage)."""
+    with torch.device(device or "cpu"):
+        model = Transformer(args, mlp_factory)
+    if str(device) != "meta":
+        if seed is not None:
+            torch.manual_seed(seed)
+        model.init_weights()
+    if dtype is not None:
+        model.to(dtype)
+    return model

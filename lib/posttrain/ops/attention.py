@@ -1,0 +1,311 @@
+"""Causal attention over packed rows, with document boundaries, sliding windows and soft-capping.
+
+One entry point, `attention(q, k, v, ...)`, used by every native model. A packed row holds several
+documents back to back; a query attends only to keys of its own document, never to a later
+position, and (with a sliding window) only to the last `window` positions:
+
+    allowed(i, j) = doc(i) == doc(j)  and  j <= i  and  i - window < j
+    s_ij = scale * <q_i, k_j>                    (scale defaults to head_dim ** -0.5)
+    s_ij = softcap * tanh(s_ij / softcap)        (only with softcap, as Gemma 2/3 does)
+    out_i = sum_j softmax_j(s_ij over allowed j) * v_j
+
+The window convention is Hugging Face's (`masking_utils.sliding_window_overlay`:
+`kv_idx > q_idx - sliding_window`), so a window of w sees the current token and the w - 1 before it.
+Grouped-query attention (H query heads over Hkv key/value heads, H % Hkv == 0) is handled here:
+query head h reads key/value head h // (H // Hkv), as `repeat_kv` in transformers does.
+
+Backends (`backend="auto"` picks; the others can be forced, e.g. by benches and tests):
+
+- ``"causal"``: one document per row, no window shorter than the row, no softcap: a single
+  `scaled_dot_product_attention(is_causal=True)` over the batch, on every device.
+- ``"split"`` (CPU): each row is cut into its documents with `Tensor.split` and each piece runs
+  causal SDPA on its own; the pieces are joined with `torch.cat`. Cost grows with sum(L_i^2), not
+  (sum L_i)^2. Measured on CPU with torch 2.13 (STACK-NOTES): 0.14-0.22x the time of causal SDPA
+  over the whole 8k row, where SDPA with a block-diagonal mask is 2.2x. `split` and not slicing:
+  the backward of each slice `q[:, :, s:e]` allocates a zero tensor the size of the whole row,
+  while `split`'s backward is one `cat`. A document that needs a window shorter than itself gets
+  SDPA with an explicit band mask; with softcap (which SDPA cannot express) the document runs an
+  explicit masked softmax. Both are still per document, so masks stay L_i x L_i.
+- ``"flex"`` (CUDA, when `torch.nn.attention.flex_attention` imports): FlexAttention with a block
+  mask built from per-position document ids, compiled once per process (torch.compile re-specialises
+  per shape and keeps each). Softcap becomes a `score_mod`. FlexAttention has no CPU backward in
+  torch 2.13 (eager refuses, compiled fails), hence not the CPU choice.
+- ``"masked_sdpa"``: SDPA with a dense [B, 1, T, T] boolean mask (explicit softmax with softcap).
+  The fallback on a GPU without FlexAttention, and a reference point for benches.
+
+All backends agree with a per-document full-softmax reference within 1e-5 in fp32, forward and
+backward (tests/lib/ops/test_attention.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import typing
+from collections.abc import Sequence
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+
+Backend = Literal["auto", "causal", "split", "flex", "masked_sdpa"]
+_BACKENDS = typing.get_args(Backend)
+
+__all__ = ["Backend", "attention", "document_ids", "flex_available", "reference_attention"]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              document_lengths: Sequence[Sequence[int]] | None = None,
+              sliding_window: int | None = None,
+              scale: float | None = None,
+              softcap: float | None = None,
+              backend: Backend = "auto",
+              compile_flex: bool = True) -> torch.Tensor:
+    """Causal attention that never crosses a document boundary.
+
+    Args:
+        q: [B, H, T, D] queries.
+        k, v: [B, Hkv, T, D] keys and values, H % Hkv == 0.
+        document_lengths: per batch row, the lengths of its documents in order, summing to T.
+            None means one document per row.
+        sliding_window: a query at i sees keys j with i - window < j <= i (within its document).
+        scale: score scale, default D ** -0.5.
+        softcap: scores become softcap * tanh(scores / softcap) before the softmax.
+        backend: "auto" picks by device (see the module docstring); others force one.
+        compile_flex: run FlexAttention compiled (the only fast way); False for eager checks.
+
+    Returns:
+        [B, H, T, D], the dtype of q.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {_BACKENDS}")
+    batch, heads, seq_len, head_dim = _check_shapes(q, k, v)
+    lengths = _check_document_lengths(document_lengths, batch, seq_len)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive number of tokens, "
+                         f"got {sliding_window}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    scale = head_dim ** -0.5 if scale is None else scale
+    gqa = heads != k.shape[1]
+
+    if backend == "auto":
+        backend = _choose_backend(q.device, lengths, seq_len, sliding_window, softcap)
+    if backend == "causal":
+        if (lengths is not None or softcap is not None
+                or (sliding_window is not None and sliding_window < seq_len)):
+            raise ValueError("backend='causal' needs one document per row, no softcap and no "
+                             "sliding window shorter than the row")
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=gqa)
+    if backend == "split":
+        return _split_attention(q, k, v, lengths, sliding_window, scale, softcap)
+    doc_ids_BT = document_ids(lengths, batch, seq_len, q.device)
+    if backend == "flex":
+        return _flex_attention(q, k, v, doc_ids_BT, sliding_window, scale, softcap, compile_flex)
+    allowed_BTT = _allowed_mask(doc_ids_BT, sliding_window)
+    return _masked_attention(q, k, v, allowed_BTT[:, None], scale, softcap)
+
+
+def document_ids(lengths: list[list[int]] | None, batch: int, seq_len: int,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B, T] int32 tensor: the index of the document each position belongs to (0 everywhere
+    when `lengths` is None)."""
+    if lengths is None:
+        return torch.zeros(batch, seq_len, dtype=torch.int32, device=device)
+    rows = [torch.repeat_interleave(torch.arange(len(row), dtype=torch.int32),
+                                    torch.tensor(row, dtype=torch.int64)) for row in lengths]
+    return torch.stack(rows).to(device)
+
+
+@functools.cache
+def flex_available() -> bool:
+    """Whether this torch build ships FlexAttention."""
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        document_lengths: Sequence[Sequence[int]] | None = None,
+                        sliding_window: int | None = None, scale: float | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
+    """Plain per-document attention for tests and benches: for every row and document, the full
+    score matrix, the causal/window mask and a softmax, computed in float64 then cast back."""
+    batch, heads, seq_len, head_dim = _check_shapes(q, k, v)
+    lengths = _check_document_lengths(document_lengths, batch, seq_len) or [[seq_len]] * batch
+    scale = head_dim ** -0.5 if scale is None else scale
+    group = heads // k.shape[1]
+    rows = []
+    for b, row in enumerate(lengths):
+        docs, start = [], 0
+        for length in row:
+            qd = q[b, :, start:start + length].double()
+            kd = k[b, :, start:start + length].double().repeat_interleave(group, dim=0)
+            vd = v[b, :, start:start + length].double().repeat_interleave(group, dim=0)
+            scores = qd @ kd.transpose(-1, -2) * scale
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            allowed = _causal_window_mask(length, sliding_window, q.device)
+            docs.append(torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1) @ vd)
+            start += length
+        rows.append(torch.cat(docs, dim=1))
+    return torch.stack(rows).to(q.dtype)
+
+
+# --------------------------------------------------------------------------- checks and choice
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"attention expects q [B, H, T, D] and k, v [B, Hkv, T, D]; got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    batch, heads, seq_len, head_dim = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (batch, seq_len, head_dim):
+        raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in B, T or D")
+    if heads % k.shape[1] != 0:
+        raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads "
+                         f"({k.shape[1]})")
+    return batch, heads, seq_len, head_dim
+
+
+def _check_document_lengths(document_lengths: Sequence[Sequence[int]] | None, batch: int,
+                            seq_len: int) -> list[list[int]] | None:
+    """Validated lengths as lists of ints, or None when every row is a single document."""
+    if document_lengths is None:
+        return None
+    if len(document_lengths) != batch:
+        raise ValueError(f"document_lengths has {len(document_lengths)} rows, "
+                         f"the batch has {batch}")
+    lengths = [[int(n) for n in row] for row in document_lengths]
+    for b, row in enumerate(lengths):
+        if any(n < 1 for n in row) or sum(row) != seq_len:
+            raise ValueError(f"document_lengths row {b} must be positive lengths summing to the "
+                             f"sequence length {seq_len}; got {row}")
+    if all(len(row) == 1 for row in lengths):
+        return None
+    return lengths
+
+
+def _choose_backend(device: torch.device, lengths: list[list[int]] | None, seq_len: int,
+                    sliding_window: int | None, softcap: float | None) -> Backend:
+    full_window = sliding_window is None or sliding_window >= seq_len
+    if lengths is None and softcap is None and full_window:
+        return "causal"
+    if device.type == "cuda":
+        return "flex" if flex_available() else "masked_sdpa"
+    return "split"
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def _split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     lengths: list[list[int]] | None, window: int | None, scale: float,
+                     softcap: float | None) -> torch.Tensor:
+    """Per-document attention on `split` pieces (see the module docstring for why `split`)."""
+    seq_len = q.shape[2]
+    if lengths is None or all(row == lengths[0] for row in lengths):
+        row = [seq_len] if lengths is None else lengths[0]
+        return _split_row(q, k, v, row, window, scale, softcap)
+    # Rows split differently: one row at a time (split along B too, for the same backward reason).
+    outs = [_split_row(qb, kb, vb, row, window, scale, softcap)
+            for qb, kb, vb, row in zip(q.split(1), k.split(1), v.split(1), lengths)]
+    return torch.cat(outs, dim=0)
+
+
+def _split_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: list[int],
+               window: int | None, scale: float, softcap: float | None) -> torch.Tensor:
+    """Rows of q/k/v that share one document split `row`."""
+    if len(row) == 1:
+        return _document_attention(q, k, v, window, scale, softcap)
+    outs = [_document_attention(qd, kd, vd, window, scale, softcap)
+            for qd, kd, vd in zip(q.split(row, dim=2), k.split(row, dim=2), v.split(row, dim=2))]
+    return torch.cat(outs, dim=2)
+
+
+def _document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+                        scale: float, softcap: float | None) -> torch.Tensor:
+    """Attention within one document (all of q/k/v's T belongs to it)."""
+    length = q.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    needs_window = window is not None and window < length
+    if softcap is None and not needs_window:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    allowed_TT = _causal_window_mask(length, window, q.device)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_TT, scale=scale,
+                                              enable_gqa=gqa)
+    return _masked_attention(q, k, v, allowed_TT, scale, softcap)
+
+
+def _causal_window_mask(seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[T, T] bool, True where query i may attend key j: j <= i and i - window < j."""
+    pos = torch.arange(seq_len, device=device)
+    allowed_TT = pos[None, :] <= pos[:, None]
+    if window is not None:
+        allowed_TT &= pos[None, :] > pos[:, None] - window
+    return allowed_TT
+
+
+def _allowed_mask(doc_ids_BT: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[B, T, T] bool: causal, in the window, and within the same document."""
+    allowed_TT = _causal_window_mask(doc_ids_BT.shape[1], window, doc_ids_BT.device)
+    return allowed_TT[None] & (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :])
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      allowed: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """Dense masked attention; `allowed` broadcasts to [B, H, T, T]. SDPA without softcap,
+    else an explicit softmax (in fp32, as transformers' eager Gemma path does)."""
+    group = q.shape[1] // k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                              enable_gqa=group > 1)
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
+    return probs.to(v.dtype) @ v
+
+
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids_BT: torch.Tensor,
+                    window: int | None, scale: float, softcap: float | None,
+                    compile_flex: bool) -> torch.Tensor:
+    """FlexAttention with a document/causal/window block mask and an optional softcap score_mod."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    batch, _, seq_len, _ = q.shape
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                 kv_idx: torch.Tensor) -> torch.Tensor:
+        allowed = (kv_idx <= q_idx) & (doc_ids_BT[b, q_idx] == doc_ids_BT[b, kv_idx])
+        if window is not None:
+            allowed = allowed & (kv_idx > q_idx - window)
+        return allowed
+
+    score_mod: Callable | None = None
+    if softcap is not None:
+        cap = float(softcap)
+
+        def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                      kv_idx: torch.Tensor) -> torch.Tensor:
+            return cap * torch.tanh(score / cap)
+
+    block_mask = create_block_mask(mask_mod, batch, None, seq_len, seq_len, device=q.device,
+                                   _compile=compile_flex)
+    run = _compiled_flex() if compile_flex else flex_attention
+    return run(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+               enable_gqa=q.shape[1] != k.shape[1])
+
+
+@functools.cache
+def _compiled_flex() -> Callable:
+    """One compiled FlexAttention per process; torch.compile keeps a specialisation per shape."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)

@@ -1,0 +1,69 @@
+"""Padded vocabularies: masking and sampling that never reach a padding id.
+
+Embedding and LM-head rows are padded to a multiple of 64 (or more) for fast matmuls and even
+sharding; ids >= real_vocab_size do not exist in the tokenizer. Their logits must be -inf before
+any softmax, log-prob or sample, so that they carry no probability and no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["mask_padded_logits", "sample_next_token"]
+
+
+def mask_padded_logits(logits: torch.Tensor, real_vocab_size: int | None) -> torch.Tensor:
+    """Logits [..., V_padded] with the columns >= real_vocab_size set to -inf (a new tensor,
+    differentiable; the input is returned as is when there is no padding)."""
+    padded = logits.shape[-1]
+    if real_vocab_size is None or real_vocab_size == padded:
+        return logits
+    if not 0 < real_vocab_size <= padded:
+        raise ValueError(f"real_vocab_size {real_vocab_size} must be in [1, {padded}] "
+                         f"(the logits have {padded} columns)")
+    is_padding_V = torch.arange(padded, device=logits.device) >= real_vocab_size
+    return logits.masked_fill(is_padding_V, float("-inf"))
+
+
+@torch.no_grad()
+def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
+                      top_k: int | None = None, generator: torch.Generator | None = None, *,
+                      real_vocab_size: int | None = None) -> torch.Tensor:
+    """Draw one token id per row from logits [B, V] (or [V]).
+
+    Order, as in transformers' and vLLM's samplers: padded columns -> -inf, divide by
+    `temperature`, keep the `top_k` largest, keep the smallest set of most likely tokens whose
+    probability reaches `top_p` (the most likely token always stays), renormalise, draw.
+    `temperature == 0` is greedy. `top_k` None or 0 and `top_p == 1` switch those filters off.
+
+    Never returns an id >= real_vocab_size (nor any id whose logit is -inf). Returns int64 with
+    the leading shape of `logits`.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 or None: off), got {top_k}")
+    logits_BV = mask_padded_logits(logits.float(), real_vocab_size)
+    squeeze = logits_BV.dim() == 1
+    if squeeze:
+        logits_BV = logits_BV[None]
+    if temperature == 0:
+        ids_B = logits_BV.argmax(dim=-1)
+        return ids_B[0] if squeeze else ids_B
+    logits_BV = logits_BV / temperature
+    if top_k and top_k < logits_BV.shape[-1]:
+        kth_B1 = logits_BV.topk(top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    if top_p < 1:
+        sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
+        probs_BV = sorted_BV.softmax(dim=-1)
+        mass_before_BV = probs_BV.cumsum(dim=-1) - probs_BV
+        drop_sorted_BV = mass_before_BV >= top_p
+        drop_sorted_BV[:, 0] = False
+        drop_BV = drop_sorted_BV.scatter(-1, order_BV, drop_sorted_BV)
+        logits_BV = logits_BV.masked_fill(drop_BV, float("-inf"))
+    probs_BV = logits_BV.softmax(dim=-1)
+    ids_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+    return ids_B[0] if squeeze else ids_B

@@ -1,0 +1,602 @@
+"""Atomic, sharded, resumable training checkpoints on a local disk or an object store.
+
+One checkpoint is one directory (or s3 prefix) named after its step::
+
+    step-00000042/
+      dcp/               model + optimizer, torch.distributed.checkpoint (DCP), one file per rank
+      meta.json          rank 0: step, saved world size, scheduler state, the caller's `extra`
+      rank-00000.json    per rank: its RNG state (`capture_rng`) and its `rank_extra` (loader state)
+      manifest.json      rank 0, last: every other file with its size and sha256
+
+Model and optimizer go through `get_state_dict`/`set_state_dict`, so the same code saves a plain
+module and an FSDP2 (`fully_shard`) model; each rank writes only its own shards, and DCP reshards
+on load when the number of processes changed. Everything that is not a tensor is JSON.
+
+Atomicity. A save writes into ``step-00000042.tmp-<nonce>/``; after all ranks are done and have
+hashed their share of the files, rank 0 writes the manifest and commits with one ``os.rename``.
+S3 has no rename, so there the files are written in place and the manifest, a single PUT written
+last, is the commit marker: a prefix without a manifest is incomplete and ignored. Either way a
+crash at any point leaves the previous checkpoints untouched, and the next successful save
+deletes what the dead attempt left behind. (One exception: saving a step that already exists as
+a complete checkpoint replaces it, and a crash in that window loses that step, not older ones.)
+DCP writes to s3 directly through its fsspec writer,
+so no local staging copy (and no local disk the size of a shard) is needed.
+
+Loading picks the newest checkpoint whose files match its manifest; a damaged newest checkpoint
+is reported with a warning that names the file, and the previous one is used.
+
+Unpickling. DCP stores its index (``dcp/.metadata``) as a pickle and reads small non-tensor
+values (optimizer hyper-parameters) with ``torch.load(weights_only=False)``. Here the index is
+read with an unpickler that only admits DCP's own metadata classes, and every small value must
+first load with ``weights_only=True``; both files are also checked against the manifest first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import secrets
+import shutil
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fsspec.core import strip_protocol, url_to_fs
+from torch import nn
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from posttrain.errors import ConfigError, PosttrainError
+from posttrain.train.rng import capture_rng, restore_rng as _restore_rng
+
+log = logging.getLogger(__name__)
+
+_FORMAT = 1
+_MANIFEST = "manifest.json"
+_META = "meta.json"
+_DCP = "dcp"
+_STEP_RE = re.compile(r"^step-(\d{8})$")
+_TMP_RE = re.compile(r"^step-\d{8}\.tmp-.+$")
+_HASH_CHUNK = 1 << 20
+
+
+class CheckpointError(PosttrainError):
+    """A checkpoint is missing, incomplete or damaged, or cannot hold what was asked of it."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where checkpoints go and how many survive.
+
+    `dir` is a local directory or an ``s3://bucket/prefix``; `every_steps` is the save interval in
+    optimizer steps (see `CheckpointManager.due`); `keep_last` complete checkpoints are kept.
+    """
+
+    dir: str
+    every_steps: int = 100
+    keep_last: int = 3
+
+    def __post_init__(self):
+        if not self.dir:
+            raise ConfigError("checkpoint.dir: must name a local directory or an s3:// prefix")
+        if self.every_steps < 1:
+            raise ConfigError(f"checkpoint.every_steps: must be >= 1, got {self.every_steps}")
+        if self.keep_last < 1:
+            raise ConfigError(f"checkpoint.keep_last: must be >= 1, got {self.keep_last}")
+
+
+@dataclass
+class Checkpoint:
+    """A complete checkpoint. `meta` is filled by `load` (extra, rank_extra, world_size)."""
+
+    path: str
+    step: int
+    meta: dict = field(default_factory=dict)
+
+
+def _step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def _non_string_key(obj: Any, where: str = "") -> str | None:
+    """The first dict key JSON would silently turn into a string, as a dotted path, or None."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                return f"{where}[{k!r}]"
+            if found := _non_string_key(v, f"{where}.{k}" if where else k):
+                return found
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            if found := _non_string_key(v, f"{where}[{i}]"):
+                return found
+    return None
+
+
+def _to_json(obj: Any, what: str) -> bytes:
+    hint = "checkpoints store non-tensor state as JSON: plain numbers, strings, lists and dicts"
+    try:
+        blob = json.dumps(obj, sort_keys=True, allow_nan=True).encode("utf-8")
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{what} is not JSON-serializable ({e}); {hint}") from None
+    if key := _non_string_key(obj):
+        raise CheckpointError(f"{what} has a non-string dict key at {key}, which JSON would turn "
+                              f"into a string; {hint} with string keys")
+    return blob
+
+
+class _Store:
+    """The few file operations a checkpoint needs, on a local directory or through fsspec."""
+
+    def __init__(self, root: str, storage_options: dict):
+        self.remote = "://" in root and not root.startswith("file://")
+        self.storage_options = storage_options
+        if self.remote:
+            self.protocol = root.split("://", 1)[0]
+            self.fs, self.root = url_to_fs(root, **storage_options)
+            self.root = self.root.rstrip("/")
+        else:
+            self.fs = None
+            self.root = os.path.abspath(root.removeprefix("file://"))
+
+    def join(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def uri(self, path: str) -> str:
+        return f"{self.protocol}://{path}" if self.remote else path
+
+    def strip(self, uri: str) -> str:
+        return strip_protocol(uri).rstrip("/") if self.remote else os.path.abspath(uri)
+
+    def write(self, path: str, data: bytes) -> None:
+        if self.remote:
+            self.fs.pipe_file(path, data)
+            return
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self, path: str) -> bytes:
+        if self.remote:
+            return self.fs.cat_file(path)
+        with open(path, "rb") as f:
+            return f.read()
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path) if self.remote else os.path.exists(path)
+
+    def size(self, path: str) -> int:
+        return self.fs.size(path) if self.remote else os.path.getsize(path)
+
+    def sha256(self, path: str) -> str:
+        h = hashlib.sha256()
+        with (self.fs.open(path, "rb") if self.remote else open(path, "rb")) as f:
+            while chunk := f.read(_HASH_CHUNK):
+                h.update(chunk)
+        return h.hexdigest()
+
+    def listdir(self) -> list[str]:
+        """Names directly under the root ([] when it does not exist yet)."""
+        if not self.remote:
+            return sorted(os.listdir(self.root)) if os.path.isdir(self.root) else []
+        self.fs.invalidate_cache()
+        try:
+            found = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found)
+
+    def files(self, path: str) -> list[str]:
+        """Every file under `path`, relative to it, sorted."""
+        if self.remote:
+            self.fs.invalidate_cache()
+            return sorted(p[len(path) + 1:] for p in self.fs.find(path))
+        out = []
+        for d, _, names in os.walk(path):
+            out += [os.path.relpath(os.path.join(d, n), path).replace(os.sep, "/") for n in names]
+        return sorted(out)
+
+    def makedirs(self, path: str) -> None:
+        if not self.remote:
+            os.makedirs(path, exist_ok=True)
+
+    def remove_tree(self, path: str) -> None:
+        """Delete a checkpoint so that no crash leaves it looking complete: manifest first."""
+        if not self.remote:
+            shutil.rmtree(path, ignore_errors=True)
+            return
+        for victim in (f"{path}/{_MANIFEST}", path):
+            try:
+                self.fs.rm(victim, recursive=victim == path)
+            except FileNotFoundError:
+                pass
+
+    def commit(self, work: str, final: str, nonce: str) -> None:
+        """Local: move the finished directory into place atomically. Remote: nothing to do."""
+        if self.remote:
+            return
+        if os.path.exists(final):  # a step saved again, e.g. after falling back past a bad one
+            os.rename(final, f"{final}.tmp-{nonce}-replaced")
+        os.rename(work, final)
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def dcp_writer(self, path: str):
+        if self.remote:
+            return FsspecWriter(self.uri(path), sync_files=False, **self.storage_options)
+        return dcp.FileSystemWriter(path, sync_files=True)
+
+    def dcp_reader(self, path: str):
+        if self.remote:
+            return _SafeFsspecReader(self.uri(path), **self.storage_options)
+        return _SafeFileSystemReader(path)
+
+
+# --- restricted reading of DCP's own pickles -----------------------------------------------------
+
+# Everything a DCP index pickle names (torch 2.13): its metadata dataclasses and enums, the
+# filesystem's storage record, sizes, dtypes, layouts and paths. No function that does I/O.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"), ("torch", "Size"), ("collections", "OrderedDict"),
+    ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+}
+
+
+_TORCH_ENUMS = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        found = super().find_class(module, name) if module.startswith(("torch", "pathlib",
+                                                                        "collections")) else None
+        if (module, name) in _METADATA_GLOBALS:
+            return found
+        if module == "torch.distributed.checkpoint.metadata" and isinstance(found, type):
+            return found
+        if module == "torch" and isinstance(found, _TORCH_ENUMS):
+            return found
+        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which a checkpoint "
+                                     "index never needs; refusing to load it")
+
+
+def _safe_read_metadata(reader, *args, **kwargs):
+    path = reader.fs.concat_path(reader.path, ".metadata")
+    with reader.fs.create_stream(path, "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = reader.load_id
+    return metadata
+
+
+class _SafeFileSystemReader(dcp.FileSystemReader):
+    read_metadata = _safe_read_metadata
+
+
+class _SafeFsspecReader(FsspecReader):
+    read_metadata = _safe_read_metadata
+
+
+class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's planner, but a non-tensor value must load with weights_only=True first."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        torch.load(value, weights_only=True)  # raises on anything but plain data
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+# --- the manager ---------------------------------------------------------------------------------
+
+class CheckpointManager:
+    """Saves, lists, verifies and loads the checkpoints under `cfg.dir`.
+
+    With `world_size > 1`, `save` and `load` are collectives: every rank calls them, in the same
+    order, with a torch.distributed process group initialized (with NCCL, after
+    `torch.cuda.set_device`, since small Python objects travel through `all_gather_object`).
+    The directory must be shared by all ranks (a shared file system or s3).
+    """
+
+    def __init__(self, cfg: CheckpointConfig, *, rank: int = 0, world_size: int = 1,
+                 storage_options: dict | None = None):
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"CheckpointManager: rank {rank} is outside world_size {world_size}")
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self._store = _Store(cfg.dir, dict(storage_options or {}))
+
+    def due(self, step: int) -> bool:
+        """Whether `step` is a save step under `cfg.every_steps`."""
+        return step > 0 and step % self.cfg.every_steps == 0
+
+    # -- collectives ----------------------------------------------------------------------------
+
+    def _check_group(self) -> None:
+        if self.world_size == 1:
+            return
+        if not dist.is_initialized():
+            raise ConfigError(f"CheckpointManager: world_size={self.world_size} needs an "
+                              "initialized torch.distributed process group")
+        if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
+            raise ConfigError(f"CheckpointManager: rank/world_size {self.rank}/{self.world_size} "
+                              f"disagree with the process group's {dist.get_rank()}/"
+                              f"{dist.get_world_size()}")
+
+    def _gather(self, obj: Any) -> list:
+        if self.world_size == 1:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    @contextmanager
+    def _quiet_single_process(self):
+        # DCP warns that it assumes one process even when told so with no_dist=True.
+        with warnings.catch_warnings():
+            if self.world_size == 1:
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    # -- save -----------------------------------------------------------------------------------
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
+             scheduler=None, extra: dict | None = None, rank_extra: dict | None = None) -> str:
+        """Write checkpoint `step` atomically, prune to `keep_last`, and return its path."""
+        self._check_group()
+        if step < 0:
+            raise ValueError(f"checkpoint step must be >= 0, got {step}")
+        try:
+            rank_blob = _to_json({"rank": self.rank, "rng": capture_rng(), "extra": rank_extra},
+                                 f"rank_extra (rank {self.rank})")
+            meta_blob = b""
+            if self.rank == 0:
+                sched_sd = None if scheduler is None else scheduler.state_dict()
+                _to_json(extra, "extra")
+                _to_json(sched_sd, "scheduler.state_dict()")
+                meta_blob = _to_json({"format": _FORMAT, "step": step,
+                                      "world_size": self.world_size,
+                                      "has_optimizer": optimizer is not None,
+                                      "scheduler": sched_sd, "extra": extra}, "meta")
+            problem = None
+        except CheckpointError as e:
+            problem = str(e)
+        # One collective agrees on the attempt's nonce and fails every rank if any input is bad.
+        answers = self._gather((problem, secrets.token_hex(6)))
+        if bad := [p for p, _ in answers if p]:
+            raise CheckpointError(bad[0])
+        nonce = answers[0][1]
+
+        name = _step_name(step)
+        final = self._store.join(name)
+        work = final if self._store.remote else self._store.join(f"{name}.tmp-{nonce}")
+        if self.rank == 0:
+            if self._store.remote:
+                self._store.remove_tree(final)  # a dead attempt at this step, or a replaced one
+            self._store.makedirs(work)
+        self._barrier()
+
+        state = self._state_dict(model, optimizer)
+        with self._quiet_single_process():
+            dcp.save(state, storage_writer=self._store.dcp_writer(f"{work}/{_DCP}"),
+                     no_dist=self.world_size == 1)
+        _write_file(self._store, f"{work}/{_rank_file(self.rank)}", rank_blob)
+        if self.rank == 0:
+            _write_file(self._store, f"{work}/{_META}", meta_blob)
+        self._barrier()
+
+        # Each rank hashes a share of the files, so no rank reads the whole checkpoint.
+        names = [n for n in self._store.files(work) if n != _MANIFEST]
+        mine = {n: {"size": self._store.size(f"{work}/{n}"),
+                    "sha256": self._store.sha256(f"{work}/{n}")}
+                for n in names[self.rank::self.world_size]}
+        shares = self._gather(mine)
+        if self.rank == 0:
+            files = {k: v for share in shares for k, v in share.items()}
+            assert sorted(files) == names, "every file must be hashed by exactly one rank"
+            manifest = {"format": _FORMAT, "step": step, "world_size": self.world_size,
+                        "files": files}
+            _write_file(self._store, f"{work}/{_MANIFEST}", _to_json(manifest, "manifest"))
+            self._store.commit(work, final, nonce)
+            self._prune()
+        self._barrier()
+        return self._store.uri(final)
+
+    def _state_dict(self, model: nn.Module, optimizer) -> dict:
+        if optimizer is None:
+            return {"model": get_model_state_dict(model)}
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _prune(self) -> None:
+        complete = self._complete_names()
+        for name in complete[:-self.cfg.keep_last]:
+            victim = self._store.join(name)
+            if not self._store.remote:  # out of the listing at once, then deleted
+                hidden = f"{victim}.tmp-pruned-{secrets.token_hex(4)}"
+                os.rename(victim, hidden)
+                victim = hidden
+            self._store.remove_tree(victim)
+        keep = set(complete)
+        for name in self._store.listdir():
+            # Saves are synchronous, so after a commit every other unfinished directory is dead.
+            if _TMP_RE.match(name) or (_STEP_RE.match(name) and name not in keep):
+                dead = self._store.join(name)
+                log.info("removing unfinished checkpoint attempt %s", self._store.uri(dead))
+                self._store.remove_tree(dead)
+
+    # -- list / verify --------------------------------------------------------------------------
+
+    def _complete_names(self) -> list[str]:
+        names = [n for n in self._store.listdir() if _STEP_RE.match(n)]
+        return [n for n in names if self._store.exists(self._store.join(n, _MANIFEST))]
+
+    def list(self) -> list[Checkpoint]:
+        """Complete checkpoints (those with a manifest), oldest first. Not verified."""
+        return [Checkpoint(path=self._store.uri(self._store.join(n)),
+                           step=int(_STEP_RE.match(n)[1])) for n in self._complete_names()]
+
+    def latest(self) -> Checkpoint | None:
+        """The newest complete checkpoint, or None. Not verified; `load` verifies."""
+        found = self.list()
+        return found[-1] if found else None
+
+    def verify(self, path: str) -> None:
+        """Check every file of the checkpoint at `path` against its manifest.
+
+        Raises CheckpointError naming the file: manifest missing or unreadable, a listed file
+        missing, or its size or sha256 different from the manifest's.
+        """
+        root = self._store.strip(path)
+        files = self._read_manifest(root)
+        for name in sorted(files):
+            self._verify_file(root, name, files[name])
+
+    def _read_manifest(self, root: str) -> dict:
+        where = self._store.uri(f"{root}/{_MANIFEST}")
+        try:
+            manifest = json.loads(self._store.read(f"{root}/{_MANIFEST}"))
+            files = manifest["files"]
+            assert isinstance(files, dict) and manifest["format"] == _FORMAT
+        except FileNotFoundError:
+            raise CheckpointError(f"{where}: manifest missing; the checkpoint is incomplete") \
+                from None
+        except (ValueError, KeyError, TypeError, AssertionError) as e:
+            raise CheckpointError(f"{where}: unreadable manifest ({type(e).__name__}: {e})") \
+                from None
+        return files
+
+    def _verify_file(self, root: str, name: str, want: dict) -> None:
+        where = self._store.uri(f"{root}/{name}")
+        path = f"{root}/{name}"
+        if not self._store.exists(path):
+            raise CheckpointError(f"{where}: file missing (listed in the manifest)")
+        size = self._store.size(path)
+        if size != want["size"]:
+            raise CheckpointError(f"{where}: size mismatch, {size} bytes but the manifest says "
+                                  f"{want['size']}")
+        digest = self._store.sha256(path)
+        if digest != want["sha256"]:
+            raise CheckpointError(f"{where}: sha256 mismatch, file has {digest} but the manifest "
+                                  f"says {want['sha256']}")
+
+    def _verify_collective(self, root: str) -> CheckpointError | None:
+        """Verify with every rank checking a share of the files; all ranks get the same answer."""
+        problem = None
+        try:
+            files = self._read_manifest(root)
+            for name in sorted(files)[self.rank::self.world_size]:
+                self._verify_file(root, name, files[name])
+        except CheckpointError as e:
+            problem = str(e)
+        problems = [p for p in self._gather(problem) if p]
+        return CheckpointError(problems[0]) if problems else None
+
+    # -- load -----------------------------------------------------------------------------------
+
+    def load(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+             scheduler=None, path: str | None = None,
+             restore_rng: bool = True) -> Checkpoint | None:
+        """Load into `model`/`optimizer`/`scheduler` in place and restore this rank's RNG.
+
+        `path=None` takes the newest checkpoint that verifies, warning about and skipping damaged
+        newer ones; returns None when there is none. An explicit `path` that fails verification
+        raises CheckpointError. `meta` of the result holds `extra`, this rank's `rank_extra`
+        (None when this rank did not exist at save time), the saved `world_size` and
+        `world_size_changed`.
+        """
+        self._check_group()
+        if path is not None:
+            root = self._store.strip(path)
+            if err := self._verify_collective(root):
+                raise err
+            return self._load_from(root, model, optimizer, scheduler, restore_rng)
+        # Rank 0's listing decides, so all ranks walk the same candidates.
+        candidates = self._gather(self._complete_names() if self.rank == 0 else None)[0]
+        for name in reversed(candidates):
+            root = self._store.join(name)
+            err = self._verify_collective(root)
+            if err is None:
+                return self._load_from(root, model, optimizer, scheduler, restore_rng)
+            if self.rank == 0:
+                log.warning("checkpoint %s is damaged and will not be loaded: %s; falling back to "
+                            "the previous checkpoint", self._store.uri(root), err)
+        return None
+
+    def _load_from(self, root: str, model, optimizer, scheduler, restore_rng: bool) -> Checkpoint:
+        uri = self._store.uri(root)
+        meta = json.loads(self._store.read(f"{root}/{_META}"))
+        saved_ws = meta["world_size"]
+        if optimizer is not None and not meta["has_optimizer"]:
+            raise CheckpointError(f"{uri}: holds no optimizer state, but load was given an "
+                                  "optimizer")
+        if scheduler is not None and meta["scheduler"] is None:
+            raise CheckpointError(f"{uri}: holds no scheduler state, but load was given a "
+                                  "scheduler")
+
+        state = self._state_dict(model, optimizer)
+        with self._quiet_single_process():
+            dcp.load(state, storage_reader=self._store.dcp_reader(f"{root}/{_DCP}"),
+                     planner=_SafeLoadPlanner(), no_dist=self.world_size == 1)
+        if optimizer is None:
+            set_model_state_dict(model, state["model"])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        if scheduler is not None:
+            scheduler.load_state_dict(meta["scheduler"])
+
+        rank_state = None
+        if self.rank < saved_ws:
+            rank_state = json.loads(self._store.read(f"{root}/{_rank_file(self.rank)}"))
+        if restore_rng:
+            if rank_state is not None:
+                _restore_rng(rank_state["rng"])
+            else:
+                log.warning("%s: rank %d did not exist in the saved world of %d; its RNG is not "
+                            "restored", uri, self.rank, saved_ws)
+        changed = saved_ws != self.world_size
+        if changed and self.rank == 0:
+            log.warning("%s was saved by %d processes and is loaded by %d: model and optimizer are "
+                        "resharded; per-rank state (rank_extra, RNG) exists only for ranks < %d",
+                        uri, saved_ws, self.world_size, saved_ws)
+        return Checkpoint(path=uri, step=meta["step"], meta={
+            "extra": meta["extra"],
+            "rank_extra": None if rank_state is None else rank_state["extra"],
+            "world_size": saved_ws,
+            "world_size_changed": changed,
+        })
+
+
+def _write_file(store: _Store, path: str, data: bytes) -> None:
+    """All non-DCP checkpoint files go through here (tests interrupt saves at this point)."""
+    store.write(path, data)

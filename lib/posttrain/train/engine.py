@@ -1,0 +1,279 @@
+"""The per-rank training engine shared by SFT, DPO and distillation.
+
+One `Engine` lives in each trainer process (a Ray actor, a spawned process, or inline). It
+builds the model the sharded way, owns the optimizer, scheduler and checkpoints, and runs one
+optimizer step over the micro-batches it is given:
+
+    build:  meta model (HF config) -> LoRA -> parallelize (TP, AC, compile, FSDP2) over the
+            loss module -> to_empty -> stream the HF tensors, each rank keeping its shard
+    step:   for each micro-batch: loss_sum(batch) * world / N_global -> backward
+            clip grad norm -> optimizer.step -> scheduler.step -> zero_grad
+
+`N_global` is the number of loss tokens in the whole step across ranks, so the gradient is
+the one of a single big batch however the step is split (FSDP averages gradients over ranks,
+hence the `* world`). The engine never sees a data loader: the recipe's worker decides which
+micro-batches this rank gets, so the data rule lives in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from posttrain.distributed.env import build_mesh, get_device
+from posttrain.distributed.materialize import materialize
+from posttrain.distributed.parallelize import ParallelConfig, count_params, parallelize
+from posttrain.errors import ConfigError
+from posttrain.models.args import ModelArgs
+from posttrain.models.hf_io import iter_hf_tensors, load_hf
+from posttrain.models.transformer import Transformer
+from posttrain.train.checkpoint import CheckpointConfig, CheckpointManager
+from posttrain.train.optim import (OptimizerConfig, SchedulerConfig, build_optimizer,
+                                   build_scheduler)
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class ModelInitConfig:
+    """A random model from a config (tests and the bundled tiny run): never downloads."""
+
+    family: str
+    overrides: dict[str, Any] = field(default_factory=dict)   # HF config fields
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hf_dir: str | None = None                 # local HF checkpoint directory
+    init: ModelInitConfig | None = None       # or a random init from a config
+    dtype: Literal["float32", "bfloat16"] = "float32"     # master weights
+    vocab_multiple: int = 64
+    lora: LoraSettings | None = None
+    loss_chunk_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if (self.hf_dir is None) == (self.init is None):
+            raise ValueError("model: set exactly one of hf_dir (a checkpoint) or init "
+                             "(a random model from a config)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_steps: int
+    optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    grad_clip_norm: float = 1.0
+    seed: int = 0
+    checkpoint_every_steps: int = 50
+    keep_checkpoints: int = 2
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1:
+            raise ValueError("max_steps must be at least 1")
+        if self.grad_clip_norm < 0:
+            raise ValueError("grad_clip_norm must be >= 0 (0 disables clipping)")
+
+
+class CausalLMLoss(nn.Module):
+    """The FSDP root: its forward runs the model and the chunked loss (sum over targets).
+
+    The LM head weight is read directly by the chunked loss, so under FSDP2 the loss must be
+    computed inside the root's forward, where the root's parameters are gathered.
+    """
+
+    def __init__(self, model: Transformer, chunk_tokens: int = 1024):
+        super().__init__()
+        self.model = model
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                position_ids: torch.Tensor | None = None,
+                document_lengths: list[list[int]] | None = None) -> torch.Tensor:
+        from posttrain.losses.sft import sft_loss_sum
+        hidden = self.model(input_ids, position_ids, document_lengths)
+        head = self.model.head
+        return sft_loss_sum(hidden, head.weight, labels, real_vocab_size=head.real_vocab_size,
+                            chunk_tokens=self.chunk_tokens, softcap=getattr(head, "softcap", None))
+
+
+def _lora_module():
+    from posttrain.models import lora
+    return lora
+
+
+class Engine:
+    """Model + optimizer + scheduler + checkpoints of one rank (see the module docstring)."""
+
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, hf_dir: str, run_dir: str,
+                 *, loss_factory: Callable[[Transformer], nn.Module] | None = None):
+        self.model_cfg, self.cfg = model_cfg, cfg
+        self.hf_dir, self.run_dir = hf_dir, run_dir
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.device = get_device()
+        torch.manual_seed(cfg.seed)
+        self.model, self.root = self._build(loss_factory or (
+            lambda m: CausalLMLoss(m, model_cfg.loss_chunk_tokens)))
+        self.args: ModelArgs = self.model.args
+        self.optimizer = build_optimizer(self.root, cfg.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.max_steps, cfg.scheduler)
+        self.checkpoints = CheckpointManager(
+            CheckpointConfig(dir=f"{run_dir.rstrip('/')}/checkpoints",
+                             every_steps=cfg.checkpoint_every_steps,
+                             keep_last=cfg.keep_checkpoints),
+            rank=self.rank, world_size=self.world)
+        self.step = 0
+        self.num_params = count_params(self.model)
+        self.num_trainable = count_params(self.model, trainable_only=True)
+
+    # ------------------------------------------------------------------ build
+    def _build(self, loss_factory) -> tuple[Transformer, nn.Module]:
+        mcfg = self.model_cfg
+        model = load_hf(self.hf_dir, on_meta=True, param_filter=lambda name: False,
+                        vocab_multiple=mcfg.vocab_multiple)
+        if mcfg.lora is not None:
+            lora = _lora_module()
+            lcfg = lora.LoraConfig(rank=mcfg.lora.rank, alpha=mcfg.lora.alpha,
+                                   dropout=mcfg.lora.dropout, targets=mcfg.lora.targets)
+            lora.apply_lora(model, lcfg)
+        root = loss_factory(model)
+        if self.world > 1:
+            mesh = build_mesh(self.cfg.parallel.dp_shard, self.cfg.parallel.tp)
+            root = parallelize(model, mesh, self.cfg.parallel, root=root)
+        dtype = _DTYPES[mcfg.dtype]
+        tensors = ((name, t.to(dtype)) for name, t in iter_hf_tensors(self.hf_dir, model.args))
+        materialize(root, self.device, tensors, prefix="model.",
+                    init_missing=self._init_missing)
+        model.tie_weights()
+        return model, root
+
+    def _init_missing(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """Deterministic init of parameters the checkpoint lacks (LoRA adapters)."""
+        lora = _lora_module()
+        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + _stable_hash(name))
+        return lora.adapter_init_tensor(name, tuple(param.shape), gen)
+
+    # ------------------------------------------------------------------ train
+    def train_step(self, micro_batches: list[dict], global_loss_tokens: int) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches; returns global metrics."""
+        self.root.train()
+        t0 = time.perf_counter()
+        local_loss = torch.zeros((), dtype=torch.float64)
+        scale = self.world / max(global_loss_tokens, 1)
+        for batch in micro_batches:
+            loss_sum = self.root(batch["input_ids"].to(self.device),
+                                 batch["labels"].to(self.device),
+                                 batch["position_ids"].to(self.device),
+                                 batch["document_lengths"])
+            (loss_sum * scale).backward()
+            local_loss += loss_sum.detach().double().cpu()
+        if not micro_batches and self.world > 1:
+            self._zero_contribution()
+        grad_norm = self._clip()
+        self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        loss_total = all_reduce_sum(local_loss.item())
+        return {"step": self.step, "loss": loss_total / max(global_loss_tokens, 1),
+                "grad_norm": grad_norm, "lr": lr, "step_time_s": time.perf_counter() - t0}
+
+    def _zero_contribution(self) -> None:
+        raise ConfigError("a rank got no micro-batch in a step: tokens_per_step must give "
+                          "every rank at least one micro-batch")
+
+    def _clip(self) -> float:
+        params = [p for p in self.root.parameters() if p.grad is not None]
+        max_norm = self.cfg.grad_clip_norm or math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    @torch.no_grad()
+    def eval_loss_sum(self, batch: dict) -> float:
+        self.root.eval()
+        out = self.root(batch["input_ids"].to(self.device), batch["labels"].to(self.device),
+                        batch["position_ids"].to(self.device), batch["document_lengths"])
+        return float(out)
+
+    # ------------------------------------------------------------------ state
+    def save_checkpoint(self, extra: dict, rank_extra: dict | None = None) -> str:
+        return self.checkpoints.save(self.step, self.root, self.optimizer,
+                                     scheduler=self.scheduler, extra={**extra, "step": self.step},
+                                     rank_extra=rank_extra)
+
+    def load_checkpoint(self) -> dict | None:
+        """Restore the newest valid checkpoint; returns its `extra` (None = fresh start)."""
+        ckpt = self.checkpoints.load(self.root, self.optimizer, scheduler=self.scheduler)
+        if ckpt is None:
+            return None
+        self.step = int(ckpt.meta["extra"]["step"])
+        log.info("resumed from %s at step %d", ckpt.path, self.step)
+        return {**ckpt.meta["extra"], "rank_extra": ckpt.meta.get("rank_extra")}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Native-named full weights on rank 0 ({} elsewhere); a collective."""
+        from posttrain.distributed.parallelize import gather_full_state_dict
+        sd = gather_full_state_dict(self.root)
+        return {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
+
+
+def all_reduce_sum(value: float) -> float:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def _stable_hash(text: str) -> int:
+    h = 0
+    for ch in text.encode():
+        h = (h * 131 + ch) % 1_000_000_007
+    return h
+
+
+def write_random_hf_model(init: ModelInitConfig, vocab_size: int, out_dir: str | Path,
+                          tokenizer_dir: str | None = None) -> str:
+    """Create a random HF checkpoint from a tiny config (deterministic for `init.seed`)."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.models.verify import tiny_hf_config
+    out = Path(out_dir)
+    if (out / "config.json").is_file():
+        return str(out)
+    config = tiny_hf_config(init.family, **{"initializer_range": 0.02, "vocab_size": vocab_size,
+                                            **init.overrides})
+    torch.manual_seed(init.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    if tokenizer_dir:
+        import shutil
+        for f in Path(tokenizer_dir).iterdir():
+            if f.is_file():
+                shutil.copy2(f, tmp / f.name)
+    tmp.rename(out)
+    return str(out)

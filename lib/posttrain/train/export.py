@@ -1,0 +1,57 @@
+"""Export trained weights as a Hugging Face checkpoint: full, merged LoRA, or a PEFT adapter.
+
+Input is the gathered full state dict (native names, on rank 0). The native model is rebuilt
+on the meta device and the tensors are assigned without copies, then written with the family
+bridge's original HF names, shapes and dtypes (`posttrain.models.hf_io.save_hf`), the tokenizer
+files alongside, so `transformers.AutoModelForCausalLM.from_pretrained` and vLLM load it as is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from posttrain.models.args import ModelArgs
+from posttrain.models.hf_io import save_hf
+from posttrain.models.transformer import build_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def model_from_state(state: dict[str, torch.Tensor], args: ModelArgs, lora=None):
+    """A CPU native model holding `state` (LoRA modules applied first when `lora` is given)."""
+    model = build_model(args, device="meta")
+    if lora is not None:
+        from posttrain.models import lora as lora_lib
+        lora_lib.apply_lora(model, lora_lib.LoraConfig(rank=lora.rank, alpha=lora.alpha,
+                                                       dropout=lora.dropout,
+                                                       targets=tuple(lora.targets)))
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    tied = {"head.weight"} if args.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"export: state dict does not match the model: missing "
+                           f"{sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")
+    model.tie_weights()
+    return model
+
+
+def export_hf(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str, *,
+              fmt: Literal["full", "merged", "peft"] = "full", lora=None,
+              tokenizer_dir: str | None = None, dtype: str | None = None,
+              base_dir: str | None = None) -> str:
+    model = model_from_state(state, args, lora)
+    torch_dtype = _DTYPES[dtype] if dtype else None
+    out = Path(out_dir)
+    if fmt == "full":
+        save_hf(model, out, tokenizer_dir=tokenizer_dir, dtype=torch_dtype)
+    elif fmt == "merged":
+        from posttrain.models import lora as lora_lib
+        lora_lib.save_merged_hf(model, out, tokenizer_dir=tokenizer_dir, dtype=torch_dtype)
+    elif fmt == "peft":
+        from posttrain.models import lora as lora_lib
+        lora_lib.save_peft_adapter(model, out, base_model_name_or_path=str(base_dir))
+    else:
+        raise ValueError(f"unknown export format {fmt!r}")
+    return str(out)

@@ -1,0 +1,137 @@
+"""Training metrics: real tokens/s, padding fraction, MFU, memory; JSONL and a progress bar.
+
+MFU = achieved model FLOPs / peak FLOPs. Model FLOPs per token come from the model layer
+(`posttrain.models.flops`); "achieved" counts real tokens only (padding excluded), so packing
+and padding compare honestly. The peak is taken from a table of dense bf16 tensor-core figures
+for common accelerators, or measured once on CPUs with a matmul probe (what this machine can
+actually do with the dtype, not a datasheet number).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from vendor datasheets.
+PEAK_BF16_TFLOPS: dict[str, float] = {
+    "H200": 989.0, "H100 SXM": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0,
+    "H800": 989.0, "GH200": 989.0, "B200": 2250.0, "B100": 1750.0, "A100": 312.0,
+    "A800": 312.0, "L40S": 362.0, "L40": 181.0, "L4": 121.0, "A10G": 70.0, "A10": 125.0,
+    "RTX 4090": 165.0, "RTX 6000 Ada": 364.0, "MI300X": 1307.0, "MI250X": 383.0,
+}
+
+
+def device_peak_flops(device: torch.device | str | None = None,
+                      dtype: torch.dtype = torch.bfloat16) -> tuple[float, str]:
+    """(peak FLOP/s, how it was obtained) for `device`."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
+            if key.lower() in name.lower():
+                return PEAK_BF16_TFLOPS[key] * 1e12, f"table:{key}"
+        return measure_matmul_flops(device, dtype), f"measured:{name}"
+    return measure_matmul_flops(device, torch.float32 if dtype == torch.bfloat16 else dtype), \
+        f"measured:cpu:{torch.get_num_threads()}threads"
+
+
+_MEASURED: dict[tuple[str, torch.dtype], float] = {}
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024,
+                         repeats: int = 5) -> float:
+    """Best-of-`repeats` square-matmul FLOP/s: the practical peak of this device and dtype."""
+    key = (str(device), dtype)
+    if key not in _MEASURED:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        a @ b
+        best = float("inf")
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            a @ b
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        _MEASURED[key] = 2 * n**3 / best
+    return _MEASURED[key]
+
+
+def peak_memory_bytes(device: torch.device | None = None) -> int:
+    """Peak accelerator memory on CUDA, else the process's peak resident set size."""
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+@dataclass
+class Throughput:
+    """Accumulates tokens between two logging points."""
+
+    real_tokens: int = 0
+    pad_tokens: int = 0
+    loss_tokens: int = 0
+    started: float = 0.0
+
+    def reset(self) -> None:
+        self.real_tokens = self.pad_tokens = self.loss_tokens = 0
+        self.started = time.perf_counter()
+
+    def add(self, batch: dict[str, Any]) -> None:
+        self.real_tokens += int(batch["num_real_tokens"])
+        self.pad_tokens += int(batch["num_pad_tokens"])
+        self.loss_tokens += int(batch["num_loss_tokens"])
+
+    def summary(self, flops_per_token: float, peak_flops: float, world_size: int = 1) -> dict:
+        seconds = max(time.perf_counter() - self.started, 1e-9)
+        total = self.real_tokens + self.pad_tokens
+        tps = self.real_tokens / seconds
+        return {"real_tokens_per_s": tps, "real_tokens_per_s_per_device": tps / world_size,
+                "padding_fraction": self.pad_tokens / total if total else 0.0,
+                "mfu": tps * flops_per_token / (peak_flops * world_size) if peak_flops else 0.0,
+                "interval_s": seconds}
+
+
+class MetricsWriter:
+    """Appends one JSON object per line; optional TensorBoard mirror."""
+
+    def __init__(self, path: str | Path | None, tensorboard_dir: str | None = None):
+        self.path = Path(path) if path else None
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tb = None
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("metrics.tensorboard_dir is set but tensorboard is not "
+                                  "installed: pip install tensorboard") from e
+            self._tb = SummaryWriter(tensorboard_dir)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.path:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record, default=float) + "\n")
+        if self._tb is not None:
+            step = int(record.get("step", 0))
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,172 @@
+"""Native Qwen3 / Llama 3.x / Gemma 3 against transformers, and the module-name contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from posttrain.errors import ConfigError
+from posttrain.models import ModelArgs, build_model, load_hf
+from posttrain.models.transformer import FeedForward
+from posttrain.models.verify import tiny_hf_config, verify
+
+FAMILIES = ("qwen3", "llama", "gemma3")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers_unpacked_and_packed(family: str) -> None:
+    report = verify((family, {}), seq_len=32, batch=2, packed=True, atol=1e-4, seed=3)
+    assert report["passed"], report
+    assert report["unpacked"]["max_abs_diff"] <= 1e-4
+    assert report["packed"]["max_abs_diff"] <= 1e-4
+    assert report["unpacked"]["kl_max"] < 1e-9
+    assert any(len(row) > 1 for row in report["packed"]["document_lengths"])
+
+
+def test_gemma3_sliding_window_shorter_than_sequence_mixed_layers() -> None:
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention"]
+    config = {"num_hidden_layers": 3, "layer_types": layer_types, "sliding_window": 5,
+              "final_logit_softcapping": None}
+    report = verify(("gemma3", config), seq_len=40, batch=2, packed=True, seed=1)
+    assert report["passed"], report
+    args = ModelArgs.from_hf_config(tiny_hf_config("gemma3", **config).to_dict())
+    assert args.sliding_window == 5 and args.layer_types == tuple(layer_types)
+    assert args.rope_local_theta == 10_000.0 and args.rope_scaling["rope_type"] == "linear"
+
+
+def test_qwen3_sliding_window_layers() -> None:
+    config = {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}
+    report = verify(("qwen3", config), seq_len=24, batch=2, packed=True, seed=4)
+    assert report["passed"], report
+
+
+def test_sdpa_reference_also_matches() -> None:
+    report = verify(("gemma3", {}), seq_len=24, batch=1, attn_implementation="sdpa")
+    assert report["passed"], report
+
+
+def test_legacy_config_spellings_read_like_v5() -> None:
+    """v4 config.json files carry rope_theta / rope_scaling / rope_local_base_freq."""
+    legacy_llama = {"model_type": "llama", "vocab_size": 250, "hidden_size": 64,
+                    "intermediate_size": 128, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 500000.0,
+                    "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 64}}
+    args = ModelArgs.from_hf_config(legacy_llama)
+    assert args.rope_theta == 500000.0 and args.head_dim == 16
+    assert args.rope_scaling["rope_type"] == "llama3" and args.rope_scaling["factor"] == 8.0
+    legacy_gemma = {"model_type": "gemma3_text", "vocab_size": 250, "hidden_size": 64,
+                    "intermediate_size": 128, "num_hidden_layers": 6,
+                    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
+                    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                    "sliding_window": 512, "sliding_window_pattern": 6,
+                    "query_pre_attn_scalar": 16}
+    g = ModelArgs.from_hf_config(legacy_gemma)
+    assert (g.rope_theta, g.rope_local_theta) == (1_000_000.0, 10_000.0)
+    assert g.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert g.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    assert g.norm_offset and g.sandwich_norm and g.embed_scale and g.qk_norm
+
+
+def test_unsupported_configs_fail_with_a_message() -> None:
+    with pytest.raises(ConfigError, match="model_type 'mistral'"):
+        ModelArgs.from_hf_config({"model_type": "mistral"})
+    with pytest.raises(ConfigError, match="multimodal"):
+        ModelArgs.from_hf_config({"model_type": "gemma3", "text_config": {}})
+    cfg = tiny_hf_config("llama", rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                    "rope_theta": 1e4}).to_dict()
+    with pytest.raises(ConfigError, match="rope_type 'yarn'"):
+        build_model(ModelArgs.from_hf_config(cfg))
+
+
+def _native(family: str, **overrides) -> nn.Module:
+    args = ModelArgs.from_hf_config(tiny_hf_config(family, **overrides).to_dict())
+    return build_model(args, seed=0)
+
+
+def test_one_naming_scheme_across_families() -> None:
+    common = {"embed.weight", "norm.weight"}
+    layer = {"attn_norm.weight", "attn.q.weight", "attn.k.weight", "attn.v.weight",
+             "attn.o.weight", "mlp_norm.weight", "mlp.gate.weight", "mlp.up.weight",
+             "mlp.down.weight"}
+    expected = {
+        "qwen3": layer | {"attn.q_norm.weight", "attn.k_norm.weight"},
+        "llama": layer,
+        "gemma3": layer | {"attn.q_norm.weight", "attn.k_norm.weight",
+                           "post_attn_norm.weight", "post_mlp_norm.weight"},
+    }
+    for family, layer_names in expected.items():
+        model = _native(family)
+        names = set(model.state_dict())
+        assert common <= names
+        # a tied head reads the embedding and owns no parameter of its own
+        assert ("head.weight" in names) == (not model.args.tie_word_embeddings), family
+        assert model.head.weight.shape == model.embed.weight.shape
+        assert {n.removeprefix("layers.0.") for n in names if n.startswith("layers.0.")} \
+            == layer_names, family
+        assert isinstance(model.layers[0].attn.q, nn.Linear)
+        assert (model.head.weight is model.embed.weight) == model.args.tie_word_embeddings
+
+
+def test_padded_vocab_rows_get_no_probability() -> None:
+    for family in FAMILIES:
+        model = _native(family)
+        assert model.args.padded_vocab_size == 256 and model.args.vocab_size == 250
+        assert torch.all(model.embed.weight[250:] == 0)
+        logits = model.logits(model(torch.randint(0, 250, (2, 9))))
+        assert logits.shape == (2, 9, 256)
+        assert torch.isneginf(logits[..., 250:]).all() and torch.isfinite(logits[..., :250]).all()
+        assert torch.all(logits.softmax(-1)[..., 250:] == 0)
+
+
+def test_positions_restart_per_document_by_default() -> None:
+    model = _native("qwen3")
+    ids = torch.randint(0, 250, (1, 12))
+    packed = model(ids, document_lengths=[[5, 7]])
+    first, second = model(ids[:, :5]), model(ids[:, 5:])
+    torch.testing.assert_close(packed, torch.cat([first, second], dim=1), atol=1e-5, rtol=0)
+
+
+def test_mlp_factory_slot_and_custom_head() -> None:
+    args = ModelArgs.from_hf_config(tiny_hf_config("qwen3").to_dict())
+    moe_args = args.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    built: list[int] = []
+
+    class FakeMoE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = nn.Linear(64, 4, bias=False)
+            self.experts = FeedForward(args, intermediate_size=32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.experts(x)
+
+    def factory(a: ModelArgs, i: int) -> nn.Module:
+        built.append(i)
+        return FakeMoE() if a.is_moe_layer(i) else FeedForward(a)
+
+    model = build_model(moe_args, mlp_factory=factory, seed=0)
+    assert built == [0, 1] and isinstance(model.layers[1].mlp, FakeMoE)
+    assert "layers.0.mlp.router.weight" in model.state_dict()
+    model.head = nn.Linear(64, 1, bias=False)     # e.g. a reward model's scalar head
+    assert model.logits(model(torch.randint(0, 250, (2, 5)))).shape == (2, 5, 1)
+
+
+def test_meta_build_has_no_storage() -> None:
+    args = ModelArgs.from_hf_config(tiny_hf_config("gemma3").to_dict())
+    model = build_model(args, device="meta")
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_load_hf_matches_direct_hf_forward(make_hf_dir) -> None:
+    """Same weights, same positions: bf16 native forward tracks the fp32 reference."""
+    hf_dir, ref = make_hf_dir("llama")
+    native = load_hf(hf_dir, dtype=torch.bfloat16)
+    assert native.embed.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, 250, (1, 16))
+    with torch.no_grad():
+        diff = (native.logits(native(ids))[..., :250].float() - ref(ids).logits).abs().max()
+    assert diff < 0.1

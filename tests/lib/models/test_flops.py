@@ -1,0 +1,152 @@
+"""flops_per_token against torch's FlopCounterMode on a forward + backward of the native model.
+
+How the comparison is made meaningful:
+
+- On the CPU, FlopCounterMode has no formula for the SDPA kernel torch runs there
+  (`_scaled_dot_product_flash_attention_for_cpu`), so attention would count 0. The test registers
+  torch's own GPU SDPA formulas for it (`custom_mapping`): every SDPA call then counts its full
+  [Lq, Lk] score square (forward 2 matmuls, backward 5 incl. the score recomputation).
+- flops_per_token counts model FLOPs: only the (query, key) pairs the mask allows, and a backward
+  of 4 matmuls. The SDPA counts are therefore scaled by (allowed pairs / counted square pairs),
+  with the allowed pairs taken from the attention op's own mask builder, and the backward by 4/5.
+- Everything else (projections, MLPs, router, the experts that were actually routed to, head,
+  LoRA adapters, the backward matmuls autograd skips for frozen weights) is counted by
+  FlopCounterMode as executed and compared unchanged. MoE routing needs no adjustment: every
+  token runs exactly top_k experts whatever the router chooses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from posttrain.models import ModelArgs, build_model
+from posttrain.models.flops import attention_context_sum, flops_breakdown, flops_per_token
+from posttrain.models.verify import tiny_hf_config
+from posttrain.ops.attention import _causal_window_mask
+
+aten = torch.ops.aten
+SDPA_FWD = aten._scaled_dot_product_flash_attention_for_cpu
+SDPA_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward
+FAMILIES = ("qwen3", "llama", "gemma3", "qwen3_moe")
+SEQ_LEN, BATCH = 32, 2
+DOCS = [20, 12]      # both rows; longer than gemma3's window of 8 and one shorter than the other
+
+
+def _sdpa_fwd(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_bwd(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+              **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def _args(family: str) -> ModelArgs:
+    return ModelArgs.from_hf_config(tiny_hf_config(family).to_dict())
+
+
+def _allowed_fraction(args: ModelArgs, layer: int, docs: list[int]) -> float:
+    """Allowed (query, key) pairs / the squares SDPA computes, per document, from the op's mask."""
+    window = args.sliding_window if args.is_sliding_layer(layer) else None
+    allowed = sum(int(_causal_window_mask(n, window, "cpu").sum()) for n in docs)
+    return allowed / sum(n * n for n in docs)
+
+
+def _counted_flops(model, args: ModelArgs, docs: list[int] | None) -> tuple[float, dict]:
+    """Model FLOPs of one forward + backward, per token, as executed (attention adjusted)."""
+    ids = torch.randint(0, args.vocab_size, (BATCH, SEQ_LEN),
+                        generator=torch.Generator().manual_seed(0))
+    rows = [docs] * BATCH if docs is not None else None
+    with FlopCounterMode(display=False, custom_mapping={SDPA_FWD: _sdpa_fwd,
+                                                        SDPA_BWD: _sdpa_bwd}) as counter:
+        model.logits(model(ids, document_lengths=rows)).float().sum().backward()
+    by_op = counter.get_flop_counts()["Global"]
+    fwd_sq, bwd_sq = by_op.get(SDPA_FWD, 0), by_op.get(SDPA_BWD, 0)
+    assert fwd_sq > 0 and bwd_sq > 0, f"SDPA was not counted: {dict(by_op)}"
+    # every layer's SDPA calls have the same shapes (so equal counts): average the fractions
+    fractions = [_allowed_fraction(args, i, docs or [SEQ_LEN]) for i in range(args.num_layers)]
+    fraction = sum(fractions) / len(fractions)
+    attention = (fwd_sq + bwd_sq * 4 / 5) * fraction
+    total = counter.get_total_flops() - fwd_sq - bwd_sq + attention
+    return total / (BATCH * SEQ_LEN), {"attention": attention / (BATCH * SEQ_LEN)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("packed", [False, True], ids=["one_doc", "packed"])
+def test_full_finetune_matches_flop_counter(family, packed) -> None:
+    args = _args(family)
+    model = build_model(args, seed=0)
+    docs = DOCS if packed else None
+    counted, parts = _counted_flops(model, args, docs)
+    predicted = flops_per_token(args, SEQ_LEN, document_lengths=docs)
+    breakdown = flops_breakdown(args, SEQ_LEN, document_lengths=docs)
+    assert abs(predicted - counted) / counted < 0.05, (predicted, counted)
+    assert abs(breakdown["attention"] - parts["attention"]) / parts["attention"] < 0.05
+    # it is in fact exact for these shapes
+    assert predicted == pytest.approx(counted, rel=1e-9)
+
+
+@pytest.mark.parametrize("family,targets", [
+    ("qwen3", ("q", "v")),
+    ("llama", ("o", "down")),              # first adapter after the attention of layer 0
+    ("gemma3", ("q", "k", "v", "o", "gate", "up", "down")),
+    ("qwen3_moe", ("q", "router", "gate")),
+])
+def test_lora_matches_flop_counter(family, targets) -> None:
+    from posttrain.models.lora import LoraConfig, apply_lora, flops_kwargs
+
+    args = _args(family)
+    model = build_model(args, seed=0)
+    cfg = LoraConfig(rank=4, alpha=8, targets=targets, init_seed=0)
+    apply_lora(model, cfg)
+    with torch.no_grad():                 # B = 0 would hide nothing, but keep it non-trivial
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.02)
+    counted, _ = _counted_flops(model, args, DOCS)
+    predicted = flops_per_token(args, SEQ_LEN, document_lengths=DOCS, **flops_kwargs(cfg))
+    assert abs(predicted - counted) / counted < 0.05, (predicted, counted)
+    assert predicted == pytest.approx(counted, rel=1e-9)
+    full = flops_per_token(args, SEQ_LEN, document_lengths=DOCS)
+    assert predicted < full                # frozen base weights skip their weight gradients
+
+
+def test_closed_forms() -> None:
+    args = _args("qwen3")
+    H, V, d, L = 64, args.padded_vocab_size, 16, 2
+    per_layer_linear = 2 * H * (4 + 2 + 2) * d + 2 * 4 * d * H + 3 * 2 * H * 128
+    attention = 4 * 4 * d * (SEQ_LEN + 1) / 2
+    fwd = L * (per_layer_linear + attention) + 2 * H * V
+    assert flops_per_token(args, SEQ_LEN, training=False) == pytest.approx(fwd)
+    assert flops_per_token(args, SEQ_LEN) == pytest.approx(3 * fwd)
+    assert flops_per_token(args, SEQ_LEN, training=False, include_head=False) \
+        == pytest.approx(fwd - 2 * H * V)
+
+    # packing: sum L_i^2, not (sum L_i)^2
+    packed = flops_breakdown(args, SEQ_LEN, document_lengths=[16, 16], training=False)
+    assert packed["attention"] == pytest.approx(L * 4 * 4 * d * (2 * 16 * 17 / 2) / SEQ_LEN)
+    assert attention_context_sum(10) == 55
+    assert attention_context_sum(10, window=4) == 10 + 6 * 4
+    assert attention_context_sum(3, window=8) == 6
+
+
+def test_moe_counts_only_active_experts() -> None:
+    args = _args("qwen3_moe")                       # 8 experts, top-2, layers 0, 1, 3 MoE
+    dense = args.replace(num_experts=0)
+    fwd = flops_breakdown(args, SEQ_LEN, training=False)["linear"]
+    fwd_dense = flops_breakdown(dense, SEQ_LEN, training=False)["linear"]
+    H, I_dense, I_moe = 64, 128, 32
+    moe_mlp = 2 * H * 8 + 2 * 3 * 2 * H * I_moe
+    assert fwd - fwd_dense == pytest.approx(3 * (moe_mlp - 3 * 2 * H * I_dense))
+
+
+def test_bad_arguments() -> None:
+    args = _args("qwen3")
+    with pytest.raises(ValueError, match="sum to seq_len"):
+        flops_per_token(args, SEQ_LEN, document_lengths=[10, 10])
+    with pytest.raises(ValueError, match="give both"):
+        flops_per_token(args, SEQ_LEN, lora_rank=8)
+    with pytest.raises(ValueError, match="match no linear"):
+        flops_per_token(args, SEQ_LEN, lora_rank=8, lora_targets=("q_proj",))

@@ -1,0 +1,160 @@
+"""HF checkpoint load/save: names, shapes, dtypes, shards, meta loading, vocab resizing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from posttrain.errors import ConfigError
+from posttrain.models import load_hf, resize_vocab, save_hf
+from posttrain.models.hf_io import weight_map
+
+FAMILIES = ("qwen3", "llama", "gemma3")
+
+
+def _ids(seq_len: int = 20, vocab: int = 250, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def _tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, file in weight_map(hf_dir).items():
+        with safe_open(file, framework="pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
+def _tiny_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(250)} | {"<unk>": 250}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(out)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_hf_loads_in_transformers_with_same_logits(family, make_hf_dir, tmp_path) -> None:
+    hf_dir, ref = make_hf_dir(family)
+    native = load_hf(hf_dir, dtype=torch.float32)
+    assert torch.all(native.embed.weight[250:] == 0)          # zero padding rows
+    tok_dir = tmp_path / "tok"
+    _tiny_tokenizer(tok_dir)
+    out = save_hf(native, tmp_path / "export", tokenizer_dir=tok_dir)
+
+    original, exported = _tensors(hf_dir), _tensors(out)
+    assert exported.keys() == original.keys()
+    for name, t in original.items():
+        assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == 250 and config["model_type"] == ref.config.model_type
+    assert AutoTokenizer.from_pretrained(out).convert_tokens_to_ids("w7") == 7
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                    attn_implementation="eager").eval()
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, ref(ids).logits, atol=0, rtol=0)
+        native_logits = native.logits(native(ids))[..., :250]
+        assert (native_logits - reloaded(ids).logits).abs().max() <= 1e-4
+
+
+def test_bf16_checkpoint_keeps_its_dtype(make_hf_dir, tmp_path) -> None:
+    hf_dir, ref = make_hf_dir("qwen3")
+    ref.to(torch.bfloat16).save_pretrained(hf_dir)
+    native = load_hf(hf_dir)                                    # checkpoint dtype by default
+    assert native.embed.weight.dtype == torch.bfloat16
+    out = save_hf(native, tmp_path / "export")
+    original, exported = _tensors(hf_dir), _tensors(out)
+    assert all(exported[n].dtype == torch.bfloat16 and torch.equal(exported[n], t)
+               for n, t in original.items())
+    fp32 = save_hf(load_hf(hf_dir, dtype=torch.float32), tmp_path / "fp32", dtype=torch.float32)
+    assert json.loads((fp32 / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_sharded_round_trip(make_hf_dir, tmp_path) -> None:
+    hf_dir, ref = make_hf_dir("gemma3", save_kwargs={"max_shard_size": "60KB"})
+    assert (hf_dir / "model.safetensors.index.json").is_file()     # HF-sharded input
+    native = load_hf(hf_dir, dtype=torch.float32)
+    out = save_hf(native, tmp_path / "sharded", max_shard_bytes=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert not (out / "model.safetensors").exists()
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size()
+                                                  for t in _tensors(out).values())
+    again = load_hf(out, dtype=torch.float32)
+    for (name, a), (_, b) in zip(native.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                    attn_implementation="eager").eval()
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, ref(ids).logits, atol=0, rtol=0)
+
+
+def test_meta_load_materializes_only_selected(make_hf_dir) -> None:
+    hf_dir, _ = make_hf_dir("llama", save_kwargs={"max_shard_size": "60KB"})
+    full = load_hf(hf_dir, dtype=torch.float32)
+
+    def owns(name: str) -> bool:
+        return name.startswith("layers.1.") or name == "embed.weight"
+
+    part = load_hf(hf_dir, dtype=torch.float32, on_meta=True, param_filter=owns)
+    full_params = dict(full.named_parameters())
+    for name, p in part.named_parameters():
+        if owns(name):
+            assert not p.is_meta and torch.equal(p, full_params[name]), name
+        else:
+            assert p.is_meta, name
+    assert part.head.weight is part.embed.weight              # tied (Llama 3.2 style)
+    with pytest.raises(ConfigError, match="on_meta=True"):
+        load_hf(hf_dir, param_filter=owns)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])       # untied and tied heads
+def test_resize_vocab_keeps_old_logits(family, make_hf_dir, tmp_path) -> None:
+    hf_dir, _ = make_hf_dir(family)
+    model = load_hf(hf_dir, dtype=torch.float32)
+    ids = _ids()
+    with torch.no_grad():
+        before = model.logits(model(ids))
+        old_mean = model.embed.weight[:250].mean(0)
+        resize_vocab(model, 300)                             # 250 -> 300: padded 256 -> 320
+        after = model.logits(model(ids))
+    assert model.args.vocab_size == 300 and model.embed.weight.shape[0] == 320
+    torch.testing.assert_close(after[..., :250], before[..., :250], atol=0, rtol=0)
+    torch.testing.assert_close(model.embed.weight[250:300], old_mean.expand(50, -1))
+    assert torch.all(model.embed.weight[300:] == 0) and torch.isneginf(after[..., 300:]).all()
+    assert torch.isfinite(after[..., 250:300]).all()
+    out = save_hf(model, tmp_path / "resized")
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 300
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                    attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert (reloaded(ids).logits - after[..., :300]).abs().max() <= 1e-4
+    with pytest.raises(ConfigError, match="shrink"):
+        resize_vocab(model, 10)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_model_built_from_args_alone_exports(family, tmp_path) -> None:
+    """A from-scratch model (no original config.json) still exports a loadable checkpoint."""
+    from posttrain.models import ModelArgs, build_model
+    from posttrain.models.families import bridge_for_family
+    from posttrain.models.verify import tiny_hf_config
+
+    args = ModelArgs.from_hf_config(tiny_hf_config(family).to_dict()).replace(hf_config={})
+    assert ModelArgs.from_hf_config(bridge_for_family(family).config_from_args(args)) == args
+    model = build_model(args, seed=0)
+    out = save_hf(model, tmp_path / "scratch", dtype=torch.float32)
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                    attn_implementation="eager").eval()
+    ids = _ids()
+    with torch.no_grad():
+        assert (reloaded(ids).logits - model.logits(model(ids))[..., :250]).abs().max() <= 1e-4

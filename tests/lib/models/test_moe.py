@@ -1,0 +1,177 @@
+"""Qwen3-MoE: logits, gradients and aux loss against transformers; checkpoint round trips;
+the dispatch only computes the experts tokens were routed to."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+from posttrain.models import ModelArgs, build_model, load_hf, save_hf
+from posttrain.models.hf_io import weight_map
+from posttrain.models.layers import FeedForward
+from posttrain.models.moe import MoEBlock, load_balancing_loss, router_logits
+from posttrain.models.verify import verify
+
+# layers 1 and 3 MoE (decoder_sparse_step=2), plain top-k weights
+SPARSE_STEP = {"decoder_sparse_step": 2, "mlp_only_layers": [], "norm_topk_prob": False}
+# transformers gives every layer the window when use_sliding_window is set
+SLIDING = {"use_sliding_window": True, "sliding_window": 8}
+
+
+def _ids(seq_len: int = 24, vocab: int = 250, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def _tensors(hf_dir) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for name, file in weight_map(hf_dir).items():
+        with safe_open(file, framework="pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
+@pytest.mark.parametrize("overrides", [{}, SPARSE_STEP, SLIDING],
+                         ids=["mlp_only_layers", "sparse_step", "sliding_window"])
+def test_verifier_passes_packed_and_unpacked(overrides) -> None:
+    report = verify(("qwen3_moe", overrides), seq_len=32, batch=2, packed=True, atol=1e-4)
+    assert report["passed"], report
+    assert report["unpacked"]["max_abs_diff"] <= 1e-4
+    assert report["packed"]["max_abs_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize("overrides,moe_layers", [({}, [0, 1, 3]), (SPARSE_STEP, [1, 3])],
+                         ids=["mlp_only_layers", "sparse_step"])
+def test_dense_and_moe_layers_follow_the_config(overrides, moe_layers, make_hf_dir) -> None:
+    hf_dir, ref = make_hf_dir("qwen3_moe", **overrides)
+    native = load_hf(hf_dir, dtype=torch.float32)
+    assert [i for i, layer in enumerate(native.layers) if isinstance(layer.mlp, MoEBlock)] \
+        == moe_layers
+    for i, layer in enumerate(native.layers):
+        if i not in moe_layers:
+            assert isinstance(layer.mlp, FeedForward)
+            assert layer.mlp.gate.out_features == ref.config.intermediate_size
+    experts = native.layers[moe_layers[0]].mlp.experts
+    assert {n for n, _ in experts.named_parameters()} == {"gate", "up", "down"}
+    assert tuple(experts.gate.shape) == (8, 32, 64) and tuple(experts.down.shape) == (8, 64, 32)
+    assert native.args.router_aux_loss_coef == ref.config.router_aux_loss_coef
+
+
+def test_save_round_trips_per_expert_checkpoint(make_hf_dir, tmp_path) -> None:
+    hf_dir, ref = make_hf_dir("qwen3_moe")
+    native = load_hf(hf_dir, dtype=torch.float32)
+    out = save_hf(native, tmp_path / "export")
+    original, exported = _tensors(hf_dir), _tensors(out)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in original
+    assert "model.layers.1.mlp.gate.weight" in original
+    assert exported.keys() == original.keys()
+    for name, t in original.items():
+        assert torch.equal(exported[name], t), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["mlp_only_layers"] == [2]
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                    attn_implementation="eager").eval()
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, ref(ids).logits, atol=0, rtol=0)
+        assert (native.logits(native(ids))[..., :250] - ref(ids).logits).abs().max() <= 1e-4
+
+
+def test_sharded_checkpoint_with_experts_split_across_files(make_hf_dir, tmp_path) -> None:
+    hf_dir, _ = make_hf_dir("qwen3_moe")
+    native = load_hf(hf_dir, dtype=torch.float32)
+    out = save_hf(native, tmp_path / "sharded", max_shard_bytes=40_000)
+    files = set(weight_map(out).values())
+    expert_files = {weight_map(out)[f"model.layers.1.mlp.experts.{e}.up_proj.weight"]
+                    for e in range(8)}
+    assert len(files) > 3 and len(expert_files) > 1      # one layer's experts in several shards
+    again = load_hf(out, dtype=torch.float32)
+    for (name, a), (_, b) in zip(native.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+    meta = load_hf(out, on_meta=True, param_filter=lambda n: "experts" in n)
+    assert torch.equal(meta.layers[3].mlp.experts.down, native.layers[3].mlp.experts.down)
+    assert meta.layers[3].mlp.router.weight.is_meta
+
+
+def test_built_model_saves_a_checkpoint_transformers_loads(tmp_path) -> None:
+    args = ModelArgs(family="qwen3_moe", vocab_size=100, hidden_size=32, intermediate_size=64,
+                     num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True,
+                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                     mlp_only_layers=(0,), router_aux_loss_coef=0.01)
+    native = build_model(args, seed=0).eval()
+    out = save_hf(native, tmp_path / "scratch", dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                               attn_implementation="eager").eval()
+    ids = _ids(16, vocab=100)
+    with torch.no_grad():
+        assert (native.logits(native(ids))[..., :100] - ref(ids).logits).abs().max() <= 1e-5
+
+
+def test_aux_loss_and_gradients_match_transformers(make_hf_dir) -> None:
+    hf_dir, ref = make_hf_dir("qwen3_moe", router_aux_loss_coef=0.02)
+    native = load_hf(hf_dir, dtype=torch.float32)
+    ids = _ids(20)
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0                                            # padding left out of the loss
+
+    out = ref(ids, output_router_logits=True)
+    hidden = native(ids)
+    logits = router_logits(native)
+    assert len(logits) == len(out.router_logits) == 3
+    for mine, theirs in zip(logits, out.router_logits):
+        assert (mine - theirs).abs().max() <= 1e-5
+    aux = load_balancing_loss(logits, top_k=2)
+    assert abs(aux.item() - out.aux_loss.item()) <= 1e-6
+    masked_hf = load_balancing_loss_func(out.router_logits, 8, 2, mask)
+    assert abs(load_balancing_loss(logits, 2, token_mask=mask).item() - masked_hf.item()) <= 1e-6
+    assert abs(native.moe_aux_loss().item() - 0.02 * out.aux_loss.item()) <= 1e-7
+
+    # gradients of the logits and of the aux loss, through router and stacked experts
+    w = torch.randn(2, 20, 250, generator=torch.Generator().manual_seed(3))
+    ((out.logits * w).sum() + out.aux_loss).backward()
+    ((native.logits(hidden)[..., :250] * w).sum() + load_balancing_loss(logits, 2)).backward()
+    hf_layer, mine = ref.model.layers[1].mlp, native.layers[1].mlp
+    inter = mine.experts.gate.shape[1]
+    gate_up = hf_layer.experts.gate_up_proj.grad
+    torch.testing.assert_close(mine.router.weight.grad, hf_layer.gate.weight.grad,
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mine.experts.gate.grad, gate_up[:, :inter], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mine.experts.up.grad, gate_up[:, inter:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mine.experts.down.grad, hf_layer.experts.down_proj.grad,
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_dense_model_has_zero_aux_loss() -> None:
+    args = ModelArgs(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
+                     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+    model = build_model(args, seed=0)
+    model(_ids(8, vocab=64))
+    assert float(model.moe_aux_loss()) == 0.0
+
+
+def test_only_routed_experts_cost_flops() -> None:
+    args = ModelArgs(family="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64,
+                     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, num_experts=16,
+                     num_experts_per_tok=2, moe_intermediate_size=8)
+    block = build_model(args, seed=0).layers[0].mlp
+    with torch.no_grad():                     # the router sends every token to experts 3 and 5
+        block.router.weight.zero_()
+        block.router.weight[3] = 1.0
+        block.router.weight[5] = 0.5
+    x = torch.rand(2, 10, 32) + 0.1           # positive, so the order 3 > 5 > rest holds
+    with FlopCounterMode(display=False) as counter:
+        y = block(x)
+    tokens, H, I, E = 20, 32, 8, 16
+    router = 2 * tokens * H * E
+    experts = 2 * tokens * 2 * 3 * H * I      # top-2, three matrices each
+    assert counter.get_total_flops() == router + experts
+    y.sum().backward()
+    touched = block.experts.gate.grad.abs().sum(dim=(1, 2)) > 0
+    assert touched.nonzero().flatten().tolist() == [3, 5]

@@ -1,0 +1,56 @@
+"""The verifier's report and the `posttrain verify-model` entry point."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import posttrain.models.verify as verify_mod
+from posttrain.errors import ConfigError
+from posttrain.models.verify import main, tiny_hf_config, verify
+
+
+def test_report_fields(make_hf_dir) -> None:
+    hf_dir, _ = make_hf_dir("qwen3")
+    report = verify(hf_dir, seq_len=16, batch=2, packed=True, seed=2)
+    assert report["passed"] and report["padding_logits_neg_inf"]
+    for part in ("unpacked", "packed"):
+        assert set(report[part]) >= {"max_abs_diff", "kl_max", "kl_mean"}
+        assert report[part]["max_abs_diff"] <= 1e-4
+    assert all(sum(row) == 16 for row in report["packed"]["document_lengths"])
+    json.dumps(report)
+
+
+def test_cli_passes_on_a_family_config(capsys) -> None:
+    code = main(["--family", "gemma3", "--config", '{"num_hidden_layers": 2, '
+                 '"layer_types": ["sliding_attention", "full_attention"]}',
+                 "--seq-len", "20", "--packed"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["passed"] and report["family"] == "gemma3"
+
+
+def test_cli_fails_when_weights_are_perturbed(make_hf_dir, monkeypatch, capsys) -> None:
+    hf_dir, _ = make_hf_dir("llama")
+    assert main(["--hf-dir", str(hf_dir), "--seq-len", "16"]) == 0
+    capsys.readouterr()
+    real_load = verify_mod.load_hf
+
+    def perturbed_load(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+        with torch.no_grad():
+            model.layers[1].attn.v.weight.add_(1e-3)
+        return model
+
+    monkeypatch.setattr(verify_mod, "load_hf", perturbed_load)
+    assert main(["--hf-dir", str(hf_dir), "--seq-len", "16"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["passed"] and report["unpacked"]["max_abs_diff"] > 1e-4
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ConfigError, match="no tiny config"):
+        tiny_hf_config("mistral")
+    with pytest.raises(SystemExit):
+        main(["--hf-dir", "x", "--config", "{}"])

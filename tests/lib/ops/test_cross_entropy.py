@@ -1,0 +1,211 @@
+"""Chunked cross-entropy and log-probs equal the full-logits formulas; padded ids get nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from posttrain.ops.cross_entropy import (chunked_cross_entropy, chunked_entropy, chunked_logprobs,
+                                         naive_cross_entropy, naive_logprobs)
+from posttrain.ops.vocab import mask_padded_logits, sample_next_token
+
+TOL = dict(rtol=1e-6, atol=1e-6)
+N, HIDDEN, PADDED, REAL = 53, 24, 96, 83
+
+
+def make(seed=0, n=N, dtype=torch.float32, bias=False, ignore_every=4):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, HIDDEN, generator=g, dtype=dtype).requires_grad_()
+    weight = (0.3 * torch.randn(PADDED, HIDDEN, generator=g, dtype=dtype)).requires_grad_()
+    b = (0.5 * torch.randn(PADDED, generator=g, dtype=dtype)).requires_grad_() if bias else None
+    labels = torch.randint(0, REAL, (n,), generator=g)
+    if ignore_every:
+        labels[::ignore_every] = -100
+    return hidden, weight, b, labels
+
+
+def grads(loss, *tensors):
+    return torch.autograd.grad(loss, [t for t in tensors if t is not None])
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 53, 1024])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_loss_and_grads_match_naive(chunk, reduction):
+    hidden, weight, _, labels = make()
+    got = chunked_cross_entropy(hidden, weight, labels, real_vocab_size=REAL, chunk_tokens=chunk,
+                                reduction=reduction)
+    want = naive_cross_entropy(hidden, weight, labels, real_vocab_size=REAL, reduction=reduction)
+    torch.testing.assert_close(got, want, **TOL)
+    for a, b in zip(grads(got, hidden, weight), grads(want, hidden, weight)):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_naive_reference_is_f_cross_entropy():
+    hidden, weight, _, labels = make(ignore_every=0)
+    want = F.cross_entropy(hidden @ weight[:REAL].T, labels)
+    torch.testing.assert_close(naive_cross_entropy(hidden, weight, labels, real_vocab_size=REAL),
+                               want, **TOL)
+
+
+@pytest.mark.parametrize("softcap,bias", [(2.0, False), (None, True), (5.0, True)])
+def test_softcap_and_bias(softcap, bias):
+    hidden, weight, b, labels = make(seed=1, bias=bias)
+    kw = dict(real_vocab_size=REAL, softcap=softcap, bias=b)
+    got = chunked_cross_entropy(hidden, weight, labels, chunk_tokens=10, **kw)
+    want = naive_cross_entropy(hidden, weight, labels, **kw)
+    torch.testing.assert_close(got, want, **TOL)
+    for a, c in zip(grads(got, hidden, weight, b), grads(want, hidden, weight, b)):
+        torch.testing.assert_close(a, c, **TOL)
+
+
+def test_batched_input_with_all_ignored_rows():
+    hidden, weight, _, labels = make(seed=2, n=4 * 13)
+    hidden_BTH = hidden.detach().view(4, 13, HIDDEN).requires_grad_()
+    labels_BT = labels.view(4, 13).clone()
+    labels_BT[1] = -100
+    labels_BT[3] = -100
+    got = chunked_cross_entropy(hidden_BTH, weight, labels_BT, real_vocab_size=REAL, chunk_tokens=5)
+    want = naive_cross_entropy(hidden_BTH, weight, labels_BT, real_vocab_size=REAL)
+    torch.testing.assert_close(got, want, **TOL)
+    g_got, g_want = grads(got, hidden_BTH, weight), grads(want, hidden_BTH, weight)
+    for a, c in zip(g_got, g_want):
+        torch.testing.assert_close(a, c, **TOL)
+    assert g_got[0][1].abs().max() == 0 and g_got[0][3].abs().max() == 0
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_everything_ignored_gives_zero_loss_and_zero_grads(reduction):
+    hidden, weight, _, labels = make(seed=3)
+    labels[:] = -100
+    loss = chunked_cross_entropy(hidden, weight, labels, real_vocab_size=REAL, reduction=reduction)
+    assert loss.item() == 0.0
+    g_hidden, g_weight = grads(loss, hidden, weight)
+    assert g_hidden.abs().max() == 0 and g_weight.abs().max() == 0
+
+
+def test_padded_rows_get_zero_probability_and_zero_gradient():
+    hidden, weight, b, labels = make(seed=4, bias=True)
+    loss = chunked_cross_entropy(hidden, weight, labels, real_vocab_size=REAL, bias=b,
+                                 chunk_tokens=8, softcap=3.0)
+    g_hidden, g_weight, g_bias = grads(loss, hidden, weight, b)
+    assert g_weight[REAL:].abs().max() == 0 and g_bias[REAL:].abs().max() == 0
+    assert g_weight[:REAL].abs().max() > 0
+    # The padded rows do not change the loss, whatever they hold.
+    with torch.no_grad():
+        weight[REAL:] = 100.0
+    again = chunked_cross_entropy(hidden, weight, labels, real_vocab_size=REAL, bias=b,
+                                  chunk_tokens=8, softcap=3.0)
+    torch.testing.assert_close(again, loss, **TOL)
+
+
+def test_padded_label_is_rejected():
+    hidden, weight, _, labels = make()
+    labels[5] = REAL + 1
+    with pytest.raises(ValueError, match="padded vocabulary"):
+        chunked_cross_entropy(hidden, weight, labels, real_vocab_size=REAL)
+
+
+def test_frozen_head_gets_no_gradient():
+    hidden, weight, _, labels = make(seed=5)
+    frozen = weight.detach()
+    loss = chunked_cross_entropy(hidden, frozen, labels, real_vocab_size=REAL, chunk_tokens=9)
+    want = naive_cross_entropy(hidden, frozen, labels, real_vocab_size=REAL)
+    torch.testing.assert_close(grads(loss, hidden)[0], grads(want, hidden)[0], **TOL)
+
+
+def test_bfloat16_close_to_fp32_reference():
+    hidden, weight, _, labels = make(seed=6)
+    h16, w16 = (t.detach().bfloat16().requires_grad_() for t in (hidden, weight))
+    got = chunked_cross_entropy(h16, w16, labels, real_vocab_size=REAL, chunk_tokens=16)
+    want = naive_cross_entropy(h16.float(), w16.float(), labels, real_vocab_size=REAL)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    g_h, g_w = grads(got, h16, w16)
+    assert g_h.dtype == g_w.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("softcap,temperature", [(None, 1.0), (3.0, 1.0), (None, 0.7), (2.0, 1.3)])
+@pytest.mark.parametrize("chunk", [6, 1024])
+def test_logprobs_match_naive(softcap, temperature, chunk):
+    hidden, weight, b, tokens = make(seed=7, bias=True)
+    kw = dict(real_vocab_size=REAL, softcap=softcap, temperature=temperature, bias=b)
+    got = chunked_logprobs(hidden, weight, tokens, chunk_tokens=chunk, **kw)
+    want = naive_logprobs(hidden, weight, tokens, **kw)
+    assert got.shape == tokens.shape and (got[tokens == -100] == 0).all()
+    torch.testing.assert_close(got, want, **TOL)
+    upstream = torch.randn(N, generator=torch.Generator().manual_seed(0))
+    for a, c in zip(grads((got * upstream).sum(), hidden, weight, b),
+                    grads((want * upstream).sum(), hidden, weight, b)):
+        torch.testing.assert_close(a, c, **TOL)
+
+
+def test_logprobs_keep_batch_shape():
+    hidden, weight, _, tokens = make(seed=8, n=2 * 11)
+    got = chunked_logprobs(hidden.view(2, 11, HIDDEN), weight, tokens.view(2, 11),
+                           real_vocab_size=REAL, chunk_tokens=4)
+    assert got.shape == (2, 11)
+    torch.testing.assert_close(got.view(-1), naive_logprobs(hidden, weight, tokens,
+                                                            real_vocab_size=REAL), **TOL)
+
+
+def test_entropy_matches_full_softmax():
+    hidden, weight, _, _ = make(seed=9)
+    got = chunked_entropy(hidden, weight, real_vocab_size=REAL, chunk_tokens=10, softcap=4.0)
+    logits = 4.0 * torch.tanh(hidden @ weight[:REAL].T / 4.0)
+    want = torch.distributions.Categorical(logits=logits).entropy()
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_mask_padded_logits():
+    logits = torch.randn(3, PADDED)
+    masked = mask_padded_logits(logits, REAL)
+    assert torch.isneginf(masked[:, REAL:]).all()
+    assert torch.equal(masked[:, :REAL], logits[:, :REAL])
+    assert mask_padded_logits(logits, PADDED) is logits
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, None), (2.0, 1.0, None),
+                                                     (1.5, 0.9, None), (1.0, 1.0, 50)])
+def test_sampling_never_picks_a_padded_id(temperature, top_p, top_k):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.zeros(64, PADDED)
+    logits[:, REAL:] = 50.0  # padding rows that would win every draw if not masked
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.cat([sample_next_token(logits + torch.randn(64, PADDED, generator=g), temperature,
+                                       top_p, top_k, gen, real_vocab_size=REAL)
+                     for _ in range(50)])
+    assert ids.max() < REAL and ids.min() >= 0
+    assert ids.unique().numel() > 40  # it does sample, not always the same id
+
+
+def test_sampling_filters():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0, 0.0]]))
+    gen = torch.Generator().manual_seed(0)
+    draws = lambda **kw: torch.cat([sample_next_token(logits, generator=gen, real_vocab_size=4,
+                                                      **kw) for _ in range(400)])
+    assert set(draws(top_k=2).tolist()) == {0, 1}
+    assert set(draws(top_p=0.75).tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.75
+    assert set(draws(top_p=0.85).tolist()) == {0, 1, 2}
+    assert set(draws(top_p=0.1).tolist()) == {0}      # the top token always stays
+    assert sample_next_token(logits[0], temperature=0.0).item() == 0
+    assert draws().max().item() <= 3
+
+
+def test_autograd_saves_no_logits():
+    """Between forward and backward only inputs and per-token vectors are kept, never [N, V]."""
+    hidden, weight, _, labels = make(seed=10)
+    saved: list[int] = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    limit = max(hidden.numel(), weight.numel())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chunked_cross_entropy(hidden, weight, labels, real_vocab_size=REAL, chunk_tokens=8)
+    assert max(saved) <= limit
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        naive_cross_entropy(hidden, weight, labels, real_vocab_size=REAL)
+    assert max(saved) >= N * REAL > limit  # the check can tell the difference
