@@ -272,12 +272,20 @@ def save_hf(model: Transformer, out_dir: str | Path, *, tokenizer_dir: str | Pat
 
 # ------------------------------------------------------------------------------ vocabulary
 
-def _grow_rows(weight: torch.Tensor, old_real: int, new_real: int,
-               padded: int) -> nn.Parameter:
+def grow_vocab_rows(weight: torch.Tensor, old_real: int, new_real: int,
+                    padded: int) -> torch.Tensor:
+    """Rows for a grown vocabulary: old rows kept, new rows = mean of the old real rows,
+    rows past `new_real` zero padding (the same rule for a materialized or a streamed tensor)."""
     out = torch.zeros((padded, *weight.shape[1:]), dtype=weight.dtype, device=weight.device)
     out[:old_real] = weight[:old_real]
     out[old_real:new_real] = weight[:old_real].float().mean(0).to(weight.dtype)
-    return nn.Parameter(out, requires_grad=weight.requires_grad)
+    return out
+
+
+def _grow_rows(weight: torch.Tensor, old_real: int, new_real: int,
+               padded: int) -> nn.Parameter:
+    return nn.Parameter(grow_vocab_rows(weight, old_real, new_real, padded),
+                        requires_grad=weight.requires_grad)
 
 
 @torch.no_grad()

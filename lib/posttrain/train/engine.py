@@ -28,13 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from posttrain.distributed.env import build_mesh, get_device
+from posttrain.distributed.env import build_mesh, get_device, init_process_group
 from posttrain.distributed.materialize import materialize
 from posttrain.distributed.parallelize import ParallelConfig, count_params, parallelize
 from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
-from posttrain.models.hf_io import iter_hf_tensors, load_hf
-from posttrain.models.transformer import Transformer
+from posttrain.models.families.base import VOCAB_PARAMS
+from posttrain.models.hf_io import grow_vocab_rows, iter_hf_tensors, load_hf
+from posttrain.models.transformer import Transformer, build_model
 from posttrain.train.checkpoint import CheckpointConfig, CheckpointManager
 from posttrain.train.optim import (OptimizerConfig, SchedulerConfig, build_optimizer,
                                    build_scheduler)
@@ -125,11 +126,15 @@ class Engine:
     """Model + optimizer + scheduler + checkpoints of one rank (see the module docstring)."""
 
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, hf_dir: str, run_dir: str,
-                 *, loss_factory: Callable[[Transformer], nn.Module] | None = None):
+                 *, loss_factory: Callable[[Transformer], nn.Module] | None = None,
+                 vocab_size: int | None = None):
         self.model_cfg, self.cfg = model_cfg, cfg
+        self.vocab_size = vocab_size
         self.hf_dir, self.run_dir = hf_dir, run_dir
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        # one code path for every layout: a plain process joins a group of one, so FSDP2
+        # (mixed precision, sharded checkpoints) and the same numerics apply inline too
+        init_process_group()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = get_device()
         torch.manual_seed(cfg.seed)
         self.model, self.root = self._build(loss_factory or (
@@ -151,17 +156,23 @@ class Engine:
         mcfg = self.model_cfg
         model = load_hf(self.hf_dir, on_meta=True, param_filter=lambda name: False,
                         vocab_multiple=mcfg.vocab_multiple)
+        ckpt_args = model.args
+        if self.vocab_size is not None and self.vocab_size > ckpt_args.vocab_size:
+            # tokens added by the data layer: grow embedding/head rows (mean init)
+            log.info("growing the vocabulary from %d to %d (tokens added by the tokenizer)",
+                     ckpt_args.vocab_size, self.vocab_size)
+            model = build_model(ckpt_args.replace(vocab_size=self.vocab_size), device="meta")
         if mcfg.lora is not None:
             lora = _lora_module()
             lcfg = lora.LoraConfig(rank=mcfg.lora.rank, alpha=mcfg.lora.alpha,
                                    dropout=mcfg.lora.dropout, targets=mcfg.lora.targets)
             lora.apply_lora(model, lcfg)
         root = loss_factory(model)
-        if self.world > 1:
-            mesh = build_mesh(self.cfg.parallel.dp_shard, self.cfg.parallel.tp)
-            root = parallelize(model, mesh, self.cfg.parallel, root=root)
+        mesh = build_mesh(self.cfg.parallel.dp_shard, self.cfg.parallel.tp)
+        root = parallelize(model, mesh, self.cfg.parallel, root=root)
         dtype = _DTYPES[mcfg.dtype]
-        tensors = ((name, t.to(dtype)) for name, t in iter_hf_tensors(self.hf_dir, model.args))
+        tensors = ((name, _fit_vocab(name, t, ckpt_args, model.args).to(dtype))
+                   for name, t in iter_hf_tensors(self.hf_dir, ckpt_args))
         materialize(root, self.device, tensors, prefix="model.",
                     init_missing=self._init_missing)
         model.tie_weights()
@@ -187,7 +198,7 @@ class Engine:
                                  batch["document_lengths"])
             (loss_sum * scale).backward()
             local_loss += loss_sum.detach().double().cpu()
-        if not micro_batches and self.world > 1:
+        if not micro_batches:
             self._zero_contribution()
         grad_norm = self._clip()
         self.optimizer.step()
@@ -238,6 +249,12 @@ class Engine:
         from posttrain.distributed.parallelize import gather_full_state_dict
         sd = gather_full_state_dict(self.root)
         return {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
+
+
+def _fit_vocab(name: str, t: torch.Tensor, ckpt: ModelArgs, model: ModelArgs) -> torch.Tensor:
+    if name not in VOCAB_PARAMS or ckpt.vocab_size == model.vocab_size:
+        return t
+    return grow_vocab_rows(t, ckpt.vocab_size, model.vocab_size, model.padded_vocab_size)
 
 
 def all_reduce_sum(value: float) -> float:
