@@ -17,6 +17,7 @@ from torch import nn
 
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.train import checkpoint as ckpt_mod
+from posttrain.train import checkpoint_storage as storage_mod
 from posttrain.train.checkpoint import (
     Checkpoint,
     CheckpointConfig,
@@ -173,7 +174,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, cras
     good = _snapshot(model, opt, sched)
     _train(model, opt, sched, 1)
 
-    real_write, real_commit = ckpt_mod._write_file, ckpt_mod._Store.commit
+    real_write, real_commit = ckpt_mod._write_file, storage_mod.Store.commit
 
     def write(store, path, data):
         if path.endswith(crash_at):
@@ -186,11 +187,11 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, cras
 
     monkeypatch.setattr(ckpt_mod, "_write_file", write)
     if crash_at == "commit":
-        monkeypatch.setattr(ckpt_mod._Store, "commit", commit)
+        monkeypatch.setattr(storage_mod.Store, "commit", commit)
     with pytest.raises(_Crash):
         mgr.save(2, model, opt, scheduler=sched, extra={"step": 2})
     monkeypatch.setattr(ckpt_mod, "_write_file", real_write)
-    monkeypatch.setattr(ckpt_mod._Store, "commit", real_commit)
+    monkeypatch.setattr(storage_mod.Store, "commit", real_commit)
 
     leftovers = [n for n in os.listdir(tmp_path / "ckpt") if ".tmp-" in n]
     assert len(leftovers) == 1 and leftovers[0].startswith("step-00000002.tmp-")
@@ -260,7 +261,7 @@ def test_non_json_state_is_refused_before_writing(tmp_path):
 def test_dcp_index_unpickler_refuses_foreign_globals():
     for foreign in (os.system, torch.load):
         with pytest.raises(pickle.UnpicklingError, match=f"{foreign.__name__}.*refusing"):
-            ckpt_mod._MetadataUnpickler(io.BytesIO(pickle.dumps(foreign))).load()
+            storage_mod._MetadataUnpickler(io.BytesIO(pickle.dumps(foreign))).load()
 
 
 def test_s3_round_trip_prunes_and_ignores_incomplete(s3):
