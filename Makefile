@@ -6,6 +6,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Metaflow records who ran a flow and refuses "root" or no user (containers, CI)
+ifeq ($(filter-out root,$(USER)),)
+export METAFLOW_USER ?= posttrain
+endif
 
 .PHONY: run test setup assets bench clean
 
@@ -19,8 +23,12 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps -e .
 	@touch $(STAMP)
 
+# The SFT flow end to end on the bundled tiny model and data (Metaflow local datastore,
+# a local Ray cluster with two CPU trainer workers). The venv goes first on PATH because
+# Metaflow starts the tasks of a parallel step with the `python` it finds there.
 run: setup
-	$(BIN)/posttrain prepare --config configs/prepare/sample_chat.yaml
+	PATH="$(CURDIR)/$(BIN):$$PATH" python flows/sft_flow.py run
+	@PATH="$(CURDIR)/$(BIN):$$PATH" python tools/show_run.py SFTFlow
 
 test: setup
 	$(BIN)/python -m pytest -q tests

@@ -2,6 +2,9 @@
 
     posttrain prepare --config configs/prepare/sample_chat.yaml
     posttrain train-sft --config configs/sft/tiny.yaml
+    posttrain train-distill --config configs/distill/tiny.yaml
+    posttrain train-dpo --config configs/dpo/tiny.yaml
+    posttrain train-reward --config configs/reward/tiny.yaml
     posttrain verify-model --hf-dir path/to/model
 
 User mistakes (bad config, bad data, missing files) print one clear line and exit 2; a stack
@@ -28,16 +31,40 @@ def _train_sft(args: argparse.Namespace) -> int:
     return train_sft.main(args)
 
 
+def _train_distill(args: argparse.Namespace) -> int:
+    from steps import train_distill
+    return train_distill.main(args)
+
+
+def _train_dpo(args: argparse.Namespace) -> int:
+    from steps import train_dpo
+    return train_dpo.main(args)
+
+
+def _train_reward(args: argparse.Namespace) -> int:
+    from steps import train_reward
+    return train_reward.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from steps import prepare, train_sft
+    from steps import prepare
+    from steps.common import add_arguments
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize raw data into Parquet shards")
     prepare.add_arguments(p)
     p.set_defaults(func=_prepare)
     t = sub.add_parser("train-sft", help="supervised fine-tuning on Ray trainer workers")
-    train_sft.add_arguments(t)
+    add_arguments(t)
     t.set_defaults(func=_train_sft)
+    d = sub.add_parser("train-distill", help="knowledge distillation from a frozen teacher")
+    add_arguments(d)
+    d.set_defaults(func=_train_distill)
+    for name, func, text in (("train-dpo", _train_dpo, "direct preference optimization"),
+                             ("train-reward", _train_reward, "a Bradley-Terry reward model")):
+        r = sub.add_parser(name, help=f"{text} on Ray trainer workers")
+        add_arguments(r)
+        r.set_defaults(func=func)
     sub.add_parser("verify-model", add_help=False,
                    help="compare a native model's logits with transformers'")
     return parser

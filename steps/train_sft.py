@@ -22,42 +22,54 @@ process (no Ray): the quickest path on a laptop and in tests.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from posttrain.config.loader import to_dict
-from posttrain.config.recipes import OutputConfig, PrepareConfig, load_recipe
-from posttrain.train.engine import write_random_hf_model
+from posttrain.config.recipes import load_recipe
+from posttrain.data.prepared import local_view
 from posttrain.train.metrics import MetricsWriter
 from posttrain.train.sft import SFTConfig, SFTWorker
+from steps.common import (base_model_dir, drop_metrics_after, ensure_prepared, launch_workers,
+                          overrides_from)
 
 log = logging.getLogger("posttrain.train_sft")
 
 
 def run(config: SFTConfig | str | Path, *, overrides: dict | None = None,
-        prepared_dir: str | None = None, show_progress: bool = True) -> dict[str, Any]:
-    """Train, evaluate and export; returns paths and the final metrics."""
+        prepared_dir: str | None = None, checkpoint_dir: str | None = None,
+        show_progress: bool = True) -> dict[str, Any]:
+    """Train, evaluate and export; returns paths and the final metrics.
+
+    `prepared_dir` (local or ``s3://``) skips the prepare step; `checkpoint_dir` (local or
+    ``s3://``, default `run.dir`) is where `checkpoints/` live, so a retried or resumed
+    orchestrator task that passes the same value continues from the last checkpoint.
+    """
     cfg = config if isinstance(config, SFTConfig) else load_recipe(config, SFTConfig, overrides)
+    if not logging.getLogger().handlers:    # called from a flow or a notebook: show progress
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     prepared_dir = prepared_dir or ensure_prepared(cfg, str(run_dir / "prepared"), show_progress)
-    hf_dir = base_model_dir(cfg, prepared_dir, run_dir)
-    writer = MetricsWriter(run_dir / "metrics.jsonl")
+    hf_dir = base_model_dir(cfg, local_view(prepared_dir), run_dir)
+    writer = MetricsWriter(run_dir / "metrics.jsonl",
+                           tensorboard_dir=cfg.run.tensorboard_dir)
     history: list[dict] = []
-    with _launch(cfg, hf_dir, prepared_dir, str(run_dir)) as group:
+    args = (to_dict(cfg), hf_dir, prepared_dir, checkpoint_dir or str(run_dir))
+    with launch_workers(cfg.run, SFTWorker, args) as group:
         info = group.call("describe")[0]
         start = group.call("resume")[0]
+        drop_metrics_after(run_dir / "metrics.jsonl", start)
         log.info("training %s params (%s trainable) on %d worker(s), from step %d",
                  f"{info['params']:,}", f"{info['trainable_params']:,}", info["world_size"],
                  start)
+        log_every = max(1, cfg.train.max_steps // 20)
         bar = tqdm(total=cfg.train.max_steps, initial=start, desc="sft", unit="step",
                    disable=not show_progress)
         for step in range(start, cfg.train.max_steps):
@@ -71,6 +83,12 @@ def run(config: SFTConfig | str | Path, *, overrides: dict | None = None,
             bar.update()
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['real_tokens_per_s']:.0f}",
                             mfu=f"{metrics['mfu']:.1%}")
+            if not show_progress and metrics["step"] % log_every == 0:
+                # no bar (a Metaflow task log, CI): a plain line a person can follow
+                log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f real tok/s  "
+                         "MFU %.1f%%", metrics["step"], cfg.train.max_steps, metrics["loss"],
+                         metrics["grad_norm"], metrics["lr"], metrics["real_tokens_per_s"],
+                         100 * metrics["mfu"])
             if metrics["step"] % cfg.train.checkpoint_every_steps == 0:
                 group.call("save_checkpoint")
         bar.close()
@@ -81,6 +99,7 @@ def run(config: SFTConfig | str | Path, *, overrides: dict | None = None,
     writer.close()
     result = {"run_dir": str(run_dir), "hf_dir": export_dir, "prepared_dir": prepared_dir,
               "base_model_dir": hf_dir, "metrics_path": str(run_dir / "metrics.jsonl"),
+              "checkpoint_dir": f"{(checkpoint_dir or str(run_dir)).rstrip('/')}/checkpoints",
               "started_at_step": start, "steps": start + len(history), "eval": evaluation,
               "model": info, "config": to_dict(cfg)}
     if history:
@@ -91,91 +110,9 @@ def run(config: SFTConfig | str | Path, *, overrides: dict | None = None,
     return result
 
 
-def ensure_prepared(cfg: SFTConfig, out_dir: str, show_progress: bool = True) -> str:
-    """Run the prepare step into `out_dir` unless a manifest for this config is there."""
-    from steps import prepare
-    pcfg = PrepareConfig(tokenizer=cfg.tokenizer, data=cfg.data, output=OutputConfig(dir=out_dir))
-    manifest = Path(out_dir) / "manifest.json"
-    if manifest.is_file():
-        old = json.loads(manifest.read_text())
-        if old.get("config") == to_dict(pcfg):
-            return out_dir
-    prepare.run(pcfg, show_progress=show_progress)
-    return out_dir
-
-
-def base_model_dir(cfg: SFTConfig, prepared_dir: str, run_dir: Path) -> str:
-    """The HF checkpoint to start from: model.hf_dir, or a random one made from model.init."""
-    if cfg.model.hf_dir:
-        return cfg.model.hf_dir
-    manifest = json.loads((Path(prepared_dir) / "manifest.json").read_text())
-    vocab = int(manifest["tokenizer"]["vocab_size"])
-    return write_random_hf_model(cfg.model.init, vocab, run_dir / "base_model",
-                                 tokenizer_dir=f"{prepared_dir}/tokenizer")
-
-
-class _Inline:
-    """The WorkerGroup interface over one worker in this process."""
-
-    def __init__(self, worker: SFTWorker):
-        self.worker = worker
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return [getattr(self.worker, method)(*args, **kwargs)]
-
-
-@contextlib.contextmanager
-def _launch(cfg: SFTConfig, hf_dir: str, prepared_dir: str, run_dir: str) -> Iterator[Any]:
-    args = (to_dict(cfg), hf_dir, prepared_dir, run_dir)
-    if cfg.run.launcher == "inline":
-        worker = SFTWorker(*args)
-        try:
-            yield _Inline(worker)
-        finally:
-            worker.close()
-        return
-    import ray
-    from posttrain.distributed.worker_group import WorkerGroup
-    started_here = False
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-        else:
-            ray.init(num_cpus=max(cfg.run.num_workers, os.cpu_count() or 1),
-                     include_dashboard=False, log_to_driver=True,
-                     _temp_dir=os.environ.get("RAY_TMPDIR"))
-            started_here = True
-    threads = max(1, (os.cpu_count() or 1) // cfg.run.num_workers)
-    try:
-        with WorkerGroup(SFTWorker, cfg.run.num_workers,
-                         resources_per_worker=cfg.run.resources_per_worker or None,
-                         env={"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"},
-                         init_args=args) as group:
-            try:
-                yield group
-            finally:
-                with contextlib.suppress(Exception):
-                    group.call("close")
-    finally:
-        if started_here:
-            ray.shutdown()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="SFT recipe YAML")
-    parser.add_argument("--run-dir", help="override run.dir")
-    parser.add_argument("--launcher", choices=["ray", "inline"], help="override run.launcher")
-    parser.add_argument("--num-workers", type=int, help="override run.num_workers")
-    parser.add_argument("--max-steps", type=int, help="override train.max_steps")
-    parser.add_argument("--no-progress", action="store_true")
-
-
 def main(args: argparse.Namespace) -> int:
-    overrides = {k: v for k, v in {"run.dir": args.run_dir, "run.launcher": args.launcher,
-                                   "run.num_workers": args.num_workers,
-                                   "train.max_steps": args.max_steps}.items() if v is not None}
     t0 = time.time()
-    result = run(args.config, overrides=overrides, show_progress=not args.no_progress)
+    result = run(args.config, overrides=overrides_from(args), show_progress=not args.no_progress)
     print(summarize(result, time.time() - t0))
     return 0
 

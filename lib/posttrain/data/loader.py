@@ -10,6 +10,16 @@ Every stage follows `posttrain.data.stream.StatefulIterable`; `TrainLoader.state
 position after the last batch handed out, and a loader built the same way and restored with
 `load_state_dict` yields exactly the batches an uninterrupted one would.
 
+Preference mode (``format: preference``, shards with chosen_/rejected_ columns): each pair is
+one `Sample` of two documents (chosen, then rejected; `Sample.segment_lengths`) that the packer
+keeps together, and every batch also holds
+
+* ``sequence_ids`` [B, T] and ``pair_index`` [P, 2], as `posttrain.losses.dpo` defines them;
+* ``pair_keys``: per pair, a stable id of its shard row (`pair_key`), to look up values
+  computed for the pair beforehand (reference log-probs); ``num_pairs``.
+
+In padded mode a batch holds ``rows_per_batch`` pairs, each side in its own row (2 x rows).
+
 Ranks and loader workers: shard k of ``num_ranks * num_workers`` (k = rank * num_workers +
 worker) reads the files (or rows) that `posttrain.data.sources.RowStream` assigns to it. A saved
 state belongs to one (rank, world size) pair; it is restored on the same layout.
@@ -24,6 +34,7 @@ from typing import Any, Literal
 
 import fsspec
 import numpy as np
+import torch
 
 from posttrain.data.mixer import Mixer, MixerConfig
 from posttrain.data.packing import (AsyncPacker, Packer, PackingConfig, Sample, collate,
@@ -31,12 +42,14 @@ from posttrain.data.packing import (AsyncPacker, Packer, PackingConfig, Sample, 
 from posttrain.data.sources import RowStream, shard_for
 from posttrain.data.stream import StatefulIterable
 from posttrain.errors import ConfigError, DataError
+from posttrain.losses.dpo import sequence_ids
 
 
 @dataclass(frozen=True)
 class LoaderConfig:
     packing: PackingConfig = PackingConfig()
     mode: Literal["packed", "padded"] = "packed"
+    format: Literal["sequence", "preference"] = "sequence"   # which shard columns to read
     rows_per_batch: int = 1
     shuffle_buffer_samples: int = 0       # 0 keeps the shard order
     seed: int = 0
@@ -58,10 +71,13 @@ class ShardSamples(StatefulIterable[Sample]):
     """Samples from tokenized shards written by `steps/prepare.py`, over `epochs` passes."""
 
     def __init__(self, files: list[str], *, shard_index: int = 0, num_shards: int = 1,
-                 epochs: int = 1, storage_options: dict | None = None):
+                 epochs: int = 1, storage_options: dict | None = None,
+                 preference: bool = False, source_index: int = 0):
         if not files:
             raise DataError("no tokenized shards to read")
         self.files = files
+        self.preference, self.source_index = preference, source_index
+        self._file_index = {f: i for i, f in enumerate(files)}
         self.shard_index, self.num_shards = shard_index, num_shards
         self.epochs = epochs
         self.storage_options = storage_options
@@ -78,10 +94,26 @@ class ShardSamples(StatefulIterable[Sample]):
                 if raw.error is not None:
                     raise raw.error
                 data = raw.data
+                if self.preference:
+                    yield self._pair(data, raw.file, raw.line)
+                    continue
                 yield Sample(np.asarray(data["input_ids"], np.int32),
                              np.asarray(data["loss_mask"], np.uint8))
             self._epoch += 1
             self._rows = self._stream()
+
+    def _pair(self, data: dict, file: str, row: int) -> Sample:
+        if "chosen_input_ids" not in data:
+            raise DataError("loader format 'preference' needs shards with chosen_input_ids / "
+                            "rejected_input_ids; prepare the data with data.format: "
+                            "preference", file=file, line=row, field="chosen_input_ids")
+        chosen = np.asarray(data["chosen_input_ids"], np.int32)
+        rejected = np.asarray(data["rejected_input_ids"], np.int32)
+        mask = np.concatenate([np.asarray(data["chosen_loss_mask"], np.uint8),
+                               np.asarray(data["rejected_loss_mask"], np.uint8)])
+        return Sample(np.concatenate([chosen, rejected]), mask,
+                      sample_id=pair_key(self.source_index, self._file_index[file], row),
+                      segment_lengths=(len(chosen), len(rejected)))
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self._epoch, "rows": self._rows.state_dict()}
@@ -119,13 +151,22 @@ class ShuffleBuffer(StatefulIterable[Sample]):
 
     def state_dict(self) -> dict[str, Any]:
         return {"upstream": self.upstream.state_dict(), "rng": self._rng.bit_generator.state,
-                "buffer": [[s.input_ids.tolist(), s.loss_mask.tolist()] for s in self._buffer]}
+                "buffer": [[s.input_ids.tolist(), s.loss_mask.tolist(), s.sample_id,
+                            list(s.segment_lengths) if s.segment_lengths else None]
+                           for s in self._buffer]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.upstream.load_state_dict(state["upstream"])
         self._rng.bit_generator.state = state["rng"]
-        self._buffer = [Sample(np.asarray(ids, np.int32), np.asarray(mask, np.uint8))
-                        for ids, mask in state["buffer"]]
+        self._buffer = [_sample_from_state(entry) for entry in state["buffer"]]
+
+
+def _sample_from_state(entry: list) -> Sample:
+    """[ids, mask, sample_id, segment_lengths]; states written before pairs hold [ids, mask]."""
+    ids, mask, *rest = entry
+    sample_id, segments = (rest + [None, None])[:2]
+    return Sample(np.asarray(ids, np.int32), np.asarray(mask, np.uint8), sample_id,
+                  tuple(segments) if segments else None)
 
 
 class _PaddedBatches:
@@ -170,7 +211,8 @@ class TrainLoader(StatefulIterable[dict]):
         for i, (name, files) in enumerate(sorted(sources.items())):
             s: StatefulIterable[Sample] = ShardSamples(
                 files, shard_index=shard_index, num_shards=num_shards, epochs=cfg.epochs,
-                storage_options=storage_options)
+                storage_options=storage_options, preference=cfg.format == "preference",
+                source_index=i)
             if cfg.shuffle_buffer_samples:
                 s = ShuffleBuffer(s, cfg.shuffle_buffer_samples,
                                   seed=_mix_seed(cfg.seed, shard_index, i))
@@ -191,7 +233,7 @@ class TrainLoader(StatefulIterable[dict]):
         if isinstance(self._rows, _PaddedBatches):
             for rows in self._rows.batches():
                 self.batches_out += 1
-                yield collate(rows)
+                yield self._collate(rows)
             return
         it = iter(self._rows)
         while True:
@@ -199,7 +241,13 @@ class TrainLoader(StatefulIterable[dict]):
             if not rows:
                 return
             self.batches_out += 1
-            yield collate(rows)
+            yield self._collate(rows)
+
+    def _collate(self, rows: list) -> dict:
+        batch = collate(rows)
+        if self.cfg.format == "preference":
+            batch.update(pair_fields(rows, batch))
+        return batch
 
     @property
     def stats(self) -> dict[str, int]:
@@ -222,6 +270,30 @@ class TrainLoader(StatefulIterable[dict]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def pair_key(source_index: int, file_index: int, row: int) -> int:
+    """A stable id of one shard row: (source, file in the source's list, 1-based row)."""
+    assert source_index < 1 << 15 and file_index < 1 << 16 and row < 1 << 32
+    return (source_index << 48) | (file_index << 32) | row
+
+
+def pair_fields(rows: list, batch: dict) -> dict[str, Any]:
+    """``sequence_ids``, ``pair_index``, ``pair_keys``, ``num_pairs`` of collated pair rows.
+
+    Documents are numbered as `posttrain.losses.dpo.sequence_ids` does (row by row); a pair is
+    a document of segment 0 followed by the segment 1 of the same sample.
+    """
+    owners = [(sid, seg) for r in rows for sid, seg in zip(r.sample_ids, r.segment_index)]
+    pairs, keys = [], []
+    for s, ((sid, seg), nxt) in enumerate(zip(owners, owners[1:])):
+        if seg == 0 and nxt == (sid, 1):
+            pairs.append((s, s + 1))
+            keys.append(sid)
+    assert 2 * len(pairs) == len(owners), "every document of a preference batch is in a pair"
+    return {"sequence_ids": sequence_ids(batch["document_lengths"], batch["row_num_pad"]),
+            "pair_index": torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2),
+            "pair_keys": keys, "num_pairs": len(pairs)}
 
 
 def _mix_seed(seed: int, shard_index: int, source_index: int) -> int:

@@ -16,6 +16,14 @@ Row conventions (the same for packed rows and, via `pad_rows`, padded rows):
 * ``document_lengths``: segment lengths in order, summing to ``L``; a pad tail is its own
   trailing segment (``num_pad`` > 0), not counted in ``num_documents``.
 
+Multi-document samples: a `Sample` with ``segment_lengths`` (e.g. the chosen and the rejected
+sequence of a preference pair) is one packing unit of several documents. The packer places the
+unit whole in one row, never splits it, and never truncates it (an over-long unit is dropped:
+a cut pair would compare a response with a fragment); inside the row each segment is its own
+document for labels, position ids and ``document_lengths``. ``PackedRow.segment_index`` says
+which segment of its sample each document is (0 for ordinary samples). `pad_rows` puts each
+segment of a unit in its own row, in order, within the same batch.
+
 Packing algorithm: best fit over a bounded look-ahead buffer. Up to ``buffer_samples`` pending
 samples are kept sorted by (length, arrival); a row starts with the longest pending sample and
 is filled by repeatedly taking the longest pending sample that still fits (a bisect), until none
@@ -88,6 +96,7 @@ class Sample:
     input_ids: np.ndarray   # [n] int32
     loss_mask: np.ndarray   # [n] uint8 or bool
     sample_id: int | None = None
+    segment_lengths: tuple[int, ...] | None = None  # several documents, packed as one unit
 
 
 @dataclass
@@ -101,19 +110,30 @@ class PackedRow:
     num_pad: int
     num_documents: int
     sample_ids: list[int | None] = field(default_factory=list)  # per document, in order
+    segment_index: list[int] = field(default_factory=list)      # per document: its segment
 
 
 class _Pending:
     """A sample admitted to the buffer: validated, converted, maybe truncated. Never mutated."""
 
-    __slots__ = ("ids", "mask", "sample_id", "seq", "length")
+    __slots__ = ("ids", "mask", "sample_id", "seq", "length", "segments")
 
-    def __init__(self, ids: np.ndarray, mask: np.ndarray, sample_id: int | None, seq: int):
+    def __init__(self, ids: np.ndarray, mask: np.ndarray, sample_id: int | None, seq: int,
+                 segments: tuple[int, ...] | None = None):
         self.ids = ids
         self.mask = mask
         self.sample_id = sample_id
         self.seq = seq
         self.length = len(ids)
+        self.segments = segments
+
+    def documents(self) -> list[tuple[np.ndarray, np.ndarray, int]]:
+        """(ids, mask, segment index) of each document of this unit."""
+        if self.segments is None:
+            return [(self.ids, self.mask, 0)]
+        ends = list(accumulate(self.segments))
+        return [(self.ids[e - n:e], self.mask[e - n:e], i)
+                for i, (n, e) in enumerate(zip(self.segments, ends))]
 
     @property
     def key(self) -> int:
@@ -131,16 +151,28 @@ def _admit(sample: Sample, cfg: PackingConfig, stats: dict[str, int], seq: int) 
                         f"{mask.shape} must be 1-D and of equal length; check the tokenizer step",
                         field="loss_mask", reason="mask_length")
     n = ids.shape[0]
+    segments = _check_segments(sample, n)
     stats["samples_in"] += 1
     stats["tokens_in"] += n
     limit = cfg.max_tokens_per_pack
-    if n == 0 or (n > limit and cfg.overlong == "drop"):
+    if n == 0 or (n > limit and (cfg.overlong == "drop" or segments is not None)):
         stats["samples_dropped"] += 1
         return None
     if n > limit:
         stats["samples_truncated"] += 1
         ids, mask = ids[:limit], mask[:limit]
-    return _Pending(ids, mask, sample.sample_id, seq)
+    return _Pending(ids, mask, sample.sample_id, seq, segments)
+
+
+def _check_segments(sample: Sample, n: int) -> tuple[int, ...] | None:
+    if sample.segment_lengths is None:
+        return None
+    segments = tuple(int(x) for x in sample.segment_lengths)
+    if not segments or min(segments) < 1 or sum(segments) != n:
+        raise DataError(f"sample {sample.sample_id}: segment_lengths {list(segments)} must be "
+                        f"positive and sum to the sample's {n} tokens",
+                        field="segment_lengths", reason="mask_length")
+    return segments
 
 
 class _RowBuilder:
@@ -153,11 +185,13 @@ class _RowBuilder:
 
     def build(self, docs: list[_Pending], length: int) -> PackedRow:
         assert length <= self._arange.shape[0], "rows are at most max_tokens_per_pack long"
-        lengths = [d.length for d in docs]
+        parts = [part for d in docs for part in d.documents()]
+        owners = [d.sample_id for d in docs for _ in range(len(d.segments or (0,)))]
+        lengths = [len(ids) for ids, _, _ in parts]
         num_pad = length - sum(lengths)
         assert num_pad >= 0, "documents exceed the row length"
-        id_parts = [d.ids for d in docs]
-        mask_parts = [d.mask for d in docs]
+        id_parts = [ids for ids, _, _ in parts]
+        mask_parts = [mask for _, mask, _ in parts]
         segments = lengths
         if num_pad:
             id_parts.append(self._pad_ids[:num_pad])
@@ -173,8 +207,8 @@ class _RowBuilder:
         arange = self._arange
         position_ids = np.concatenate([arange[:n] for n in segments])
         return PackedRow(input_ids=input_ids, labels=labels, position_ids=position_ids,
-                         document_lengths=segments, num_pad=num_pad, num_documents=len(docs),
-                         sample_ids=[d.sample_id for d in docs])
+                         document_lengths=segments, num_pad=num_pad, num_documents=len(parts),
+                         sample_ids=owners, segment_index=[i for _, _, i in parts])
 
 
 @dataclass(frozen=True)
@@ -204,6 +238,7 @@ class _Snapshot:
                 "seq": [p.seq for p in pending],
                 "sample_id": [p.sample_id for p in pending],
                 "length": [p.length for p in pending],
+                "segments": [list(p.segments) if p.segments else None for p in pending],
                 "input_ids": ids,
                 "loss_mask": mask,
             },
@@ -317,8 +352,10 @@ class Packer:
         mask = np.asarray(buf["loss_mask"], dtype=np.uint8).astype(np.bool_)
         ends = list(accumulate(buf["length"]))
         starts = [0] + ends[:-1]
-        restored = sorted((_Pending(ids[s:e], mask[s:e], sid, seq)
-                           for s, e, sid, seq in zip(starts, ends, buf["sample_id"], buf["seq"])),
+        segments = buf.get("segments") or [None] * len(starts)
+        restored = sorted((_Pending(ids[s:e], mask[s:e], sid, seq, tuple(seg) if seg else None)
+                           for s, e, sid, seq, seg in zip(starts, ends, buf["sample_id"],
+                                                          buf["seq"], segments)),
                           key=lambda p: p.key)
         self._pending = restored
         self._keys = [p.key for p in restored]
@@ -444,7 +481,8 @@ def pad_rows(samples: Iterable[Sample], cfg: PackingConfig,
              rows_per_batch: int) -> Iterator[PackedRow]:
     """Padded-batch mode, for comparison: one sample per row, padded to its batch's longest.
 
-    Batches are ``rows_per_batch`` consecutive kept samples (the last one may be smaller).
+    Batches are ``rows_per_batch`` consecutive kept samples (the last one may be smaller); a
+    sample with ``segment_lengths`` gives one row per segment, in order, in the same batch.
     Over-long and empty samples are handled as in `Packer`. Rows follow the packed-row
     conventions, with one document and possibly a pad segment.
     """
@@ -465,9 +503,12 @@ def pad_rows(samples: Iterable[Sample], cfg: PackingConfig,
 
 
 def _padded_batch(batch: list[_Pending], builder: _RowBuilder) -> Iterator[PackedRow]:
-    width = max(p.length for p in batch)
-    for p in batch:
-        yield builder.build([p], width)
+    docs = [(p, ids, mask, i) for p in batch for ids, mask, i in p.documents()]
+    width = max(len(ids) for _, ids, _, _ in docs)
+    for p, ids, mask, i in docs:
+        row = builder.build([_Pending(ids, mask, p.sample_id, p.seq)], width)
+        row.segment_index = [i]
+        yield row
 
 
 def collate(rows: list[PackedRow]) -> dict[str, Any]:

@@ -65,6 +65,18 @@ def materialize(root: nn.Module, device: torch.device, tensors: Iterable[tuple[s
     `init_missing(name, param)` (a full tensor, e.g. LoRA A/B); without it they are an error.
     """
     root.to_empty(device=device)
+    fill_parameters(root, tensors, prefix=prefix, rename=rename, init_missing=init_missing)
+
+
+def fill_parameters(root: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], *,
+                    prefix: str = "", rename: Callable[[str], str] = lambda n: n,
+                    init_missing: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                    ) -> None:
+    """Fill the parameters of `root` under `prefix` (already on their device); see `materialize`.
+
+    Used alone for a second model inside the same root (a frozen distillation teacher), after
+    `materialize` has moved the whole root off the meta device.
+    """
     params = parameters_by_name(root, prefix)
     filled: set[str] = set()
     for name, full in tensors:

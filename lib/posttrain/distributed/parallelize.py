@@ -213,6 +213,26 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
     return model if root is None else root
 
 
+def shard_frozen(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
+                 blocks_attr: str = "layers") -> None:
+    """Lay out a frozen model (a distillation teacher) that lives inside the trainer's root.
+
+    Its parameters get `requires_grad=False` (no gradients, no optimizer state); TP as for the
+    trained model, then `fully_shard` on each block, resharded after every forward (it has no
+    backward). Its embedding, norm and head are left to the root's `fully_shard` (call this
+    before `parallelize(..., root=...)`), so they are gathered for the whole root forward and
+    a loss can read the head weight there, as it does the trained model's.
+    """
+    from torch.distributed.fsdp import fully_shard
+    _check_mesh(mesh, cfg)
+    model.requires_grad_(False)
+    if cfg.tp > 1:
+        apply_tp(model, mesh, blocks_attr=blocks_attr)
+    for block in _blocks(model, blocks_attr):
+        fully_shard(block, mesh=mesh["dp_shard"], mp_policy=_mp_policy(cfg.mixed_precision),
+                    reshard_after_forward=True)
+
+
 def _check_mesh(mesh: DeviceMesh, cfg: ParallelConfig) -> None:
     names = mesh.mesh_dim_names or ()
     if "dp_shard" not in names or "tp" not in names:

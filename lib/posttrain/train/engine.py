@@ -9,9 +9,15 @@ optimizer step over the micro-batches it is given:
     step:   for each micro-batch: loss_sum(batch) * world / N_global -> backward
             clip grad norm -> optimizer.step -> scheduler.step -> zero_grad
 
-`N_global` is the number of loss tokens in the whole step across ranks, so the gradient is
-the one of a single big batch however the step is split (FSDP averages gradients over ranks,
-hence the `* world`). The engine never sees a data loader: the recipe's worker decides which
+`N_global` is the number of loss units in the whole step across ranks (loss tokens for SFT,
+pairs for DPO and reward models), so the gradient is the one of a single big batch however the
+step is split (FSDP averages gradients over ranks, hence the `* world`).
+
+The loss module (the FSDP root, made by `loss_factory`) is called with the batch fields named
+in its `input_keys`, in that order (default: those of `CausalLMLoss`), and returns the loss
+*sum* over its units, or ``(loss_sum, stats)`` with `stats` detached per-batch sums (e.g.
+correct pairs) that the engine adds up over micro-batches and ranks and reports divided by
+`N_global`. The engine never sees a data loader: the recipe's worker decides which
 micro-batches this rank gets, so the data rule lives in one place.
 """
 
@@ -35,7 +41,7 @@ from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
 from posttrain.models.families.base import VOCAB_PARAMS
 from posttrain.models.hf_io import grow_vocab_rows, iter_hf_tensors, load_hf
-from posttrain.models.transformer import Transformer, build_model
+from posttrain.models.transformer import LMHead, Transformer, build_model
 from posttrain.train.checkpoint import CheckpointConfig, CheckpointManager
 from posttrain.train.optim import (OptimizerConfig, SchedulerConfig, build_optimizer,
                                    build_scheduler)
@@ -101,6 +107,8 @@ class CausalLMLoss(nn.Module):
     The LM head weight is read directly by the chunked loss, so under FSDP2 the loss must be
     computed inside the root's forward, where the root's parameters are gathered.
     """
+
+    input_keys = ("input_ids", "labels", "position_ids", "document_lengths")
 
     def __init__(self, model: Transformer, chunk_tokens: int = 1024):
         super().__init__()
@@ -171,33 +179,43 @@ class Engine:
         mesh = build_mesh(self.cfg.parallel.dp_shard, self.cfg.parallel.tp)
         root = parallelize(model, mesh, self.cfg.parallel, root=root)
         dtype = _DTYPES[mcfg.dtype]
+        # a custom head (a reward model's scalar projection) replaces the LM head: it is
+        # initialized here, not read from the checkpoint
+        custom_head = not isinstance(model.head, LMHead)
         tensors = ((name, _fit_vocab(name, t, ckpt_args, model.args).to(dtype))
-                   for name, t in iter_hf_tensors(self.hf_dir, ckpt_args))
+                   for name, t in iter_hf_tensors(self.hf_dir, ckpt_args)
+                   if not (custom_head and name.startswith("head.")))
         materialize(root, self.device, tensors, prefix="model.",
                     init_missing=self._init_missing)
         model.tie_weights()
         return model, root
 
     def _init_missing(self, name: str, param: torch.Tensor) -> torch.Tensor:
-        """Deterministic init of parameters the checkpoint lacks (LoRA adapters)."""
-        lora = _lora_module()
+        """Deterministic init of parameters the checkpoint lacks (LoRA adapters, custom head)."""
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + _stable_hash(name))
-        return lora.adapter_init_tensor(name, tuple(param.shape), gen)
+        if name.startswith("head."):
+            if name.endswith(".bias"):
+                return torch.zeros(param.shape)
+            return torch.randn(tuple(param.shape), generator=gen) / math.sqrt(param.shape[-1])
+        return _lora_module().adapter_init_tensor(name, tuple(param.shape), gen)
 
     # ------------------------------------------------------------------ train
     def train_step(self, micro_batches: list[dict], global_loss_tokens: int) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches; returns global metrics."""
+        """One optimizer step over this rank's micro-batches; returns global metrics.
+
+        `global_loss_tokens` is N_global, the step's loss units over all ranks (module doc).
+        """
         self.root.train()
         t0 = time.perf_counter()
         local_loss = torch.zeros((), dtype=torch.float64)
+        local_stats: dict[str, float] = {}
         scale = self.world / max(global_loss_tokens, 1)
         for batch in micro_batches:
-            loss_sum = self.root(batch["input_ids"].to(self.device),
-                                 batch["labels"].to(self.device),
-                                 batch["position_ids"].to(self.device),
-                                 batch["document_lengths"])
+            loss_sum, stats = self._forward(batch)
             (loss_sum * scale).backward()
             local_loss += loss_sum.detach().double().cpu()
+            for k, v in stats.items():
+                local_stats[k] = local_stats.get(k, 0.0) + float(v)
         if not micro_batches:
             self._zero_contribution()
         grad_norm = self._clip()
@@ -207,8 +225,16 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         loss_total = all_reduce_sum(local_loss.item())
-        return {"step": self.step, "loss": loss_total / max(global_loss_tokens, 1),
+        stats = {k: all_reduce_sum(v) / max(global_loss_tokens, 1)
+                 for k, v in sorted(local_stats.items())}
+        return {"step": self.step, "loss": loss_total / max(global_loss_tokens, 1), **stats,
                 "grad_norm": grad_norm, "lr": lr, "step_time_s": time.perf_counter() - t0}
+
+    def _forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        keys = getattr(self.root, "input_keys", CausalLMLoss.input_keys)
+        out = self.root(*(batch[k].to(self.device) if isinstance(batch[k], torch.Tensor)
+                          else batch[k] for k in keys))
+        return out if isinstance(out, tuple) else (out, {})
 
     def _zero_contribution(self) -> None:
         raise ConfigError("a rank got no micro-batch in a step: tokens_per_step must give "
@@ -224,10 +250,14 @@ class Engine:
 
     @torch.no_grad()
     def eval_loss_sum(self, batch: dict) -> float:
+        return self.eval_sums(batch)["loss"]
+
+    @torch.no_grad()
+    def eval_sums(self, batch: dict) -> dict[str, float]:
+        """The loss sum and the loss module's stats sums of one batch, without gradients."""
         self.root.eval()
-        out = self.root(batch["input_ids"].to(self.device), batch["labels"].to(self.device),
-                        batch["position_ids"].to(self.device), batch["document_lengths"])
-        return float(out)
+        loss_sum, stats = self._forward(batch)
+        return {"loss": float(loss_sum), **{k: float(v) for k, v in stats.items()}}
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, extra: dict, rank_extra: dict | None = None) -> str:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from posttrain.config.loader import build
 from posttrain.config.recipes import DataConfig
 from posttrain.data.loader import LoaderConfig, TrainLoader, sources_from_manifest
+from posttrain.data.prepared import local_view
 from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.errors import DataError
 from posttrain.train.engine import Engine, EngineConfig, ModelConfig, all_reduce_sum
@@ -54,10 +55,20 @@ class RunConfig:
     num_workers: int = 1
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     launcher: Literal["ray", "inline"] = "ray"
+    num_nodes: int = 1                        # machines (Metaflow @metaflow_ray num_parallel)
+    tensorboard_dir: str | None = None        # also mirror metrics.jsonl as TensorBoard events
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError("run.num_workers must be at least 1")
+        if self.num_nodes < 1:
+            raise ValueError("run.num_nodes must be at least 1")
+        if self.num_nodes > 1 and self.launcher != "ray":
+            raise ValueError(f"run.num_nodes={self.num_nodes} needs run.launcher: ray (the "
+                             "trainer actors are placed over the Ray cluster of all nodes)")
+        if self.num_nodes > self.num_workers:
+            raise ValueError(f"run.num_nodes={self.num_nodes} is more than run.num_workers="
+                             f"{self.num_workers}: a node without a worker would sit idle")
         if self.launcher == "inline" and self.num_workers != 1:
             raise ValueError("run.launcher: inline runs one worker in the driver process; "
                              "use launcher: ray for num_workers > 1")
@@ -94,6 +105,10 @@ class SFTConfig:
     def __post_init__(self) -> None:
         if self.export.format in ("merged", "peft") and self.model.lora is None:
             raise ValueError(f"export.format: {self.export.format} needs model.lora")
+        if self.export.format == "full" and self.model.lora is not None:
+            # else the run would train, then fail in export on the adapter parameters
+            raise ValueError("export.format: full cannot write a LoRA model; set export.format "
+                             "to merged (full weights, adapters folded in) or peft (the adapter)")
         if self.data.format not in ("chat", "sequence"):
             raise ValueError(f"SFT trains on chat or sequence data, not {self.data.format!r}")
         g = self.train.micro_batches_per_step
@@ -110,8 +125,10 @@ class SFTWorker:
         self.cfg = build(SFTConfig, cfg, where="sft config")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.prepared_dir = prepared_dir
-        self.engine = Engine(self.cfg.model, self.cfg.train, hf_dir, run_dir)
+        self.prepared_dir = local_view(prepared_dir)   # shards stay remote; metadata local
+        manifest_vocab = _tokenizer_vocab(prepared_dir)
+        self.engine = Engine(self.cfg.model, self.cfg.train, hf_dir, run_dir,
+                             vocab_size=manifest_vocab)
         self.loader = TrainLoader(sources_from_manifest(prepared_dir, "train"),
                                   self.cfg.train.loader)
         self._batches = None
@@ -217,3 +234,13 @@ class SFTWorker:
 
     def close(self) -> None:
         self.loader.close()
+
+
+def _tokenizer_vocab(prepared_dir: str) -> int | None:
+    """The tokenizer's vocabulary size recorded by prepare (added tokens included)."""
+    import json
+
+    import fsspec
+    fs, root = fsspec.core.url_to_fs(prepared_dir)
+    with fs.open(f"{root.rstrip('/')}/manifest.json") as f:
+        return json.load(f)["tokenizer"].get("vocab_size")

@@ -104,3 +104,72 @@ def test_sources_from_manifest_errors(tmp_path):
     from posttrain.errors import DataError
     with pytest.raises(DataError, match="run `posttrain prepare` first"):
         sources_from_manifest(str(tmp_path))
+
+
+# --------------------------------------------------------------------------- preference mode
+
+def _write_pairs(root, n, seed):
+    rng = np.random.default_rng(seed)
+    writer = ShardWriter(str(root / "pairs"), schema_for("preference"), rows_per_shard=25,
+                         rows_per_group=8)
+    pairs = []
+    for _ in range(n):
+        prompt = rng.integers(5, 1000, int(rng.integers(2, 12))).astype(np.int32)
+        cols = {}
+        for side in ("chosen", "rejected"):
+            resp = rng.integers(5, 1000, int(rng.integers(1, 20))).astype(np.int32)
+            cols[f"{side}_input_ids"] = np.concatenate([prompt, resp])
+            cols[f"{side}_loss_mask"] = np.r_[np.zeros(len(prompt)),
+                                              np.ones(len(resp))].astype(np.int8)
+        pairs.append(cols)
+        sides = ("chosen", "rejected")
+        writer.write({**cols, "prompt_length": len(prompt),
+                      "num_tokens": sum(len(cols[f"{s}_input_ids"]) for s in sides),
+                      "num_loss_tokens": int(sum(cols[f"{s}_loss_mask"].sum() for s in sides))})
+    return {"pairs": [s.uri for s in writer.close()]}, pairs
+
+
+def _pairs_seen(batch):
+    """(pair key, chosen tokens, rejected tokens) of each pair, via sequence_ids/pair_index."""
+    ids, seq = batch["input_ids"].reshape(-1), batch["sequence_ids"].reshape(-1)
+    out = []
+    for key, (c, r) in zip(batch["pair_keys"], batch["pair_index"].tolist()):
+        out.append((key, tuple(ids[seq == c].tolist()), tuple(ids[seq == r].tolist())))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["packed", "padded"])
+def test_preference_batches_tie_each_pair_together(tmp_path, mode):
+    sources, pairs = _write_pairs(tmp_path, 60, seed=4)
+    cfg = LoaderConfig(packing=PackingConfig(max_tokens_per_pack=64, buffer_samples=8),
+                       mode=mode, format="preference", rows_per_batch=3, background=False)
+    with TrainLoader(sources, cfg) as loader:
+        batches = list(loader)
+    seen = [p for b in batches for p in _pairs_seen(b)]
+    assert sum(b["num_pairs"] for b in batches) == len(seen) == 60
+    want = {}
+    for i, cols in enumerate(pairs):          # 25 rows per file, 1-based rows
+        key = (i // 25 << 32) | (i % 25 + 1)
+        want[key] = (tuple(cols["chosen_input_ids"]), tuple(cols["rejected_input_ids"]))
+    assert {k: (c, r) for k, c, r in seen} == want
+    if mode == "padded":
+        assert all(b["input_ids"].shape[0] == 2 * b["num_pairs"] for b in batches)
+    else:
+        assert any(b["num_pairs"] > b["input_ids"].shape[0] for b in batches)
+
+
+def test_preference_resume_keeps_pair_keys(tmp_path):
+    sources, _ = _write_pairs(tmp_path, 80, seed=5)
+    cfg = LoaderConfig(packing=PackingConfig(max_tokens_per_pack=64, buffer_samples=8),
+                       format="preference", rows_per_batch=2, shuffle_buffer_samples=10,
+                       epochs=2)
+    with TrainLoader(sources, cfg) as full:
+        expected = [_pairs_seen(b) for b in full]
+    with TrainLoader(sources, cfg) as first:
+        it = iter(first)
+        got = [_pairs_seen(next(it)) for _ in range(7)]
+        state = json.loads(json.dumps(first.state_dict()))
+    with TrainLoader(sources, cfg) as resumed:
+        resumed.load_state_dict(state)
+        got += [_pairs_seen(b) for b in resumed]
+    assert got == expected

@@ -313,3 +313,103 @@ def test_streams_follow_the_protocol():
     assert isinstance(ListStream([]), StatefulIterable)
     assert isinstance(Packer(ListStream([]), cfg), StatefulIterable)
     assert isinstance(AsyncPacker(ListStream([]), cfg), StatefulIterable)
+
+
+# --------------------------------------------------------------------------- multi-document units
+
+def make_units(lengths: list[tuple[int, ...]], seed: int) -> list[Sample]:
+    """Samples of several segments (e.g. chosen + rejected), sample_id = index."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, segs in enumerate(lengths):
+        n = sum(segs)
+        out.append(Sample(input_ids=rng.integers(1, 1000, n, dtype=np.int32),
+                          loss_mask=rng.integers(0, 2, n).astype(np.uint8), sample_id=i,
+                          segment_lengths=segs))
+    return out
+
+
+def _split(sample: Sample) -> list[Sample]:
+    ends = list(itertools.accumulate(sample.segment_lengths))
+    return [Sample(sample.input_ids[e - n:e], sample.loss_mask[e - n:e], sample.sample_id)
+            for n, e in zip(sample.segment_lengths, ends)]
+
+
+def _docs(rows: list[PackedRow]) -> list[tuple[int, int, bytes, bytes, bytes]]:
+    """Per document: (owner, segment, ids, labels, positions), in row order."""
+    out = []
+    for r in rows:
+        start = 0
+        for owner, seg, n in zip(r.sample_ids, r.segment_index, r.document_lengths):
+            sl = slice(start, start + n)
+            out.append((owner, seg, r.input_ids[sl].tobytes(), r.labels[sl].tobytes(),
+                        r.position_ids[sl].tobytes()))
+            start += n
+    return out
+
+
+@given(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 30)), min_size=1, max_size=40),
+       st.integers(0, 2**16), st.integers(1, 12))
+@PROPERTY
+def test_units_stay_whole_and_each_segment_is_its_own_document(lengths, seed, buffer):
+    cfg = PackingConfig(max_tokens_per_pack=64, buffer_samples=buffer)
+    units = make_units(lengths, seed)
+    rows = list(Packer(ListStream(units), cfg))
+    # every unit lands in one row, its segments adjacent and in order
+    for r in rows:
+        assert r.num_documents == len(r.sample_ids) == len(r.segment_index)
+        for k in range(0, r.num_documents, 2):
+            assert r.sample_ids[k] == r.sample_ids[k + 1]
+            assert (r.segment_index[k], r.segment_index[k + 1]) == (0, 1)
+    assert sorted(sid for r in rows for sid in r.sample_ids[::2]) == list(range(len(units)))
+    # each segment reads exactly like the same tokens packed as a sample of its own
+    alone = {}
+    for u in units:
+        for seg, s in enumerate(_split(u)):
+            row = pad_rows([s], cfg, 1).__next__()
+            alone[(u.sample_id, seg)] = _docs([row])[0][2:]
+    for owner, seg, *fields in _docs(rows):
+        assert tuple(fields) == alone[(owner, seg)]
+
+
+def test_overlong_unit_is_dropped_never_cut():
+    cfg = PackingConfig(max_tokens_per_pack=16, overlong="truncate")
+    units = make_units([(10, 10), (4, 5)], seed=0)
+    packer = Packer(ListStream(units), cfg)
+    rows = list(packer)
+    assert [r.sample_ids for r in rows] == [[1, 1]]
+    assert packer.stats["samples_dropped"] == 1 and packer.stats["samples_truncated"] == 0
+
+
+def test_bad_segment_lengths_are_refused():
+    s = make_units([(3, 4)], seed=0)[0]
+    s.segment_lengths = (3, 5)
+    with pytest.raises(DataError, match="segment_lengths"):
+        list(Packer(ListStream([s]), PackingConfig(max_tokens_per_pack=32)))
+
+
+@pytest.mark.parametrize("cut", [1, 4, 9])
+def test_resume_with_units_in_the_buffer(cut):
+    cfg = PackingConfig(max_tokens_per_pack=48, buffer_samples=6)
+    units = make_units([(int(a), int(b)) for a, b in
+                        np.random.default_rng(1).integers(1, 20, (40, 2))], seed=2)
+    full = _docs(list(Packer(ListStream(units), cfg)))
+    first = Packer(ListStream(units), cfg)
+    it = iter(first)
+    got = [next(it) for _ in range(cut)]
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = Packer(ListStream(units), cfg)
+    resumed.load_state_dict(state)
+    assert _docs(got + list(resumed)) == full
+
+
+def test_padded_rows_put_each_segment_in_its_own_row_of_the_same_batch():
+    cfg = PackingConfig(max_tokens_per_pack=64)
+    units = make_units([(3, 5), (7, 2), (4, 4)], seed=3)
+    rows = list(pad_rows(units, cfg, rows_per_batch=2))
+    assert [(r.sample_ids, r.segment_index) for r in rows] == [
+        ([0], [0]), ([0], [1]), ([1], [0]), ([1], [1]), ([2], [0]), ([2], [1])]
+    assert {r.input_ids.shape[0] for r in rows[:4]} == {7} and rows[4].input_ids.shape[0] == 4
+    for r, s in zip(rows, [p for u in units for p in _split(u)]):
+        n = len(s.input_ids)
+        assert np.array_equal(r.input_ids[:n], s.input_ids)

@@ -1,0 +1,306 @@
+"""What every posttrain flow shares: config parsing, the code package, Ray nodes, run storage.
+
+Kept out of the flow files so that they read as a table of contents:
+
+- `parse_config(SchemaClass)`: a `Config(parser=...)` that reads YAML with `yaml.safe_load` and
+  validates it against the recipe's strict schema when the flow is launched, so an unknown key
+  fails before any step runs, naming the key; the resolved config (defaults filled in) is what
+  steps see.
+- `@ship_repo(...)`: a `FlowMutator` that puts `lib/`, `steps/`, `configs/` and `assets/` into the
+  code package Metaflow ships to remote tasks (by default it only packs the flow's directory,
+  and only `.py` files), at the same relative paths as in the repository, so relative paths in
+  configs mean the same thing in a pod as on a laptop.
+- `@ray_nodes()`: a `StepMutator` that turns the step called with `num_parallel` into a
+  `@metaflow_ray` step when the config asks for several nodes, and a plain one-node `@parallel`
+  step otherwise (that one starts its own local Ray, so it also runs on the local datastore).
+- `storage_root`, `scratch_dir`, `publish`, `fetch`: where a run's datasets, checkpoints and
+  weights go (local directory or the S3 data root), keyed by the run, never by the attempt.
+- `ray_cluster`: joins the Ray cluster `@metaflow_ray` formed and stops, by PID, the Ray
+  processes of that cluster on this machine when the step ends (metaflow-ray leaves them
+  running, and the next run on the machine then cannot start Ray).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+REPO_DIRS = ("lib", "steps", "configs", "assets")
+_SUFFIXES = (".py", ".yaml", ".yml", ".json", ".jsonl", ".jinja", ".txt", ".model")
+
+
+def _make_importable() -> None:
+    """In a remote task the repo's `lib/` arrives in the code package, not installed."""
+    try:
+        import posttrain  # noqa: F401
+    except ImportError:
+        here = Path(__file__).resolve().parent
+        sys.path.insert(0, str(here / "lib"))
+
+
+_make_importable()
+
+from metaflow import FlowMutator, StepMutator  # noqa: E402
+
+
+# --------------------------------------------------------------------------- config
+def _schema(dotted: str) -> type:
+    import importlib
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def parse_config(schema: str) -> Callable[[str], dict]:
+    """A `Config` parser: YAML text -> validated, resolved plain dict (defaults filled in).
+
+    `schema` is the dotted name of the recipe's config dataclass, imported when the config is
+    parsed (at launch), not when the flow file is imported.
+    """
+
+    def parse(text: str) -> dict:
+        import yaml
+
+        from posttrain.config.loader import build, to_dict
+        from posttrain.errors import ConfigError
+        try:
+            data = yaml.safe_load(text) or {}
+            if not isinstance(data, dict):
+                raise ConfigError(f"config: the top level must be a mapping, got "
+                                  f"{type(data).__name__}")
+            return to_dict(build(_schema(schema), data, where="config"))
+        except ValueError as e:                 # ConfigError is one
+            # A MetaflowException is reported as a one-line error before anything runs.
+            from metaflow.exception import MetaflowException
+            detail = str(e) if isinstance(e, ConfigError) else f"config: {e}"
+            raise MetaflowException(f"invalid config: {detail}") from None
+
+    parse.__name__ = f"parse_{schema.rpartition('.')[2]}"
+    return parse
+
+
+def build_config(schema: str, config: Any) -> Any:
+    """The frozen recipe config from a step's `self.config` (already validated at launch)."""
+    from posttrain.config.loader import build
+    return build(_schema(schema), config.to_dict() if hasattr(config, "to_dict") else dict(config),
+                 where="config")
+
+
+# --------------------------------------------------------------------------- code package
+class ship_repo(FlowMutator):
+    """Add the repository's `lib/`, `steps/`, `configs/`, `assets/` to the code package."""
+
+    def init(self, *dirs: str):
+        self.dirs = dirs or REPO_DIRS
+
+    def add_to_package(self):
+        from metaflow.packaging_sys import ContentType
+        repo = Path(__file__).resolve().parent.parent
+        for name in self.dirs:
+            top = repo / name
+            for path in sorted(top.rglob("*")):
+                if (path.is_file() and path.suffix in _SUFFIXES
+                        and "__pycache__" not in path.parts and not path.name.startswith(".")
+                        and not any(p.endswith(".egg-info") for p in path.parts)):
+                    # arcnames are relative to the flow's directory, which is the package
+                    # root (and the task's working directory) remotely: the package mirrors
+                    # the repository, so `configs/...` and `assets/...` resolve the same way.
+                    yield str(path), os.path.relpath(path, repo), ContentType.USER_CONTENT
+
+
+# --------------------------------------------------------------------------- Ray nodes
+class ray_nodes(StepMutator):
+    """`@metaflow_ray` over `config.run.num_nodes` nodes, or a one-node `@parallel` step."""
+
+    def init(self, config_name: str = "config", all_nodes_started_timeout: int = 300):
+        self.config_name = config_name
+        self.timeout = all_nodes_started_timeout
+
+    def pre_mutate(self, mutable_step) -> None:
+        # pre_mutate, not mutate: the graph linter (which checks that a num_parallel call
+        # leads to a @parallel step) runs between the two.
+        cfg = getattr(mutable_step.flow, self.config_name)
+        if int(cfg.run.num_nodes) > 1:
+            mutable_step.add_decorator(
+                "metaflow_ray", deco_kwargs={"all_nodes_started_timeout": self.timeout})
+            # Ray >= 2.5x turns token auth on for `ray start --head` when ~/.ray/auth_token
+            # exists (any earlier local `ray.init()` writes one), but `ray start --address`
+            # on the other nodes does not load it, so they cannot join. The cluster is private
+            # to this step's tasks; set RAY_AUTH_MODE at launch to choose otherwise.
+            mutable_step.add_decorator("environment", deco_kwargs={"vars": {
+                "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}})
+        else:
+            mutable_step.add_decorator("parallel")
+
+
+@contextlib.contextmanager
+def ray_cluster(num_nodes: int) -> Iterator[None]:
+    """Join `@metaflow_ray`'s cluster (several nodes) and stop its processes here at the end.
+
+    With one node nothing is joined: the training step starts and stops its own local Ray.
+    """
+    if num_nodes <= 1:
+        yield
+        return
+    import ray
+    ray.init(log_to_driver=True)            # no address: the cluster metaflow_ray started
+    session_dir = ray._private.worker.global_worker.node.get_session_dir_path()
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        stopped = stop_ray_processes(session_dir)
+        print(f"stopped {len(stopped)} Ray processes of {session_dir} on this machine")
+
+
+def stop_ray_processes(session_dir: str, timeout_s: float = 15.0) -> list[int]:
+    """Terminate (then kill) the processes whose command line names `session_dir`.
+
+    Every Ray daemon and worker process of a session (gcs_server, raylet, dashboard, agents,
+    actors) carries its session directory on the command line, and a session directory
+    belongs to one cluster, so this stops exactly what that cluster started on this machine.
+    """
+    import psutil
+    me = os.getpid()
+    procs = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.pid != me and session_dir in " ".join(p.info["cmdline"] or ()):
+                procs.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    return [p.pid for p in procs]
+
+
+# --------------------------------------------------------------------------- storage
+def storage_root(flow: Any, run_dir: str) -> str:
+    """Where this run's datasets, checkpoints and weights live (local path or s3:// URI).
+
+    `run.dir` when it is a URI; under the S3 data root when the run uses the S3 datastore
+    (every node and every later step can reach it); else `run.dir` on this machine. Computed
+    once in `start`: a retried or resumed task reads it back from the cloned artifact, so its
+    checkpoints are found again.
+    """
+    from metaflow import current
+    suffix = f"{current.flow_name}/{current.run_id}"
+    if "://" in run_dir:
+        return f"{run_dir.rstrip('/')}/{suffix}"
+    if getattr(flow._datastore, "TYPE", "local") == "s3":
+        from metaflow.metaflow_config import DATASTORE_SYSROOT_S3, DATATOOLS_S3ROOT
+        base = DATATOOLS_S3ROOT or f"{DATASTORE_SYSROOT_S3.rstrip('/')}/data"
+        return f"{base.rstrip('/')}/posttrain/{suffix}"
+    return str(Path(run_dir).resolve() / suffix)
+
+
+def is_remote(uri: str) -> bool:
+    return "://" in uri
+
+
+def join(root: str, *parts: str) -> str:
+    return "/".join([root.rstrip("/"), *parts])
+
+
+def prepare_data(schema: str, config: Any, storage_root: str) -> dict[str, Any]:
+    """The prepare step of every recipe flow: tokenize `config`'s data into <root>/prepared.
+
+    Returns the small artifacts a flow keeps: the prepared URI, the dataset content hash, a
+    manifest summary and the shard URIs (the shards themselves stay in storage).
+    """
+    from posttrain.config.recipes import OutputConfig, PrepareConfig
+    from steps import prepare
+    cfg = build_config(schema, config)
+    uri = join(storage_root, "prepared")
+    manifest = prepare.run(PrepareConfig(tokenizer=cfg.tokenizer, data=cfg.data,
+                                         output=OutputConfig(dir=uri)), show_progress=False)
+    print(prepare.summarize(manifest))
+    return {"prepared_uri": uri, "content_hash": manifest["content_hash"],
+            "manifest_summary": {"totals": manifest["totals"], "format": manifest["format"],
+                                 "config_hash": manifest["config_hash"],
+                                 "vocab_size": manifest["tokenizer"].get("vocab_size")},
+            "shard_uris": [sh["uri"] for src in manifest["sources"] for sh in src["shards"]]}
+
+
+def scratch_dir(root: str, name: str) -> str:
+    """A local working directory for `name`: inside a local root, else stable per root."""
+    if not is_remote(root):
+        return join(root, name)
+    key = hashlib.sha256(root.encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), "posttrain-runs", key, name)
+
+
+def publish(local_path: str, uri: str) -> str:
+    """Copy a local file or directory to `uri` (no-op when it is already there)."""
+    if not is_remote(uri) and os.path.abspath(local_path) == os.path.abspath(uri):
+        return uri
+    import fsspec
+    fs, path = fsspec.core.url_to_fs(uri)
+    if os.path.isdir(local_path):
+        fs.put(local_path.rstrip("/") + "/", path.rstrip("/"), recursive=True)
+    else:
+        fs.put_file(local_path, path)
+    return uri
+
+
+def fetch(uri: str) -> str:
+    """A local copy of a directory at `uri` (the directory itself when it is local)."""
+    if not is_remote(uri):
+        return uri
+    import fsspec
+    fs, path = fsspec.core.url_to_fs(uri)
+    key = hashlib.sha256(uri.encode()).hexdigest()[:16]
+    base = os.path.join(tempfile.gettempdir(), "posttrain-fetch")
+    out = os.path.join(base, key)
+    if not os.path.isdir(out):
+        os.makedirs(base, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f"{key}.", dir=base)
+        fs.get(path.rstrip("/") + "/", tmp.rstrip("/") + "/", recursive=True)
+        with contextlib.suppress(OSError):          # another task fetched it first
+            os.rename(tmp, out)
+    return out
+
+
+def publish_json(obj: Any, uri: str) -> str:
+    """Write `obj` as JSON to `uri` (local path or s3://)."""
+    import json
+    import fsspec
+    with fsspec.open(uri, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+    return uri
+
+
+# --------------------------------------------------------------------------- cards
+def training_card(card: Any, records: list[dict], result: dict) -> None:
+    """Loss, real tokens/s and MFU over steps, and a summary table."""
+    from metaflow import current
+    from metaflow.cards import Markdown, Table, VegaChart
+
+    from posttrain.train.card import training_charts, training_summary
+    card.append(Markdown(f"# SFT training: {current.flow_name}/{current.run_id}"))
+    card.append(Table(training_summary(records), headers=["", "value"]))
+    for spec in training_charts(records):
+        card.append(VegaChart(spec))
+    if result.get("eval"):
+        card.append(Markdown("In-training held-out evaluation: " + ", ".join(
+            f"{k}={v:.4g}" for k, v in result["eval"].items() if isinstance(v, float))))
+
+
+def evaluation_card(card: Any, table: list[dict], samples: list[dict]) -> None:
+    """The eval table and the generated samples next to their references."""
+    from metaflow.cards import Markdown, Table
+    card.append(Markdown("# Evaluation of the exported checkpoint"))
+    card.append(Table([[r["metric"], r["value"]] for r in table], headers=["metric", "value"]))
+    if samples:
+        card.append(Markdown("## Generated samples (greedy)"))
+        card.append(Table([[s["prompt"], s["reference"], s["generated"]] for s in samples],
+                          headers=["prompt", "reference", "generated"]))

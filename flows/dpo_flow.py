@@ -1,0 +1,125 @@
+"""Direct preference optimization as a Metaflow flow: prepare -> train -> evaluate.
+
+    start     resolve where this run keeps its data, checkpoints and weights
+    prepare   tokenize the preference pairs (prompt shared, loss masks on the responses)
+    train     Ray trainer actors (FSDP2 over gloo/NCCL): reference log-probs once, DPO steps
+              with checkpoints every K steps, HF export; @metaflow_ray over `run.num_nodes`
+    join      collect the control task's results
+    evaluate  held-out preference accuracy and reward margin of the exported policy against
+              the starting model
+    end       print where everything is
+
+Run it (from the repository root):
+
+    python flows/dpo_flow.py run                                   # tiny CPU run
+    python flows/dpo_flow.py --config config my_dpo.yaml run       # model.hf_dir: an SFT export
+    python flows/dpo_flow.py resume train                          # continue from the checkpoint
+
+The reward model has its own recipe (`steps/train_reward.py`); it shares the data and the
+driver loop with this flow's train step.
+"""
+
+from _posttrain_flow import build_config, parse_config, ray_nodes, ship_repo
+from metaflow import Config, FlowSpec, card, current, retry, step
+
+DPO_SCHEMA = "posttrain.train.dpo.DPOConfig"
+
+
+@ship_repo("lib", "steps", "configs", "assets")
+class DPOFlow(FlowSpec):
+    config = Config("config", default="configs/dpo/tiny.yaml", parser=parse_config(DPO_SCHEMA))
+
+    @step
+    def start(self):
+        """Fix this run's storage root; retries and `resume` read it back from here."""
+        from _posttrain_flow import storage_root
+        self.storage_root = storage_root(self, self.config.run.dir)
+        self.num_nodes = int(self.config.run.num_nodes)
+        print(f"storage: {self.storage_root}; {self.num_nodes} node(s), "
+              f"{self.config.run.num_workers} worker(s)")
+        self.next(self.prepare)
+
+    @step
+    def prepare(self):
+        """Stream, validate and tokenize the pairs into shards; keep the manifest's summary."""
+        from _posttrain_flow import prepare_data
+        out = prepare_data(DPO_SCHEMA, self.config, self.storage_root)
+        self.prepared_uri, self.content_hash = out["prepared_uri"], out["content_hash"]
+        self.manifest_summary, self.shard_uris = out["manifest_summary"], out["shard_uris"]
+        self.next(self.train, num_parallel=self.num_nodes)
+
+    @retry(times=1)
+    @ray_nodes("config")
+    @step
+    def train(self):
+        """DPO from the prepared pairs (continuing from the newest checkpoint); export HF.
+
+        Checkpoints and the reference log-probs live under the run's storage root, so a
+        retried attempt and `resume train` find them.
+        """
+        import dataclasses
+        import time
+
+        from _posttrain_flow import join, publish, ray_cluster, scratch_dir
+        from steps import train_dpo
+        cfg = build_config(DPO_SCHEMA, self.config)
+        local_dir = scratch_dir(self.storage_root, "train")
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=local_dir))
+        started = time.time()
+        with ray_cluster(self.num_nodes):
+            result = train_dpo.run(cfg, prepared_dir=self.prepared_uri,
+                                   checkpoint_dir=join(self.storage_root, "train"),
+                                   show_progress=False)
+        self.hf_uri = publish(result["hf_dir"], join(self.storage_root, "train", "hf"))
+        self.base_uri = publish(result["base_model_dir"],
+                                join(self.storage_root, "train", "base_model"))
+        self.metrics_uri = publish(result["metrics_path"],
+                                   join(self.storage_root, "train", "metrics.jsonl"))
+        self.checkpoint_uri = result["checkpoint_dir"]
+        self.train_result = {k: result.get(k) for k in (
+            "steps", "started_at_step", "final_loss", "final_accuracy", "mean_pairs_per_s",
+            "eval", "model", "reference_pairs")}
+        print(train_dpo.summarize(result, time.time() - started))
+        self.next(self.join)
+
+    @step
+    def join(self, inputs):
+        """Keep the control task's results (worker nodes produce none)."""
+        self.merge_artifacts(inputs)
+        self.next(self.evaluate)
+
+    @card(type="blank", id="evaluation")
+    @step
+    def evaluate(self):
+        """Held-out preference accuracy and margin of the exported policy vs the start model."""
+        from _posttrain_flow import evaluation_card, fetch, join, publish_json
+        from posttrain.data.prepared import local_view
+        from steps import evaluate_preference
+        cfg = build_config(DPO_SCHEMA, self.config)
+        result = evaluate_preference.run(
+            fetch(self.hf_uri), fetch(self.base_uri), local_view(self.prepared_uri),
+            loader=cfg.train.loader, beta=cfg.train.dpo.beta, max_batches=cfg.eval.max_batches,
+            logp_reduction=cfg.train.dpo.logp_reduction)
+        self.eval_table = evaluate_preference.table(result)
+        self.heldout = result["heldout"]
+        self.eval_provenance = {"hf_uri": self.hf_uri, "reference_uri": self.base_uri,
+                                "content_hash": self.content_hash,
+                                "config": self.config.to_dict()}
+        self.eval_uri = publish_json({**result, "table": self.eval_table,
+                                      "provenance": self.eval_provenance},
+                                     join(self.storage_root, "eval.json"))
+        evaluation_card(current.card["evaluation"], self.eval_table, [])
+        self.next(self.end)
+
+    @step
+    def end(self):
+        """Point at the results."""
+        print(f"Hugging Face checkpoint: {self.hf_uri}\nstarting model: {self.base_uri}\n"
+              f"checkpoints: {self.checkpoint_uri}\neval: {self.eval_uri}\n"
+              f"dataset hash: {self.content_hash}")
+        for row in self.eval_table:
+            print(f"  {row['metric']:<32}{row['value']}")
+
+
+if __name__ == "__main__":
+    DPOFlow()

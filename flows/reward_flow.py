@@ -1,0 +1,106 @@
+"""A Bradley-Terry reward model as a Metaflow flow: prepare -> train -> evaluate.
+
+    start     resolve where this run keeps its data, checkpoints and weights
+    prepare   tokenize the preference pairs (prompt shared, loss masks on the responses)
+    train     Ray trainer actors (FSDP2): the LM body with a scalar head, Bradley-Terry loss,
+              checkpoints every K steps; exports the body + reward_head.safetensors
+    join      collect the control task's results
+    evaluate  held-out pair accuracy of the exported model, scored the way GRPO will load it
+    end       print where everything is
+
+    python flows/reward_flow.py run                                # tiny CPU run
+    python flows/reward_flow.py --config config my_rm.yaml run     # model.hf_dir: an SFT export
+
+Load the result as a GRPO reward with `posttrain.train.reward.load_reward_model(<model dir>)`.
+"""
+
+from _posttrain_flow import build_config, parse_config, ray_nodes, ship_repo
+from metaflow import Config, FlowSpec, card, current, retry, step
+
+REWARD_SCHEMA = "posttrain.train.reward.RewardConfig"
+
+
+@ship_repo("lib", "steps", "configs", "assets")
+class RewardFlow(FlowSpec):
+    config = Config("config", default="configs/reward/tiny.yaml",
+                    parser=parse_config(REWARD_SCHEMA))
+
+    @step
+    def start(self):
+        """Fix this run's storage root; retries and `resume` read it back from here."""
+        from _posttrain_flow import storage_root
+        self.storage_root = storage_root(self, self.config.run.dir)
+        self.num_nodes = int(self.config.run.num_nodes)
+        self.next(self.prepare)
+
+    @step
+    def prepare(self):
+        """Stream, validate and tokenize the pairs into shards; keep the manifest's summary."""
+        from _posttrain_flow import prepare_data
+        out = prepare_data(REWARD_SCHEMA, self.config, self.storage_root)
+        self.prepared_uri, self.content_hash = out["prepared_uri"], out["content_hash"]
+        self.manifest_summary, self.shard_uris = out["manifest_summary"], out["shard_uris"]
+        self.next(self.train, num_parallel=self.num_nodes)
+
+    @retry(times=1)
+    @ray_nodes("config")
+    @step
+    def train(self):
+        """Bradley-Terry training (continuing from the newest checkpoint); export the model."""
+        import dataclasses
+        import time
+
+        from _posttrain_flow import join, publish, ray_cluster, scratch_dir
+        from steps import train_dpo, train_reward
+        cfg = build_config(REWARD_SCHEMA, self.config)
+        local_dir = scratch_dir(self.storage_root, "train")
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=local_dir))
+        started = time.time()
+        with ray_cluster(self.num_nodes):
+            result = train_reward.run(cfg, prepared_dir=self.prepared_uri,
+                                      checkpoint_dir=join(self.storage_root, "train"),
+                                      show_progress=False)
+        self.model_uri = publish(result["hf_dir"], join(self.storage_root, "train", "hf"))
+        self.checkpoint_uri = result["checkpoint_dir"]
+        self.train_result = {k: result.get(k) for k in (
+            "steps", "started_at_step", "final_loss", "final_accuracy", "eval", "model")}
+        print(train_dpo.summarize(result, time.time() - started))
+        self.next(self.join)
+
+    @step
+    def join(self, inputs):
+        """Keep the control task's results (worker nodes produce none)."""
+        self.merge_artifacts(inputs)
+        self.next(self.evaluate)
+
+    @card(type="blank", id="evaluation")
+    @step
+    def evaluate(self):
+        """Score held-out pairs with the exported model, loaded as a GRPO reward would be."""
+        from _posttrain_flow import evaluation_card, fetch, join, publish_json
+        from steps import evaluate_reward
+        cfg = build_config(REWARD_SCHEMA, self.config)
+        if not cfg.data.eval:
+            raise ValueError("the reward flow evaluates on data.eval: configure held-out pairs")
+        result = evaluate_reward.run(fetch(self.model_uri), cfg.data.eval[0].path)
+        self.eval_table = evaluate_reward.table(result)
+        self.heldout = {k: result[k] for k in ("pairs", "accuracy", "mean_margin")}
+        self.eval_provenance = {"model_uri": self.model_uri, "content_hash": self.content_hash,
+                                "config": self.config.to_dict()}
+        self.eval_uri = publish_json({**result, "table": self.eval_table,
+                                      "provenance": self.eval_provenance},
+                                     join(self.storage_root, "eval.json"))
+        evaluation_card(current.card["evaluation"], self.eval_table, [])
+        self.next(self.end)
+
+    @step
+    def end(self):
+        """Point at the results."""
+        print(f"reward model: {self.model_uri}\ncheckpoints: {self.checkpoint_uri}\n"
+              f"eval: {self.eval_uri}\ndataset hash: {self.content_hash}")
+        for row in self.eval_table:
+            print(f"  {row['metric']:<28}{row['value']}")
+
+
+if __name__ == "__main__":
+    RewardFlow()

@@ -1,0 +1,132 @@
+"""Supervised fine-tuning as a Metaflow flow: prepare -> train -> evaluate.
+
+    start     resolve where this run keeps its data, checkpoints and weights
+    prepare   tokenize the configured sources into Parquet shards under the run's storage
+    train     Ray trainer actors (FSDP2 over gloo/NCCL), checkpoints every K steps, HF export;
+              over `run.num_nodes` machines with @metaflow_ray, or one machine with local Ray
+    join      collect the control task's results
+    evaluate  held-out loss/perplexity and a few generated samples, from the exported checkpoint
+    end       print where everything is
+
+Run it (from the repository root):
+
+    python flows/sft_flow.py run                                   # tiny CPU run, local datastore
+    python flows/sft_flow.py --config config configs/sft/qwen3_0p6b_lora_1gpu.yaml run
+    python flows/sft_flow.py --datastore=s3 --config config configs/sft/qwen3_8b_full_2nodes.yaml \\
+        run --with kubernetes                                     # num_nodes: 2 -> @metaflow_ray
+    python flows/sft_flow.py resume train                         # continue from the checkpoint
+    python flows/sft_flow.py card server                          # loss / tokens/s / MFU / eval
+
+The config is validated against the SFT schema when the flow is launched: an unknown key
+fails before any step runs. Weights and datasets go to storage; artifacts hold their URIs.
+"""
+
+from _posttrain_flow import build_config, parse_config, ray_nodes, ship_repo
+from metaflow import Config, FlowSpec, card, current, retry, step
+
+SFT_SCHEMA = "posttrain.train.sft.SFTConfig"
+
+
+@ship_repo("lib", "steps", "configs", "assets")
+class SFTFlow(FlowSpec):
+    config = Config("config", default="configs/sft/tiny.yaml", parser=parse_config(SFT_SCHEMA))
+
+    @step
+    def start(self):
+        """Fix this run's storage root; retries and `resume` read it back from here."""
+        from _posttrain_flow import storage_root
+        self.storage_root = storage_root(self, self.config.run.dir)
+        self.num_nodes = int(self.config.run.num_nodes)
+        print(f"storage: {self.storage_root}; {self.num_nodes} node(s), "
+              f"{self.config.run.num_workers} worker(s)")
+        self.next(self.prepare)
+
+    @step
+    def prepare(self):
+        """Stream, validate and tokenize the data into shards; keep the manifest's summary."""
+        from _posttrain_flow import prepare_data
+        out = prepare_data(SFT_SCHEMA, self.config, self.storage_root)
+        self.prepared_uri, self.content_hash = out["prepared_uri"], out["content_hash"]
+        self.manifest_summary, self.shard_uris = out["manifest_summary"], out["shard_uris"]
+        self.next(self.train, num_parallel=self.num_nodes)
+
+    @card(type="blank", id="training")
+    @retry(times=1)
+    @ray_nodes("config")
+    @step
+    def train(self):
+        """Train from the prepared shards (continuing from the newest checkpoint); export HF.
+
+        The control task drives the Ray trainer actors; on @metaflow_ray worker nodes only
+        hold their share of the cluster. Checkpoints live under the run's storage root, so a
+        retried attempt and `resume train` find them.
+        """
+        import dataclasses
+        import time
+
+        from _posttrain_flow import join, publish, ray_cluster, scratch_dir, training_card
+        from posttrain.train.metrics import read_metrics
+        from steps import train_sft
+        cfg = build_config(SFT_SCHEMA, self.config)
+        local_dir = scratch_dir(self.storage_root, "train")
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=local_dir))
+        started = time.time()
+        with ray_cluster(self.num_nodes):
+            result = train_sft.run(cfg, prepared_dir=self.prepared_uri,
+                                   checkpoint_dir=join(self.storage_root, "train"),
+                                   show_progress=False)
+        self.hf_uri = publish(result["hf_dir"], join(self.storage_root, "train", "hf"))
+        self.metrics_uri = publish(result["metrics_path"],
+                                   join(self.storage_root, "train", "metrics.jsonl"))
+        self.checkpoint_uri = result["checkpoint_dir"]
+        self.train_result = {k: result.get(k) for k in (
+            "steps", "started_at_step", "final_loss", "mean_real_tokens_per_s", "mean_mfu",
+            "eval", "model")}
+        training_card(current.card["training"], read_metrics(result["metrics_path"]),
+                      self.train_result)
+        print(train_sft.summarize(result, time.time() - started))
+        self.next(self.join)
+
+    @step
+    def join(self, inputs):
+        """Keep the control task's results (worker nodes produce none)."""
+        self.merge_artifacts(inputs)
+        self.next(self.evaluate)
+
+    @card(type="blank", id="evaluation")
+    @step
+    def evaluate(self):
+        """Held-out loss and perplexity of the exported checkpoint, and generated samples."""
+        from _posttrain_flow import evaluation_card, fetch, join, publish_json
+        from posttrain.data.prepared import local_view
+        from posttrain.train.card import eval_rows
+        from steps import evaluate
+        cfg = build_config(SFT_SCHEMA, self.config)
+        result = evaluate.run(
+            fetch(self.hf_uri), local_view(self.prepared_uri), loader=cfg.train.loader,
+            max_batches=cfg.eval.max_batches, num_samples=cfg.eval.generate.num_samples,
+            max_new_tokens=cfg.eval.generate.max_new_tokens,
+            sample_source=cfg.data.eval[0].path if cfg.data.eval else None)
+        self.eval_table = eval_rows(result)
+        self.samples = result.get("samples", [])
+        self.eval_loss = result.get("heldout", {}).get("loss")
+        self.eval_perplexity = result.get("heldout", {}).get("perplexity")
+        self.eval_provenance = {"hf_uri": self.hf_uri, "content_hash": self.content_hash,
+                                "config": self.config.to_dict()}
+        self.eval_uri = publish_json({**result, "table": self.eval_table,
+                                      "provenance": self.eval_provenance},
+                                     join(self.storage_root, "eval.json"))
+        evaluation_card(current.card["evaluation"], self.eval_table, self.samples)
+        self.next(self.end)
+
+    @step
+    def end(self):
+        """Point at the results."""
+        print(f"Hugging Face checkpoint: {self.hf_uri}\ncheckpoints: {self.checkpoint_uri}\n"
+              f"eval: {self.eval_uri}\ndataset hash: {self.content_hash}")
+        for row in self.eval_table:
+            print(f"  {row['metric']:<24}{row['value']}")
+
+
+if __name__ == "__main__":
+    SFTFlow()

@@ -1,0 +1,88 @@
+"""What a training report shows, as data: Vega-Lite chart specs and table rows.
+
+No plotting library and no Metaflow here: the functions turn the metrics JSONL of a run
+(`posttrain.train.metrics.MetricsWriter`) and an evaluation result into plain dicts and lists.
+A Metaflow card wraps them in `VegaChart`/`Table`; a notebook can hand the same specs to
+Altair or any Vega renderer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# (metrics key, axis title) of the curves a training report plots over optimizer steps.
+TRAIN_CURVES: tuple[tuple[str, str], ...] = (
+    ("loss", "train loss"),
+    ("real_tokens_per_s", "real tokens/s (padding excluded)"),
+    ("mfu", "MFU (model FLOPs / peak)"),
+)
+
+
+def step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The per-step training records (evaluation records carry no `loss`), last one per step.
+
+    A resumed run appends steps it had already logged before the crash; the later record of a
+    step wins, so each step appears once and the curve is continuous.
+    """
+    by_step: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if "step" in r and "loss" in r:
+            by_step[int(r["step"])] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def line_chart(records: list[dict[str, Any]], key: str, title: str) -> dict[str, Any]:
+    """A Vega-Lite line chart of `key` over `step`."""
+    values = [{"step": int(r["step"]), key: float(r[key])} for r in records
+              if key in r and r[key] is not None and math.isfinite(float(r[key]))]
+    return {
+        "$schema": "https://vega.github.io/schema/vega-lite/v5.json",
+        "title": title,
+        "width": 480,
+        "height": 200,
+        "data": {"values": values},
+        "mark": {"type": "line", "point": len(values) <= 50},
+        "encoding": {
+            "x": {"field": "step", "type": "quantitative", "title": "optimizer step"},
+            "y": {"field": key, "type": "quantitative", "title": title,
+                  **({"axis": {"format": ".1%"}} if key == "mfu" else {})},
+        },
+    }
+
+
+def training_charts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Loss, throughput and MFU over steps, from the raw metrics records."""
+    steps = step_records(records)
+    return [line_chart(steps, key, title) for key, title in TRAIN_CURVES]
+
+
+def training_summary(records: list[dict[str, Any]]) -> list[list[Any]]:
+    """[[name, value]] rows: steps, final loss, mean tokens/s and MFU, peak memory."""
+    steps = step_records(records)
+    if not steps:
+        return [["steps", 0]]
+    mean = lambda key: sum(float(r[key]) for r in steps) / len(steps)  # noqa: E731
+    rows = [["steps logged", len(steps)],
+            ["last step", int(steps[-1]["step"])],
+            ["final train loss", round(float(steps[-1]["loss"]), 4)],
+            ["mean real tokens/s", round(mean("real_tokens_per_s"), 1)],
+            ["mean MFU", f"{mean('mfu'):.2%}"]]
+    if "peak_memory_bytes" in steps[-1]:
+        rows.append(["peak memory (GiB)",
+                     round(max(int(r["peak_memory_bytes"]) for r in steps) / 2**30, 3)])
+    return rows
+
+
+def eval_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The evaluation table of `steps.evaluate.run`'s result: one row per metric."""
+    rows = []
+    heldout = result.get("heldout")
+    if heldout:
+        rows += [{"metric": "held-out loss", "value": round(float(heldout["loss"]), 4)},
+                 {"metric": "held-out perplexity",
+                  "value": round(float(heldout["perplexity"]), 3)},
+                 {"metric": "held-out loss tokens", "value": int(heldout["tokens"])},
+                 {"metric": "held-out batches", "value": int(heldout["batches"])}]
+    rows.append({"metric": "generated samples", "value": len(result.get("samples") or [])})
+    return rows

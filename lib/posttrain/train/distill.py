@@ -1,0 +1,293 @@
+"""The distillation recipe's parts: config schema, the teacher check, the loss root, the worker.
+
+A student learns a frozen teacher's next-token distribution on SFT chat rows
+(`posttrain.losses.distill`: forward KL, reverse KL or generalized JSD at a temperature,
+optionally mixed with cross-entropy on the labels). The teacher signal is either
+
+- online: the teacher runs on the same workers. It sits inside the FSDP root beside the
+  student (`DistillLoss`), its blocks sharded with FSDP2 like the student's
+  (`shard_frozen`), its embedding and head in the root's group, so its head weight is
+  gathered during the root forward, where the chunked loss reads it. It has no gradients and
+  no optimizer state. (Its shards are part of the root's state, so checkpoints hold them too:
+  restored bit for bit, at the cost of the teacher's size on disk.)
+- offline: `steps/teacher_topk.py` stored the teacher's top-k log-probs per label position
+  beside the prepared shards; the worker reads those rows with `posttrain.data.topk.TopkLoader`
+  (its own loader: the packed batches carry the top-k as extra tensors) and no teacher is
+  built.
+
+The data rule, checkpoints and export are SFT's (`SFTWorker`, which this worker extends):
+every rank reads the same global stream of micro-batches and trains on its share.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from posttrain.config.loader import build
+from posttrain.config.recipes import DataConfig
+from posttrain.data.loader import TrainLoader, sources_from_manifest
+from posttrain.data.prepared import local_view
+from posttrain.data.tokenizer import TokenizerConfig
+from posttrain.errors import ConfigError
+from posttrain.losses.distill import KINDS, distill_loss
+from posttrain.models.transformer import Transformer
+from posttrain.train.engine import Engine, ModelConfig, ModelInitConfig
+from posttrain.train.metrics import device_peak_flops
+from posttrain.train.sft import (EvalConfig, ExportConfig, RunConfig, SFTTrainConfig, SFTWorker,
+                                 _tokenizer_vocab)
+
+log = logging.getLogger(__name__)
+
+TOPK_KEYS = ("teacher_topk_ids", "teacher_topk_logps")
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    """The teacher: an HF checkpoint directory (or a random one, for tests and the tiny run)."""
+
+    hf_dir: str | None = None
+    init: ModelInitConfig | None = None
+    signal: Literal["online", "offline"] = "online"
+    topk: int = 32                  # offline: teacher log-probs stored per label position
+
+    def __post_init__(self) -> None:
+        if (self.hf_dir is None) == (self.init is None):
+            raise ValueError("teacher: set exactly one of hf_dir (a checkpoint) or init "
+                             "(a random model from a config)")
+        if self.topk < 1:
+            raise ValueError(f"teacher.topk must be at least 1, got {self.topk}")
+
+
+@dataclass(frozen=True)
+class DistillLossConfig:
+    kind: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    beta: float = 0.5               # jsd mixture weight on the teacher
+    temperature: float = 1.0
+    ce_weight: float = 0.0          # loss = (1 - ce_weight) T^2 D + ce_weight CE
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"loss.kind must be one of {list(KINDS)}, got {self.kind!r}")
+        if self.kind == "jsd" and not 0.0 < self.beta < 1.0:
+            raise ValueError(f"loss.beta must be in (0, 1) for kind jsd, got {self.beta}")
+        if self.temperature <= 0:
+            raise ValueError(f"loss.temperature must be positive, got {self.temperature}")
+        if not 0.0 <= self.ce_weight <= 1.0:
+            raise ValueError(f"loss.ce_weight must be in [0, 1], got {self.ce_weight}")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    tokenizer: TokenizerConfig
+    data: DataConfig
+    model: ModelConfig              # the student
+    teacher: TeacherConfig
+    train: SFTTrainConfig
+    loss: DistillLossConfig = DistillLossConfig()
+    run: RunConfig = RunConfig(dir="runs/distill")
+    eval: EvalConfig = EvalConfig()
+    export: ExportConfig = ExportConfig()
+
+    def __post_init__(self) -> None:
+        if self.data.format not in ("chat", "sequence"):
+            raise ValueError(f"distillation trains on chat or sequence data, not "
+                             f"{self.data.format!r}")
+        if self.export.format in ("merged", "peft") and self.model.lora is None:
+            raise ValueError(f"export.format: {self.export.format} needs model.lora")
+        if self.export.format == "full" and self.model.lora is not None:
+            raise ValueError("export.format: full cannot write a LoRA model; set export.format "
+                             "to merged or peft")
+        if self.teacher.signal == "offline":
+            loader = self.train.loader
+            if loader.weights:
+                raise ValueError("train.loader.weights: the offline teacher's top-k rows are "
+                                 "read as one stream over all train sources; remove the weights "
+                                 "or use teacher.signal: online")
+            if loader.mode != "packed":
+                raise ValueError("train.loader.mode: the offline teacher's loader packs rows; "
+                                 "use mode: packed")
+        g = self.train.micro_batches_per_step
+        if g % self.run.num_workers:
+            raise ValueError(f"{g} micro-batches per step do not split over run.num_workers="
+                             f"{self.run.num_workers}")
+
+
+# --------------------------------------------------------------------------- teacher check
+
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+
+
+def check_teacher(teacher_dir: str, student_dir: str, tokenizer_dir: str) -> None:
+    """Refuse a teacher that does not share the student's tokenizer (ConfigError).
+
+    Compares the teacher directory's tokenizer (its vocabulary, added tokens included) with the
+    prepared tokenizer the data was tokenized with, and the `vocab_size` of the teacher's and
+    the student's configs: token id i must mean the same string to both models, or the
+    per-token distributions compared by the loss are about different things.
+    """
+    teacher, tokenizer = Path(teacher_dir), Path(tokenizer_dir)
+    if not any((teacher / f).is_file() for f in _TOKENIZER_FILES):
+        raise ConfigError(f"teacher {teacher_dir}: no tokenizer files "
+                          f"({', '.join(_TOKENIZER_FILES)}); the teacher directory must hold its "
+                          f"tokenizer so that it can be checked against the data's "
+                          f"({tokenizer_dir})")
+    from transformers import AutoTokenizer
+    t_vocab = AutoTokenizer.from_pretrained(str(teacher)).get_vocab()
+    d_vocab = AutoTokenizer.from_pretrained(str(tokenizer)).get_vocab()
+    if t_vocab != d_vocab:
+        differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])[:5]
+        raise ConfigError(
+            f"teacher {teacher_dir}: its tokenizer differs from the one the data was prepared "
+            f"with ({tokenizer_dir}): {len(t_vocab)} vs {len(d_vocab)} tokens, e.g. "
+            f"{[f'{tok!r}={i}' for tok, i in differ]}; distillation needs a teacher and student "
+            f"that share the tokenizer")
+    t_size = _config_vocab(teacher_dir)
+    s_size = _config_vocab(student_dir)
+    if t_size != s_size:
+        raise ConfigError(f"teacher {teacher_dir}: config vocab_size {t_size} differs from the "
+                          f"student's {s_size} ({student_dir}); distillation compares their "
+                          f"distributions over the same vocabulary")
+    if len(d_vocab) > t_size:
+        raise ConfigError(f"teacher {teacher_dir}: the tokenizer has {len(d_vocab)} tokens but "
+                          f"the teacher's vocab_size is {t_size}; added tokens the teacher has "
+                          f"never seen cannot be distilled")
+
+
+def _config_vocab(hf_dir: str) -> int:
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    return int(config["vocab_size"])
+
+
+# --------------------------------------------------------------------------- the loss root
+
+
+class DistillLoss(nn.Module):
+    """The FSDP root of a distillation run: student forward, teacher forward, chunked loss.
+
+    `teacher` is None for an offline teacher; then the batch carries `teacher_topk_ids` and
+    `teacher_topk_logps` [B, T, K] aligned with `labels`. Returns the loss summed over the
+    labelled positions and the divergence (and CE) sums as stats.
+    """
+
+    def __init__(self, model: Transformer, teacher: Transformer | None, cfg: DistillLossConfig,
+                 chunk_tokens: int = 1024):
+        super().__init__()
+        self.model = model
+        self.teacher = teacher
+        self.cfg = cfg
+        self.chunk_tokens = chunk_tokens
+        keys = ("input_ids", "labels", "position_ids", "document_lengths")
+        self.input_keys = keys if teacher is not None else keys + TOPK_KEYS
+        for m in (model, teacher):
+            if m is not None and getattr(m.head, "softcap", None) is not None:
+                raise ConfigError(f"{m.args.family}: final-logit softcapping is not supported "
+                                  "by the distillation loss")
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                position_ids: torch.Tensor | None = None,
+                document_lengths: list[list[int]] | None = None,
+                teacher_topk_ids: torch.Tensor | None = None,
+                teacher_topk_logps: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        hidden = self.model(input_ids, position_ids, document_lengths)
+        head, c = self.model.head, self.cfg
+        teacher_hidden = teacher_weight = topk = None
+        if self.teacher is not None:
+            with torch.no_grad():
+                teacher_hidden = self.teacher(input_ids, position_ids, document_lengths)
+            teacher_weight = self.teacher.head.weight
+        else:
+            topk = (teacher_topk_ids, teacher_topk_logps)
+        loss, metrics = distill_loss(
+            hidden, head.weight, teacher_hidden, teacher_weight, labels, kind=c.kind,
+            beta=c.beta, temperature=c.temperature, ce_weight=c.ce_weight,
+            real_vocab_size=head.real_vocab_size, chunk_tokens=self.chunk_tokens,
+            teacher_topk=topk, reduction="sum")
+        stats = {"divergence": metrics["divergence"] * metrics["tokens"]}
+        if "ce" in metrics:
+            stats["ce"] = metrics["ce"] * metrics["tokens"]
+        return loss, stats
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+class DistillWorker(SFTWorker):
+    """One rank of a distillation run: the student's `Engine` (with the online teacher inside
+    its root) and a view of the global data stream; stepping, checkpoints and export are
+    `SFTWorker`'s."""
+
+    def __init__(self, cfg: dict[str, Any], hf_dir: str, teacher_dir: str, prepared_dir: str,
+                 run_dir: str):
+        self.cfg = build(DistillConfig, cfg, where="distill config")
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.prepared_dir = local_view(prepared_dir)
+        self.teacher_dir = teacher_dir
+        online = self.cfg.teacher.signal == "online"
+        self._teacher: Transformer | None = None
+        self.engine = Engine(self.cfg.model, self.cfg.train, hf_dir, run_dir,
+                             vocab_size=_tokenizer_vocab(prepared_dir),
+                             loss_factory=self._make_root)
+        if online:
+            self._fill_teacher()
+            self.loader = TrainLoader(sources_from_manifest(prepared_dir, "train"),
+                                      self.cfg.train.loader)
+        else:
+            from posttrain.data.topk import TopkLoader, topk_files
+            self.loader = TopkLoader(topk_files(prepared_dir), self.cfg.train.loader)
+        self._batches = None
+        self.tokens_seen = 0
+        self.peak_flops, self.peak_source = device_peak_flops(self.engine.device)
+
+    def _make_root(self, model: Transformer) -> nn.Module:
+        teacher = None
+        if self.cfg.teacher.signal == "online":
+            from posttrain.distributed.env import build_mesh
+            from posttrain.distributed.parallelize import shard_frozen
+            from posttrain.models.hf_io import load_hf
+            teacher = load_hf(self.teacher_dir, on_meta=True, param_filter=lambda name: False,
+                              vocab_multiple=self.cfg.model.vocab_multiple)
+            parallel = self.cfg.train.parallel
+            shard_frozen(teacher, build_mesh(parallel.dp_shard, parallel.tp), parallel)
+            self._teacher = teacher
+        return DistillLoss(model, teacher, self.cfg.loss, self.cfg.model.loss_chunk_tokens)
+
+    def _fill_teacher(self) -> None:
+        """Stream the teacher's HF tensors into its shards (the root is already on the device)."""
+        from posttrain.distributed.materialize import fill_parameters
+        from posttrain.models.hf_io import iter_hf_tensors
+        from posttrain.train.engine import _DTYPES
+        teacher = self._teacher
+        assert teacher is not None
+        dtype = _DTYPES[self.cfg.model.dtype]
+        fill_parameters(self.engine.root, ((n, t.to(dtype)) for n, t in
+                                           iter_hf_tensors(self.teacher_dir, teacher.args)),
+                        prefix="teacher.")
+        teacher.tie_weights()
+
+    def describe(self) -> dict[str, Any]:
+        info = super().describe()
+        if self._teacher is not None:
+            from posttrain.distributed.parallelize import count_params
+            info["teacher_params"] = count_params(self._teacher)
+        info["teacher_signal"] = self.cfg.teacher.signal
+        return info
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out distillation loss (online teacher); the offline run has no held-out top-k
+        and leaves the held-out numbers to the evaluate step, which runs the teacher."""
+        if self.cfg.teacher.signal == "offline":
+            return {}
+        out = super().evaluate()
+        out.pop("eval_perplexity", None)        # exp(divergence) means nothing
+        return out

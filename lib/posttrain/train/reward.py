@@ -1,0 +1,192 @@
+"""The reward-model recipe's parts: config, loss module, per-rank worker, export and loader.
+
+The model is the LM body with its head replaced by a scalar projection (the custom-head path:
+``model.head = nn.Linear(H, 1)``, initialized by the engine, not read from the checkpoint).
+The reward of a sequence is the head's output at its last response token (the last token with
+``loss_mask == 1``); the pair loss is Bradley-Terry (`posttrain.losses.reward.bt_loss`), summed
+over pairs, the engine dividing by the step's global pair count. Data rule and steps: as DPO
+(`posttrain.train.preference`).
+
+Export (rank 0): ``<dir>/`` is a Hugging Face causal-LM checkpoint of the body (the starting
+model's LM head kept for untied models, so that any HF loader reads it), plus
+``reward_head.safetensors`` (``weight`` [1, H], ``bias`` [1]) and ``reward_head.json``
+describing how to use it. `load_reward_model(dir)` returns a ``score(prompt_messages,
+completion_text) -> float`` callable, usable as a GRPO reward.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from posttrain.config.loader import build
+from posttrain.config.recipes import DataConfig
+from posttrain.data.tokenizer import TokenizerConfig
+from posttrain.losses.reward import bt_loss
+from posttrain.models.transformer import Transformer
+from posttrain.ops.cross_entropy import IGNORE_INDEX
+from posttrain.train.dpo import PairEvalConfig, check_pair_recipe
+from posttrain.train.engine import ModelConfig
+from posttrain.train.preference import PairWorker
+from posttrain.train.sft import ExportConfig, RunConfig, SFTTrainConfig
+
+HEAD_FILE, HEAD_JSON = "reward_head.safetensors", "reward_head.json"
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    tokenizer: TokenizerConfig
+    data: DataConfig
+    model: ModelConfig
+    train: SFTTrainConfig
+    run: RunConfig = RunConfig(dir="runs/reward")
+    eval: PairEvalConfig = PairEvalConfig()
+    export: ExportConfig = ExportConfig()
+
+    def __post_init__(self) -> None:
+        if self.model.lora is not None:
+            raise ValueError("the reward model trains the full body: remove model.lora")
+        check_pair_recipe(self, "the reward model")
+
+
+def last_response_index(labels_BT: torch.Tensor, sequence_ids_BT: torch.Tensor,
+                        num_sequences: int) -> torch.Tensor:
+    """Flat index of each sequence's last response token: its last labelled position + 1
+    (labels are shifted: position t predicts token t + 1)."""
+    labelled_N = labels_BT.reshape(-1) != IGNORE_INDEX
+    pos_N = torch.arange(labelled_N.numel(), device=labels_BT.device)
+    seq_K = sequence_ids_BT.reshape(-1)[labelled_N]
+    last_S = torch.full((num_sequences,), -1, dtype=torch.int64, device=labels_BT.device)
+    last_S = last_S.scatter_reduce(0, seq_K, pos_N[labelled_N], reduce="amax")
+    if bool((last_S < 0).any()):
+        raise ValueError("a sequence of the batch has no response token")
+    return last_S + 1
+
+
+class RewardLoss(nn.Module):
+    """FSDP root: body -> scalar head at each sequence's last response token -> BT loss sum."""
+
+    input_keys = ("input_ids", "labels", "position_ids", "document_lengths", "sequence_ids",
+                  "pair_index")
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        model.head = nn.Linear(model.args.hidden_size, 1, device="meta")
+        self.model = model
+
+    def forward(self, input_ids, labels, position_ids, document_lengths, sequence_ids,
+                pair_index):
+        hidden_BTH = self.model(input_ids, position_ids, document_lengths)
+        num_seq = int(sequence_ids.max()) + 1
+        last_S = last_response_index(labels, sequence_ids, num_seq)
+        reward_S = self.model.head(hidden_BTH.reshape(-1, hidden_BTH.shape[-1])[last_S])
+        reward_S = reward_S.squeeze(-1).float()
+        chosen_P, rejected_P = reward_S[pair_index[:, 0]], reward_S[pair_index[:, 1]]
+        loss, m = bt_loss(chosen_P, rejected_P, reduction="sum")
+        n = chosen_P.shape[0]
+        return loss, {"accuracy": m["accuracy"] * n, "margins": m["margin"] * n,
+                      "rewards_chosen": chosen_P.detach().sum(),
+                      "rewards_rejected": rejected_P.detach().sum()}
+
+
+
+class RewardWorker(PairWorker):
+    """One rank of a reward-model run."""
+
+    def __init__(self, cfg: dict[str, Any], hf_dir: str, prepared_dir: str, run_dir: str):
+        super().__init__(build(RewardConfig, cfg, where="reward config"), hf_dir, prepared_dir,
+                         run_dir)
+
+    def loss_module(self, model: Transformer) -> nn.Module:
+        return RewardLoss(model)
+
+    def prepare_reference(self) -> dict:
+        return {}                         # Bradley-Terry needs no reference model
+
+    def export(self, out_dir: str) -> str | None:
+        """HF body + reward head (rank 0); a collective, every rank must call it."""
+        state = self.engine.full_state_dict()
+        if self.rank != 0:
+            return None
+        return export_reward_model(state, self.engine, out_dir,
+                                   tokenizer_dir=f"{self.prepared_dir}/tokenizer")
+
+
+def export_reward_model(state: dict[str, torch.Tensor], engine: Any, out_dir: str, *,
+                        tokenizer_dir: str) -> str:
+    from safetensors.torch import save_file
+
+    from posttrain.models.hf_io import iter_hf_tensors
+    from posttrain.train.engine import _fit_vocab
+    from posttrain.train.export import export_hf
+    head = {k[len("head."):]: state.pop(k) for k in list(state) if k.startswith("head.")}
+    args = engine.args
+    if not args.tie_word_embeddings:         # keep the starting LM head: a loadable CausalLM
+        base = engine.model_cfg.hf_dir or engine.hf_dir
+        from posttrain.models.hf_io import load_hf
+        base_args = load_hf(base, on_meta=True, param_filter=lambda n: False).args
+        for name, t in iter_hf_tensors(base, base_args, names={"head.weight"}):
+            state[name] = _fit_vocab(name, t, base_args, args)
+    export_hf(state, args, out_dir, fmt="full", tokenizer_dir=tokenizer_dir)
+    out = Path(out_dir)
+    _index_body(out)
+    save_file({k: v.contiguous() for k, v in head.items()}, str(out / HEAD_FILE))
+    (out / HEAD_JSON).write_text(json.dumps({
+        "kind": "scalar_reward_head", "hidden_size": args.hidden_size, "bias": "bias" in head,
+        "weights": HEAD_FILE, "pooling": "last_response_token",
+        "input": "chat template of prompt + one assistant turn (the tokenizer in this dir)",
+        "loss": "bradley_terry"}, indent=2))
+    return str(out)
+
+
+def _index_body(out: Path) -> None:
+    """Name the body's tensors in an index, so that readers which glob ``*.safetensors`` do
+    not take the reward head for part of the LM."""
+    from safetensors import safe_open
+
+    from posttrain.models.hf_io import INDEX_FILE
+    if (out / INDEX_FILE).is_file():
+        return
+    weight_map = {}
+    for file in sorted(out.glob("*.safetensors")):
+        if file.name == HEAD_FILE:
+            continue
+        with safe_open(file, framework="pt") as f:
+            weight_map.update({name: file.name for name in f.keys()})
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
+                                             indent=2))
+
+
+def load_reward_model(model_dir: str, *, device: str = "cpu"
+                      ) -> Callable[[list[dict], str], float]:
+    """``score(prompt_messages, completion_text) -> float`` from an exported reward model."""
+    from safetensors.torch import load_file
+
+    from posttrain.data.tokenizer import ChatTokenizer
+    from posttrain.models.hf_io import load_hf
+    meta = json.loads((Path(model_dir) / HEAD_JSON).read_text())
+    if meta.get("kind") != "scalar_reward_head":
+        raise ValueError(f"{model_dir}/{HEAD_JSON} does not describe a scalar reward head")
+    model = load_hf(model_dir, device=device, dtype=torch.float32).eval()
+    head = nn.Linear(meta["hidden_size"], 1, bias=meta["bias"])
+    head.load_state_dict(load_file(str(Path(model_dir) / meta["weights"])))
+    model.head = head.to(device).eval()
+    tok = ChatTokenizer(TokenizerConfig(path=model_dir))
+
+    @torch.no_grad()
+    def score(prompt_messages: list[dict], completion_text: str) -> float:
+        messages = [*prompt_messages, {"role": "assistant", "content": completion_text}]
+        enc = tok.encode_chat(messages, train_on="last_assistant")
+        trained = [i for i, m in enumerate(enc.loss_mask) if m]
+        if not trained:
+            raise ValueError("the completion has no token to score")
+        ids = torch.tensor([enc.input_ids[:trained[-1] + 1]], device=device)
+        hidden = model(ids)
+        return float(model.head(hidden[0, -1]).squeeze())
+
+    return score

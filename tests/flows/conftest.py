@@ -1,0 +1,119 @@
+"""Fixtures for running the flows through Metaflow's Runner API, each run in its own sandbox.
+
+Every run gets its own METAFLOW_HOME, local datastore root, Ray temp dir and run directory
+under the test's tmp_path (Ray's under /tmp: its socket paths must stay short), so tests do not
+collide with each other or with a developer's own runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+
+def _keep_typing_patch_of_the_real_typing_extensions() -> None:
+    """Metaflow's vendored `typing_extensions` (older) re-patches `typing._collect_parameters`
+    when it is imported after the real one, as happens under pytest; torch.fx and
+    torch._dynamo, imported later in this process (the Runner parses the flow's Config here,
+    transformers loads models here), then fail with "Type parameter ... without a default
+    follows type parameter with a default". Import it now and put the newer patch back."""
+    import typing
+
+    import typing_extensions  # noqa: F401
+    newer = typing._collect_parameters
+    import metaflow._vendor.typing_extensions  # noqa: F401
+    typing._collect_parameters = newer
+
+
+_keep_typing_patch_of_the_real_typing_extensions()
+
+REPO = Path(__file__).resolve().parents[2]
+SFT_FLOW = REPO / "flows" / "sft_flow.py"
+TINY_SFT = REPO / "configs" / "sft" / "tiny.yaml"
+
+
+@dataclass
+class FlowSandbox:
+    root: Path
+    env: dict[str, str]
+    ray_tmpdir: str
+
+    def config(self, base: Path = TINY_SFT, **overrides: Any) -> Path:
+        """Write `base` with dotted-key overrides as this sandbox's config file."""
+        data = yaml.safe_load(base.read_text())
+        data.setdefault("run", {})["dir"] = str(self.root / "runs")
+        for dotted, value in overrides.items():
+            node = data
+            *parents, last = dotted.split(".")
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[last] = value
+        path = self.root / "config.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return path
+
+
+def card_components(html: str) -> list[dict]:
+    """The components (type, and for charts the Vega-Lite spec) inside a Metaflow card's HTML."""
+    import base64
+    import json
+    import re
+    found = re.search(r'window.__MF_DATA__\["[^"]+"\] = "([^"]+)"', html)
+    assert found, "no card data in the HTML"
+    out: list[dict] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("type") in ("vegaChart", "table", "markdown"):
+                out.append(node)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json.loads(base64.b64decode(found.group(1)))["components"])
+    return out
+
+
+def ray_processes_under(path: str) -> list[str]:
+    """Command lines of live Ray daemons (raylet, gcs_server) that belong to `path`."""
+    import psutil
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or ())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if path in cmd and ("raylet" in cmd or "gcs_server" in cmd):
+            found.append(f"{p.info['pid']}: {cmd[:200]}")
+    return found
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> FlowSandbox:
+    ray_tmpdir = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    env = {
+        "USER": os.environ.get("USER") or "posttrain-test",
+        "METAFLOW_HOME": str(tmp_path / "mfhome"),
+        "METAFLOW_DATASTORE_SYSROOT_LOCAL": str(tmp_path / "mfroot"),
+        "METAFLOW_CARD_LOCALROOT": str(tmp_path / "mfroot" / "cards"),
+        "METAFLOW_DEFAULT_DATASTORE": "local",
+        "METAFLOW_DEFAULT_METADATA": "local",
+        "RAY_TMPDIR": ray_tmpdir,
+        "TOKENIZERS_PARALLELISM": "false",
+        # Metaflow starts the extra local tasks of a parallel step with `python` from PATH.
+        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
+    }
+    for d in ("mfhome", "mfroot"):
+        (tmp_path / d).mkdir()
+    yield FlowSandbox(root=tmp_path, env=env, ray_tmpdir=ray_tmpdir)
+    shutil.rmtree(ray_tmpdir, ignore_errors=True)

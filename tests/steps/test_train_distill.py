@@ -1,0 +1,255 @@
+"""steps/train_distill.py end to end on tiny models.
+
+The teacher is a tiny Qwen3 (3 layers, hidden 64) SFT-trained here for a few steps, so that its
+next-token distributions are peaked like a real teacher's; the student is a random 2-layer one.
+Against one uninterrupted reference run per teacher signal (a CLI subprocess, 1 inline worker,
+a checkpoint after every step), this shows:
+- distillation lowers the held-out KL(teacher || student), online and from stored top-k;
+- SIGKILL + restart gives bit-identical exported student weights, online and offline (the top-k
+  loader's state included);
+- 2 Ray workers (teacher and student both sharded with FSDP2 over gloo) follow 1 inline worker;
+- a teacher whose tokenizer or vocabulary differs is refused at launch with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrain.errors import ConfigError
+from steps import evaluate_distill, train_distill, train_sft
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN_ROWS, EVAL_ROWS = 160, 24
+MAX_STEPS = 16
+KILL_STEP = 5
+LOSS_ATOL = 1e-5
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True}
+TRAIN = {"tokens_per_step": 512,                             # 4 micro-batches of 1 x 128
+         "loader": {"packing": {"max_tokens_per_pack": 128, "buffer_samples": 16},
+                    "rows_per_batch": 1, "shuffle_buffer_samples": 32, "seed": 0, "epochs": 3},
+         "optimizer": {"lr": 0.003, "weight_decay": 0.01, "betas": [0.9, 0.95]},
+         "scheduler": {"kind": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1},
+         "grad_clip_norm": 1.0, "seed": 0, "checkpoint_every_steps": 1, "keep_checkpoints": 100}
+
+
+def _base(tmp: Path, layers: int, seed: int) -> dict:
+    return {"run": {"num_workers": 1, "launcher": "inline", "dir": str(tmp / "unused")},
+            "tokenizer": {"path": str(ROOT / "assets" / "tokenizer")},
+            "data": {"format": "chat", "max_tokens_per_sample": 128, "on_bad_row": "skip",
+                     "train": [{"name": "chat", "path": str(tmp / "train.jsonl")}],
+                     "eval": [{"name": "chat", "path": str(tmp / "eval.jsonl")}]},
+            "model": {"init": {"family": "qwen3", "seed": seed,
+                               "overrides": {**TINY, "num_hidden_layers": layers}},
+                      "dtype": "float32"},
+            "eval": {"max_batches": 2}}
+
+
+class Tiny:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.teacher = ""
+        self.prepared = ""
+        self.configs: dict[str, Path] = {}
+        self.refs: dict[str, Path] = {}
+
+    def metrics(self, run_dir: Path) -> dict[int, dict]:
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r for r in rows if "loss" in r}
+
+
+def _cli(config: Path, run_dir: Path) -> subprocess.Popen:
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(run_dir.with_suffix(".log"), "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "steps.train_distill", "--config", str(config), "--run-dir",
+             str(run_dir), "--launcher", "inline", "--no-progress"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _run_to_end(config: Path, run_dir: Path) -> None:
+    proc = _cli(config, run_dir)
+    try:
+        assert proc.wait(timeout=300) == 0, run_dir.with_suffix(".log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _run_and_kill(config: Path, run_dir: Path, step: int) -> None:
+    """Start the CLI, SIGKILL it as soon as checkpoint `step` is committed."""
+    proc = _cli(config, run_dir)
+    manifest = run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json"
+    deadline = time.monotonic() + 300
+    try:
+        while not manifest.is_file():
+            assert proc.poll() is None, run_dir.with_suffix(".log").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"no checkpoint {step} after 300 s"
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for d in (run_dir / "checkpoints").glob("step-????????"):
+        if int(d.name[5:]) > step:          # committed before the signal landed
+            shutil.rmtree(d)
+
+
+def _safetensors(hf_dir: Path) -> dict[str, bytes]:
+    files = {p.name: p.read_bytes() for p in sorted(hf_dir.glob("*.safetensors"))}
+    assert files, f"no safetensors in {hf_dir}"
+    return files
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Tiny:
+    tmp = tmp_path_factory.mktemp("distill")
+    for split, rows in (("train", TRAIN_ROWS), ("eval", EVAL_ROWS)):
+        lines = (ROOT / "assets" / "data" / "chat" / f"{split}.jsonl").read_text().splitlines()
+        (tmp / f"{split}.jsonl").write_text("\n".join(lines[:rows]) + "\n")
+    t = Tiny(tmp)
+    # the teacher: 3 layers, SFT-trained briefly (its distributions are peaked)
+    teacher_cfg = {**_base(tmp, layers=3, seed=1),
+                   "train": {**TRAIN, "max_steps": 30, "checkpoint_every_steps": 30}}
+    teacher_cfg["run"]["dir"] = str(tmp / "teacher")
+    (tmp / "teacher.yaml").write_text(yaml.safe_dump(teacher_cfg))
+    result = train_sft.run(tmp / "teacher.yaml", show_progress=False)
+    t.teacher, t.prepared = result["hf_dir"], result["prepared_dir"]
+    for signal_ in ("online", "offline"):
+        cfg = {**_base(tmp, layers=2, seed=0), "train": {**TRAIN, "max_steps": MAX_STEPS},
+               "teacher": {"hf_dir": t.teacher, "signal": signal_, "topk": 16}}
+        t.configs[signal_] = tmp / f"{signal_}.yaml"
+        t.configs[signal_].write_text(yaml.safe_dump(cfg))
+        t.refs[signal_] = tmp / f"ref_{signal_}"
+        _run_to_end(t.configs[signal_], t.refs[signal_])
+    return t
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leftover_process_group():
+    import torch.distributed as dist
+    before = dist.is_initialized()
+    yield
+    if dist.is_initialized() and not before:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- 1. learning
+@pytest.mark.parametrize("signal_", ["online", "offline"])
+def test_distillation_lowers_heldout_kl(tiny, signal_):
+    ref = tiny.refs[signal_]
+    result = json.loads((ref / "result.json").read_text())
+    ev = evaluate_distill.run(result["hf_dir"], tiny.teacher, result["prepared_dir"],
+                              base_student_dir=result["base_model_dir"], max_batches=8)
+    before, after = ev["before"]["kl_teacher_student"], ev["after"]["kl_teacher_student"]
+    print(f"{signal_}: held-out KL(teacher || student) {before:.4f} -> {after:.4f}; student "
+          f"loss {ev['before']['student_loss']:.4f} -> {ev['after']['student_loss']:.4f} "
+          f"(teacher {ev['after']['teacher_loss']:.4f})")
+    assert after < 0.75 * before, (before, after)
+    assert ev["after"]["student_loss"] < ev["before"]["student_loss"] - 0.5
+    losses = [tiny.metrics(ref)[s]["loss"] for s in range(1, MAX_STEPS + 1)]
+    assert sum(losses[-3:]) < sum(losses[:3])
+    if signal_ == "offline":
+        manifest = json.loads((Path(result["prepared_dir"]) / "teacher_topk" /
+                               "manifest.json").read_text())
+        assert manifest["k"] == 16 and manifest["rows"] > 0
+        assert result["model"]["teacher_signal"] == "offline"
+        assert "teacher_params" not in result["model"]          # no teacher was built
+    else:
+        assert result["model"]["teacher_params"] > result["model"]["params"]
+        assert result["eval"]["eval_loss"] > 0
+
+
+# ---------------------------------------------------------------------------- 2. resume
+@pytest.mark.parametrize("signal_", ["online", "offline"])
+def test_sigkill_and_restart_gives_bit_identical_student(tiny, signal_):
+    run_dir = tiny.tmp / f"killed_{signal_}"
+    _run_and_kill(tiny.configs[signal_], run_dir, KILL_STEP)
+    _run_to_end(tiny.configs[signal_], run_dir)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert (result["started_at_step"], result["steps"]) == (KILL_STEP, MAX_STEPS)
+    assert _safetensors(run_dir / "hf") == _safetensors(tiny.refs[signal_] / "hf")
+    got, ref = tiny.metrics(run_dir), tiny.metrics(tiny.refs[signal_])
+    assert [got[s]["loss"] for s in range(1, MAX_STEPS + 1)] == \
+        [ref[s]["loss"] for s in range(1, MAX_STEPS + 1)]
+
+
+# ---------------------------------------------------------------------------- 3. parallel
+def test_two_ray_workers_follow_one_inline_worker(tiny):
+    import ray
+    ray_tmp = tempfile.mkdtemp(prefix="ptd", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=ray_tmp, log_to_driver=False,
+             configure_logging=False)
+    try:
+        steps = 4
+        result = train_distill.run(tiny.configs["online"], overrides={
+            "run.dir": str(tiny.tmp / "ray2"), "run.launcher": "ray", "run.num_workers": 2,
+            "train.max_steps": steps, "train.checkpoint_every_steps": steps},
+            prepared_dir=tiny.prepared, show_progress=False)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert result["model"]["world_size"] == 2
+    got, ref = tiny.metrics(Path(result["run_dir"])), tiny.metrics(tiny.refs["online"])
+    for s in range(1, steps + 1):
+        assert got[s]["loss_tokens"] == ref[s]["loss_tokens"]
+        assert abs(got[s]["loss"] - ref[s]["loss"]) <= LOSS_ATOL, (s, got[s], ref[s])
+
+
+# ---------------------------------------------------------------------------- 4. teacher check
+def _teacher_copy(tiny, name: str) -> Path:
+    out = tiny.tmp / name
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(tiny.teacher, out)
+    return out
+
+
+def _refused(tiny, teacher: Path, name: str) -> str:
+    run_dir = tiny.tmp / name
+    with pytest.raises(ConfigError) as err:
+        train_distill.run(tiny.configs["online"], overrides={
+            "run.dir": str(run_dir), "teacher.hf_dir": str(teacher)},
+            prepared_dir=tiny.prepared, show_progress=False)
+    assert not (run_dir / "checkpoints").exists()          # refused before any worker started
+    return str(err.value)
+
+
+def test_teacher_with_another_tokenizer_is_refused_at_launch(tiny):
+    teacher = _teacher_copy(tiny, "teacher_other_tokenizer")
+    tok = json.loads((teacher / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]           # two tokens swap their ids
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (teacher / "tokenizer.json").write_text(json.dumps(tok))
+    message = _refused(tiny, teacher, "refused_tokenizer")
+    assert str(teacher) in message and "tokenizer differs" in message and repr(a) in message
+
+
+def test_teacher_with_another_vocab_size_is_refused_at_launch(tiny):
+    teacher = _teacher_copy(tiny, "teacher_other_vocab")
+    config = json.loads((teacher / "config.json").read_text())
+    config["vocab_size"] += 64
+    (teacher / "config.json").write_text(json.dumps(config))
+    message = _refused(tiny, teacher, "refused_vocab")
+    assert f"vocab_size {config['vocab_size']}" in message and "student's" in message
+
+
+def test_teacher_without_tokenizer_files_is_refused_at_launch(tiny):
+    teacher = _teacher_copy(tiny, "teacher_no_tokenizer")
+    for f in teacher.glob("tokenizer*"):
+        f.unlink()
+    assert "no tokenizer files" in _refused(tiny, teacher, "refused_no_tokenizer")

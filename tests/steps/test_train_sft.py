@@ -1,0 +1,373 @@
+"""steps/train_sft.py end to end on a tiny model (hidden 64, 2 layers, 128-token packs).
+
+What is proved here, against one uninterrupted reference run (a subprocess, 1 inline worker,
+a checkpoint after every step):
+- 2 Ray workers (FSDP2 over gloo) follow it: per-step losses within 1e-5, weights within 1e-5;
+- SIGKILL + restart gives bit-identical exported weights, killed mid-epoch, at the checkpoint
+  where the loader's shard reader crossed into epoch 2, and killed twice; a 1-worker checkpoint
+  resumed on 2 Ray workers trains the same global batches (losses within 1e-5);
+- a corrupted newest checkpoint is refused with a warning naming it, and the previous one used;
+- the exported HF checkpoint (full, merged LoRA, PEFT adapter) gives the native model's logits;
+- the loss falls; a bad config fails with a ConfigError that names the key.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from posttrain.config.recipes import load_recipe
+from posttrain.errors import ConfigError
+from posttrain.train.sft import SFTConfig
+from steps import train_sft
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN_ROWS, EVAL_ROWS = 160, 24
+MAX_STEPS = 24
+MID_EPOCH_STEP = 5
+LOSS_ATOL = 1e-5          # 1 vs 2 workers: only the gradient's float summation order differs
+WEIGHT_ATOL = 1e-5        # after 24 Adam steps (observed max |diff| ~1.3e-6)
+LOGIT_ATOL = 1e-4         # HF vs native, fp32
+
+CONFIG = {
+    "run": {"num_workers": 1, "launcher": "inline"},
+    "tokenizer": {"path": str(ROOT / "assets" / "tokenizer")},
+    "data": {"format": "chat", "max_tokens_per_sample": 128, "on_bad_row": "skip"},
+    "model": {"init": {"family": "qwen3", "seed": 0,
+                       "overrides": {"hidden_size": 64, "intermediate_size": 128,
+                                     "num_hidden_layers": 2, "num_attention_heads": 4,
+                                     "num_key_value_heads": 2, "head_dim": 16,
+                                     "tie_word_embeddings": True}},
+              "dtype": "float32"},
+    "train": {"max_steps": MAX_STEPS, "tokens_per_step": 512,   # 4 micro-batches of 1 x 128
+              "loader": {"packing": {"max_tokens_per_pack": 128, "buffer_samples": 16},
+                         "rows_per_batch": 1, "shuffle_buffer_samples": 32, "seed": 0,
+                         "epochs": 3},
+              "optimizer": {"lr": 0.003, "weight_decay": 0.01, "betas": [0.9, 0.95]},
+              "scheduler": {"kind": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1},
+              "grad_clip_norm": 1.0, "seed": 0,
+              "checkpoint_every_steps": 1, "keep_checkpoints": 100},
+    "eval": {"max_batches": 2},
+}
+
+
+@dataclass
+class Tiny:
+    tmp: Path
+    config: Path             # the recipe YAML (run.dir is always overridden)
+    ref_dir: Path            # the uninterrupted reference run
+    ref_metrics: list[dict]
+    boundary_step: int       # first checkpoint whose shard reader is in epoch 2 (see _epoch)
+
+    def metrics(self, run_dir: Path) -> dict[int, dict]:
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r for r in rows if "loss" in r}
+
+
+def _epoch(run_dir: Path, step: int) -> int:
+    """The pass (0-based) the loader's shard reader is in at checkpoint `step`; it runs ahead of
+    the rows trained by the shuffle and packing buffers, and its position restarts with a pass."""
+    meta = json.loads((run_dir / "checkpoints" / f"step-{step:08d}" / "meta.json").read_text())
+    return int(meta["extra"]["loader"]["rows"]["upstream"]["upstream"]["epoch"])
+
+
+def _cli(config: Path, run_dir: Path) -> subprocess.Popen:
+    with open(run_dir.with_suffix(".log"), "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "steps.train_sft", "--config", str(config), "--run-dir",
+             str(run_dir), "--launcher", "inline", "--no-progress"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _log_tail(run_dir: Path) -> str:
+    return run_dir.with_suffix(".log").read_text()[-3000:]
+
+
+def _run_to_end(config: Path, run_dir: Path) -> None:
+    proc = _cli(config, run_dir)
+    try:
+        assert proc.wait(timeout=300) == 0, _log_tail(run_dir)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _run_and_kill(config: Path, run_dir: Path, step: int) -> None:
+    """Start the CLI, SIGKILL it as soon as checkpoint `step` is committed."""
+    proc = _cli(config, run_dir)
+    manifest = run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json"
+    deadline = time.monotonic() + 300
+    try:
+        while not manifest.is_file():
+            assert proc.poll() is None, f"ended before step {step}:\n{_log_tail(run_dir)}"
+            assert time.monotonic() < deadline, f"no checkpoint {step} after 300 s"
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # A later checkpoint committed before the signal landed is removed: what is left on disk is
+    # then exactly what a kill right after `step` leaves (a later, uncommitted attempt stays).
+    for d in (run_dir / "checkpoints").glob("step-????????"):
+        if int(d.name[5:]) > step:
+            shutil.rmtree(d)
+
+
+def _safetensors(hf_dir: Path) -> dict[str, bytes]:
+    files = {p.name: p.read_bytes() for p in sorted(hf_dir.glob("*.safetensors"))}
+    assert files, f"no safetensors in {hf_dir}"
+    return files
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Tiny:
+    tmp = tmp_path_factory.mktemp("sft")
+    for split, rows in (("train", TRAIN_ROWS), ("eval", EVAL_ROWS)):
+        lines = (ROOT / "assets" / "data" / "chat" / f"{split}.jsonl").read_text().splitlines()
+        (tmp / f"{split}.jsonl").write_text("\n".join(lines[:rows]) + "\n")
+    cfg = json.loads(json.dumps(CONFIG))
+    cfg["run"]["dir"] = str(tmp / "unused")
+    cfg["data"]["train"] = [{"name": "chat", "path": str(tmp / "train.jsonl")}]
+    cfg["data"]["eval"] = [{"name": "chat", "path": str(tmp / "eval.jsonl")}]
+    config = tmp / "tiny.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    ref_dir = tmp / "reference"
+    _run_to_end(config, ref_dir)
+    t = Tiny(tmp, config, ref_dir, [], 0)
+    t.ref_metrics = [t.metrics(ref_dir)[s] for s in range(1, MAX_STEPS + 1)]
+    epochs = [_epoch(ref_dir, s) for s in range(1, MAX_STEPS + 1)]
+    assert epochs[0] == 0 and 1 in epochs, f"the run must cross an epoch boundary: {epochs}"
+    t.boundary_step = epochs.index(1) + 1
+    assert MID_EPOCH_STEP + 2 < t.boundary_step < MAX_STEPS - 2, epochs
+    return t
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leftover_process_group():
+    """In-process inline runs join a process group of one; leave none to later test modules."""
+    import torch.distributed as dist
+    before = dist.is_initialized()
+    yield
+    if dist.is_initialized() and not before:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+    tmp = tempfile.mkdtemp(prefix="ptr", dir="/tmp")        # short: Ray's socket paths
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
+             configure_logging=False)
+    yield
+    ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- 1. parity
+def test_two_ray_workers_match_one_inline_worker(tiny, local_ray):
+    result = train_sft.run(tiny.config, overrides={
+        "run.dir": str(tiny.tmp / "ray2"), "run.launcher": "ray", "run.num_workers": 2},
+        prepared_dir=str(tiny.ref_dir / "prepared"), show_progress=False)
+    assert result["model"]["world_size"] == 2
+    got = tiny.metrics(Path(result["run_dir"]))
+    for ref in tiny.ref_metrics:
+        mine = got[ref["step"]]
+        assert mine["real_tokens"] == ref["real_tokens"]
+        assert mine["loss_tokens"] == ref["loss_tokens"]
+        assert abs(mine["loss"] - ref["loss"]) <= LOSS_ATOL, (ref["step"], mine, ref)
+    _assert_weights_close(Path(result["hf_dir"]), tiny.ref_dir / "hf", WEIGHT_ATOL)
+
+
+def _assert_weights_close(a_dir: Path, b_dir: Path, atol: float) -> None:
+    from safetensors.torch import load_file
+    a = {k: v for f in sorted(a_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    b = {k: v for f in sorted(b_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, f"max |weight difference| {worst:.2e} > {atol:.0e}"
+
+
+# ---------------------------------------------------------------------------- 2. resume
+@pytest.mark.parametrize("kills", ["mid_epoch", "epoch_boundary", "mid_epoch_then_boundary"])
+def test_sigkill_and_restart_gives_bit_identical_weights(tiny, kills):
+    run_dir = tiny.tmp / f"killed_{kills}"
+    steps = {"mid_epoch": [MID_EPOCH_STEP], "epoch_boundary": [tiny.boundary_step],
+             "mid_epoch_then_boundary": [MID_EPOCH_STEP, tiny.boundary_step]}[kills]
+    for step in steps:
+        _run_and_kill(tiny.config, run_dir, step)
+        if step == tiny.boundary_step:     # the kill is right after the reader changed epoch
+            assert (_epoch(run_dir, step - 1), _epoch(run_dir, step)) == (0, 1)
+        else:
+            assert _epoch(run_dir, step - 1) == _epoch(run_dir, step) == 0
+    _run_to_end(tiny.config, run_dir)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert (result["started_at_step"], result["steps"]) == (steps[-1], MAX_STEPS)
+    assert _safetensors(run_dir / "hf") == _safetensors(tiny.ref_dir / "hf")
+    got = tiny.metrics(run_dir)
+    assert sorted(got) == list(range(1, MAX_STEPS + 1))
+    assert [got[s]["loss"] for s in range(1, MAX_STEPS + 1)] == \
+        [m["loss"] for m in tiny.ref_metrics]
+
+
+def test_resume_one_worker_checkpoint_on_two_ray_workers(tiny, local_ray):
+    step = MID_EPOCH_STEP + 2
+    run_dir = tiny.tmp / "resharded"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    name = f"step-{step:08d}"
+    shutil.copytree(tiny.ref_dir / "checkpoints" / name, run_dir / "checkpoints" / name)
+    result = train_sft.run(tiny.config, overrides={
+        "run.dir": str(run_dir), "run.launcher": "ray", "run.num_workers": 2},
+        prepared_dir=str(tiny.ref_dir / "prepared"), show_progress=False)
+    assert (result["started_at_step"], result["steps"]) == (step, MAX_STEPS)
+    assert result["model"]["world_size"] == 2
+    got = tiny.metrics(run_dir)
+    assert sorted(got) == list(range(step + 1, MAX_STEPS + 1))
+    for ref in tiny.ref_metrics[step:]:
+        mine = got[ref["step"]]
+        assert (mine["real_tokens"], mine["loss_tokens"], mine["tokens_seen"]) == \
+            (ref["real_tokens"], ref["loss_tokens"], ref["tokens_seen"])   # same global batches
+        assert abs(mine["loss"] - ref["loss"]) <= LOSS_ATOL, (ref["step"], mine, ref)
+    _assert_weights_close(Path(result["hf_dir"]), tiny.ref_dir / "hf", WEIGHT_ATOL)
+
+
+# ---------------------------------------------------------------------------- 3. corrupt
+def test_corrupt_newest_checkpoint_is_refused_and_the_previous_used(tiny, caplog):
+    newest, previous = 12, 11
+    run_dir = tiny.tmp / "corrupt"
+    for step in (previous, newest):
+        name = f"step-{step:08d}"
+        shutil.copytree(tiny.ref_dir / "checkpoints" / name, run_dir / "checkpoints" / name)
+    shard = next((run_dir / "checkpoints" / f"step-{newest:08d}" / "dcp").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    # the crashed run's log ran ahead of its checkpoints, its last line cut short
+    log = (tiny.ref_dir / "metrics.jsonl").read_text()
+    (run_dir / "metrics.jsonl").write_text(log + log.splitlines()[5][:40])
+    with caplog.at_level(logging.WARNING):
+        result = train_sft.run(tiny.config, overrides={"run.dir": str(run_dir)},
+                               prepared_dir=str(tiny.ref_dir / "prepared"), show_progress=False)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any(f"step-{newest:08d}" in m and "damaged" in m and shard.name in m
+               for m in warned), warned
+    assert (result["started_at_step"], result["steps"]) == (previous, MAX_STEPS)
+    logged = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "loss" in r] == list(range(1, MAX_STEPS + 1))
+    assert [r["step"] for r in logged if "eval_loss" in r] == [MAX_STEPS]
+    got = tiny.metrics(run_dir)
+    for ref in tiny.ref_metrics[previous:]:
+        assert abs(got[ref["step"]]["loss"] - ref["loss"]) <= LOSS_ATOL
+
+
+# ---------------------------------------------------------------------------- 4. export
+def _native(cfg: SFTConfig, run_dir: Path):
+    """The run's last checkpoint, loaded by the engine: a plain native model, its state, args."""
+    from posttrain.train.engine import Engine
+    from posttrain.train.export import model_from_state
+    engine = Engine(cfg.model, cfg.train, str(run_dir / "base_model"), str(run_dir))
+    assert engine.load_checkpoint() is not None and engine.step == cfg.train.max_steps
+    state = engine.full_state_dict()
+    return model_from_state(state, engine.args, cfg.model.lora), state, engine.args
+
+
+def _native_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model.logits(model(ids))
+    return logits[..., :model.args.vocab_size]
+
+
+TEXT = "What is 12 + 30? 12 + 30 = 42. The answer is 42. Name the capital of Vivenlo."
+
+
+def _sample_ids() -> torch.Tensor:
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "assets" / "tokenizer"))
+    return torch.tensor([tok(TEXT)["input_ids"]])
+
+
+def test_exported_checkpoint_loads_in_transformers_with_the_native_logits(tiny):
+    from transformers import AutoModelForCausalLM
+    cfg = load_recipe(tiny.config, SFTConfig, {"run.dir": str(tiny.ref_dir)})
+    ids = _sample_ids()
+    native = _native_logits(_native(cfg, tiny.ref_dir)[0], ids)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny.ref_dir / "hf"), dtype=torch.float32)
+    with torch.no_grad():
+        got = hf(ids).logits
+    assert got.shape == native.shape
+    assert (got - native).abs().max().item() <= LOGIT_ATOL      # observed: 0.0
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(tiny.ref_dir / "hf"))
+    assert tok(TEXT)["input_ids"] == ids[0].tolist()
+
+
+def test_lora_run_exports_merged_and_peft(tiny):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.train.export import export_hf
+    run_dir = tiny.tmp / "lora"
+    overrides = {"run.dir": str(run_dir), "train.max_steps": 6,
+                 "train.checkpoint_every_steps": 6, "train.optimizer.lr": 0.01,
+                 "model.lora": {"rank": 4, "alpha": 8.0}, "export.format": "merged"}
+    result = train_sft.run(tiny.config, overrides=overrides,
+                           prepared_dir=str(tiny.ref_dir / "prepared"), show_progress=False)
+    assert result["model"]["trainable_params"] < result["model"]["params"] / 5
+    cfg = load_recipe(tiny.config, SFTConfig, overrides)
+    ids = _sample_ids()
+    model, state, args = _native(cfg, run_dir)
+    native = _native_logits(model, ids)
+    base = AutoModelForCausalLM.from_pretrained(str(run_dir / "base_model"), dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(result["hf_dir"], dtype=torch.float32)
+    with torch.no_grad():
+        base_logits, merged_logits = base(ids).logits, merged(ids).logits
+    assert (base_logits - native).abs().max().item() > 100 * LOGIT_ATOL   # LoRA did train
+    assert (merged_logits - native).abs().max().item() <= LOGIT_ATOL   # observed: 2.4e-7
+
+    # the peft format from the same trained state, through the function the worker calls
+    peft_dir = export_hf(state, args, str(run_dir / "peft"),
+                         fmt="peft", lora=cfg.model.lora, base_dir=str(run_dir / "base_model"))
+    adapted = PeftModel.from_pretrained(base, peft_dir)
+    with torch.no_grad():
+        peft_logits = adapted(ids).logits
+    assert (peft_logits - native).abs().max().item() <= LOGIT_ATOL
+
+
+# ---------------------------------------------------------------------------- 5. learning
+def test_training_loss_falls(tiny):
+    losses = [m["loss"] for m in tiny.ref_metrics]
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    vocab = json.loads((tiny.ref_dir / "hf" / "config.json").read_text())["vocab_size"]
+    assert first > math.log(vocab) - 0.5           # a random model starts near ln(vocab) = 8.07
+    assert last < first - 1.5, (first, last)       # observed ~7.84 -> ~5.2
+    result = json.loads((tiny.ref_dir / "result.json").read_text())
+    assert result["eval"]["eval_loss"] < math.log(vocab) - 1.0
+
+
+# ---------------------------------------------------------------------------- 6. config
+@pytest.mark.parametrize("override, names", [
+    ({"train.tokenz_per_step": 512}, ["train.tokenz_per_step", "unknown key"]),
+    ({"train.loader.packing.max_tokens": 64}, ["train.loader.packing.max_tokens"]),
+    ({"train.tokens_per_step": 500}, ["tokens_per_step=500", "multiple of"]),
+    ({"model.lora": {"rank": 4}}, ["export.format: full", "merged", "peft"]),
+])
+def test_bad_config_fails_naming_the_key(tiny, override, names):
+    with pytest.raises(ConfigError) as err:
+        train_sft.run(tiny.config, overrides={"run.dir": str(tiny.tmp / "bad"), **override})
+    for name in names:
+        assert name in str(err.value)
+    assert not (tiny.tmp / "bad").exists()
