@@ -1,0 +1,271 @@
+"""Group-relative policy optimization (GRPO) and its DAPO / Dr. GRPO variants, per token.
+
+Advantages (`group_advantages`). Each prompt g gets N sampled responses with scalar rewards r_gi;
+the advantage of every token of response i is its reward relative to the group:
+
+    A_gi = (r_gi - mean_j r_gj) / (std_j r_gj + eps)     GRPO, Shao et al. 2024 (DeepSeekMath)
+    A_gi =  r_gi - mean_j r_gj                           Dr. GRPO, Liu et al. 2025 (no std:
+                                                         dividing by it up-weights prompts that
+                                                         are too easy or too hard)
+
+std is the sample standard deviation (Bessel's correction, as ``torch.std``). A group whose
+rewards are all equal carries no signal and gets advantages of exactly 0.
+
+Per-token loss (`grpo_loss`). For response token t of row b, with log-probs under the policy
+being trained (logp), under the policy that generated the batch as the trainer computes it
+(old_logp), under the inference engine that sampled it (engine_logp) and under the frozen
+reference (ref_logp):
+
+    rho_bt  = exp(logp - old_logp)                                    (importance ratio)
+    pg_bt   = -min(rho A_b, clip(rho, 1 - clip_low, 1 + clip_high) A_b)
+                                          PPO clip (Schulman et al. 2017); clip_high > clip_low
+                                          is DAPO's clip-higher (Yu et al. 2025): low-probability
+                                          tokens with A > 0 may grow further, against entropy
+                                          collapse
+    w_bt    = min(exp(old_logp - engine_logp), is_cap)                (detached)
+                                          truncated importance sampling (Yao et al. 2025, "Your
+                                          efficient RL framework secretly brings you off-policy
+                                          RL training"): corrects for the engine's sampling
+                                          distribution differing from the trainer's numerics;
+                                          truncation bounds the variance
+    kl_bt   = exp(ref - logp) - (ref - logp) - 1
+                                          k3 estimator of KL(pi || ref) (Schulman 2020,
+                                          "Approximating KL divergence"): unbiased, always >= 0
+    L_bt    = w_bt pg_bt + kl_coef kl_bt
+
+The IS weight multiplies the policy-gradient term only; the KL term is a regularizer, as in
+DeepSeekMath, where it is added to the loss instead of the reward.
+
+Aggregation over the mask m_bt (1 on response tokens), with S the number of sequences (rows with
+at least one response token) and n_b = sum_t m_bt:
+
+    seq_mean_token_mean   (1/S) sum_b (1/n_b) sum_t m L          GRPO paper: every response
+                                                                 weighs the same, so a token of
+                                                                 a long response weighs less
+    token_mean            (1/sum_bt m) sum_bt m L                DAPO: every token weighs the
+                                                                 same
+    constant              (1/S) sum_b (1/C) sum_t m L            Dr. GRPO: a constant C (the
+                                                                 generation budget) replaces n_b,
+                                                                 removing the length bias
+
+Gradient accumulation and data parallelism: the normalizers above are computed from the tensors
+given, i.e. per micro-batch. To get one big batch's gradient from summed micro-batch losses, pass
+the step's totals over all micro-batches and ranks: ``global_tokens`` (sum of m) for token_mean,
+``global_sequences`` (S) for the other two. With ``constant`` set ``constant_norm`` too: its
+default, the padded row length T, changes from micro-batch to micro-batch.
+
+On-policy (one update per batch, old_logp = logp.detach(), no KL, no IS) rho = 1 and the gradient
+of the loss with respect to logp_bt is -A_b times the aggregation weight of token (b, t): the
+REINFORCE policy gradient with a group baseline.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+__all__ = ["group_advantages", "grpo_loss"]
+
+Aggregation = Literal["seq_mean_token_mean", "token_mean", "constant"]
+
+
+def group_advantages(rewards_G_N: torch.Tensor, *, normalize_std: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """Group-relative advantages [num_prompts, samples_per_prompt] (formula in the module
+    docstring): reward minus the group mean, divided by the group std + eps if `normalize_std`
+    (GRPO) or not (Dr. GRPO). All-equal groups give exactly 0. Returns the dtype of the input,
+    at least fp32; no gradient flows.
+    """
+    if rewards_G_N.dim() != 2:
+        raise ValueError(f"rewards_G_N must be [num_prompts, samples_per_prompt], got shape "
+                         f"{tuple(rewards_G_N.shape)}; reshape flat rewards with "
+                         f".view(num_prompts, samples_per_prompt)")
+    if rewards_G_N.shape[1] < 2:
+        raise ValueError(f"samples_per_prompt is {rewards_G_N.shape[1]}; group-relative "
+                         f"advantages need at least 2 samples per prompt (with 1 every "
+                         f"advantage is 0)")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    r_G_N = _wide(rewards_G_N).detach()
+    if not bool(torch.isfinite(r_G_N).all()):
+        raise ValueError("rewards_G_N holds NaN or inf; fix the reward function")
+    adv_G_N = r_G_N - r_G_N.mean(dim=1, keepdim=True)
+    if normalize_std:
+        adv_G_N = adv_G_N / (r_G_N.std(dim=1, keepdim=True) + eps)
+    # The mean of equal floats need not equal them exactly (3 x 0.1), and with eps tiny the
+    # rounding residue would be blown up into a spurious advantage.
+    constant_G_1 = (r_G_N.amax(dim=1, keepdim=True) == r_G_N.amin(dim=1, keepdim=True))
+    return adv_G_N.masked_fill(constant_G_1, 0.0)
+
+
+def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_B: torch.Tensor,
+              mask_BT: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.28,
+              ref_logp_BT: torch.Tensor | None = None, kl_coef: float = 0.0,
+              engine_logp_BT: torch.Tensor | None = None, is_cap: float | None = None,
+              aggregation: Aggregation = "token_mean", constant_norm: float | None = None,
+              global_tokens: int | None = None, global_sequences: int | None = None,
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped policy-gradient loss over B responses, one per row (formulas in the module
+    docstring).
+
+    Args:
+        logp_BT: log pi(y_t | ...) of the sampled tokens under the policy (differentiable),
+            e.g. from `chunked_logprobs`.
+        old_logp_BT: the same under the policy that generated the batch (detached); pass
+            ``logp_BT.detach()`` for one update per batch.
+        advantages_B: one advantage per response (e.g. `group_advantages(...).flatten()`).
+        mask_BT: bool or 0/1, set on the response tokens that carry loss. Masked-out positions
+            may hold anything, NaN and inf included.
+        clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
+        ref_logp_BT, kl_coef: frozen reference log-probs and the weight of the k3 KL penalty.
+            With ``kl_coef=0`` a given reference is used for the ``kl`` metric only.
+        engine_logp_BT, is_cap: the inference engine's log-probs of the same tokens, and the
+            cap of the importance weight pi_old / pi_engine (None: not truncated).
+        aggregation: "seq_mean_token_mean" (GRPO), "token_mean" (DAPO) or "constant"
+            (Dr. GRPO, normalizer ``constant_norm``, default the row length T).
+        global_tokens: token_mean only: the step's response-token count over all micro-batches
+            and ranks, used instead of this batch's.
+        global_sequences: seq_mean_token_mean and constant only: the step's sequence count over
+            all micro-batches and ranks, used instead of this batch's.
+
+    Returns:
+        (loss, metrics): loss is an fp32 scalar (fp64 for fp64 input); a batch without response
+        tokens gives 0 with zero gradient. Metrics are detached means over this batch's response
+        tokens: ``clip_fraction_low`` (A < 0 and rho < 1 - clip_low: the clip zeroes the
+        gradient), ``clip_fraction_high`` (A > 0 and rho > 1 + clip_high), ``ratio_mean``,
+        ``ratio_max``, ``pg_loss`` (token mean of w pg), and when given ``kl`` (token mean of
+        k3), ``is_weight_mean`` and ``is_truncated_fraction``.
+    """
+    _check_args(logp_BT, old_logp_BT, advantages_B, mask_BT, ref_logp_BT, engine_logp_BT,
+                clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, is_cap=is_cap,
+                aggregation=aggregation, constant_norm=constant_norm,
+                global_tokens=global_tokens, global_sequences=global_sequences)
+    m_BT = mask_BT.bool()
+    logp = _wide(logp_BT)
+    # where, not multiply: a masked position may hold -inf or NaN, and 0 * inf is NaN.
+    log_ratio_BT = (logp - _wide(old_logp_BT).detach()).where(m_BT, 0.0)
+    ratio_BT = log_ratio_BT.exp()
+    adv_B1 = _wide(advantages_B).detach().to(logp.dtype).unsqueeze(1)
+    unclipped_BT = ratio_BT * adv_B1
+    clipped_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high) * adv_B1
+    pg_BT = -torch.minimum(unclipped_BT, clipped_BT)
+
+    is_weight_BT = None
+    if engine_logp_BT is not None:
+        log_w_BT = (_wide(old_logp_BT) - _wide(engine_logp_BT)).detach().where(m_BT, 0.0)
+        is_weight_BT = log_w_BT.exp()
+        if is_cap is not None:
+            is_weight_BT = is_weight_BT.clamp(max=is_cap)
+        pg_BT = is_weight_BT * pg_BT
+    loss_BT = pg_BT
+
+    kl_BT = None
+    if ref_logp_BT is not None:
+        d_BT = (_wide(ref_logp_BT).detach() - logp).where(m_BT, 0.0)
+        kl_BT = d_BT.exp() - d_BT - 1.0
+        if kl_coef:
+            loss_BT = loss_BT + kl_coef * kl_BT
+
+    loss = _aggregate(loss_BT.where(m_BT, 0.0), m_BT, aggregation, constant_norm,
+                      global_tokens, global_sequences)
+
+    with torch.no_grad():
+        n = m_BT.sum().clamp(min=1)
+
+        def token_mean(x_BT: torch.Tensor) -> torch.Tensor:
+            return x_BT.where(m_BT, 0.0).sum() / n
+
+        metrics = {
+            "clip_fraction_low": token_mean(((adv_B1 < 0) & (ratio_BT < 1.0 - clip_low))
+                                            .to(logp.dtype)),
+            "clip_fraction_high": token_mean(((adv_B1 > 0) & (ratio_BT > 1.0 + clip_high))
+                                             .to(logp.dtype)),
+            "ratio_mean": token_mean(ratio_BT),
+            "ratio_max": (ratio_BT.where(m_BT, -torch.inf).max() if bool(m_BT.any())
+                          else ratio_BT.new_zeros(())),
+            "pg_loss": token_mean(pg_BT),
+        }
+        if kl_BT is not None:
+            metrics["kl"] = token_mean(kl_BT)
+        if is_weight_BT is not None:
+            metrics["is_weight_mean"] = token_mean(is_weight_BT)
+            truncated_BT = (is_weight_BT >= is_cap if is_cap is not None
+                            else torch.zeros_like(m_BT))
+            metrics["is_truncated_fraction"] = token_mean(truncated_BT.to(logp.dtype))
+    return loss, metrics
+
+
+def _aggregate(loss_BT: torch.Tensor, m_BT: torch.Tensor, aggregation: str,
+               constant_norm: float | None, global_tokens: int | None,
+               global_sequences: int | None) -> torch.Tensor:
+    """Reduce masked per-token losses (already 0 off the mask) to a scalar."""
+    if aggregation == "token_mean":
+        count = global_tokens if global_tokens is not None else int(m_BT.sum())
+        return loss_BT.sum() / max(count, 1)
+    num_seq = global_sequences if global_sequences is not None else int(m_BT.any(dim=1).sum())
+    if aggregation == "seq_mean_token_mean":
+        per_seq_B = loss_BT.sum(dim=1) / m_BT.sum(dim=1).clamp(min=1)
+        return per_seq_B.sum() / max(num_seq, 1)
+    norm = constant_norm if constant_norm is not None else loss_BT.shape[1]
+    return loss_BT.sum() / (max(num_seq, 1) * norm)
+
+
+def _check_args(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_B: torch.Tensor,
+                mask_BT: torch.Tensor, ref_logp_BT: torch.Tensor | None,
+                engine_logp_BT: torch.Tensor | None, *, clip_low: float, clip_high: float,
+                kl_coef: float, is_cap: float | None, aggregation: str,
+                constant_norm: float | None, global_tokens: int | None,
+                global_sequences: int | None) -> None:
+    if logp_BT.dim() != 2:
+        raise ValueError(f"logp_BT must be [B, T], got shape {tuple(logp_BT.shape)}")
+    for name, t in (("old_logp_BT", old_logp_BT), ("mask_BT", mask_BT),
+                    ("ref_logp_BT", ref_logp_BT), ("engine_logp_BT", engine_logp_BT)):
+        if t is not None and t.shape != logp_BT.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, logp_BT "
+                             f"{tuple(logp_BT.shape)}; they must match")
+    if advantages_B.shape != logp_BT.shape[:1]:
+        raise ValueError(f"advantages_B must be [B] = [{logp_BT.shape[0]}] (one per response "
+                         f"row), got shape {tuple(advantages_B.shape)}")
+    if not 0.0 <= clip_low < 1.0:
+        raise ValueError(f"clip_low must be in [0, 1) (the ratio's lower bound is "
+                         f"1 - clip_low), got {clip_low}")
+    if clip_high < 0.0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
+    if kl_coef < 0.0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if kl_coef > 0.0 and ref_logp_BT is None:
+        raise ValueError(f"kl_coef is {kl_coef} but ref_logp_BT is None; pass the reference "
+                         f"model's log-probs or set kl_coef=0")
+    if is_cap is not None:
+        if engine_logp_BT is None:
+            raise ValueError(f"is_cap is {is_cap} but engine_logp_BT is None; pass the "
+                             f"inference engine's log-probs or set is_cap=None")
+        if is_cap <= 0.0:
+            raise ValueError(f"is_cap must be > 0, got {is_cap}")
+    if aggregation not in ("seq_mean_token_mean", "token_mean", "constant"):
+        raise ValueError(f"aggregation must be 'seq_mean_token_mean', 'token_mean' or "
+                         f"'constant'; got {aggregation!r}")
+    if constant_norm is not None:
+        if aggregation != "constant":
+            raise ValueError(f"constant_norm applies to aggregation='constant' only; got "
+                             f"{constant_norm} with {aggregation!r} (set it to None)")
+        if constant_norm <= 0:
+            raise ValueError(f"constant_norm must be > 0, got {constant_norm}")
+    if global_tokens is not None:
+        if aggregation != "token_mean":
+            raise ValueError(f"global_tokens applies to aggregation='token_mean' only; got "
+                             f"{aggregation!r} (use global_sequences)")
+        if global_tokens < 0:
+            raise ValueError(f"global_tokens must be >= 0, got {global_tokens}")
+    if global_sequences is not None:
+        if aggregation == "token_mean":
+            raise ValueError("global_sequences applies to 'seq_mean_token_mean' and 'constant' "
+                             "only; with 'token_mean' pass global_tokens")
+        if global_sequences < 0:
+            raise ValueError(f"global_sequences must be >= 0, got {global_sequences}")
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (bf16 log-probs are too coarse to subtract); fp64 stays fp64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))

@@ -1,0 +1,93 @@
+"""The rollout-engine interface shared by the native generator and (later) vLLM.
+
+A GRPO step asks an engine for `n` completions of each prompt, trains on them, then pushes the
+new weights back with `update_weights`. `logprobs` recomputes teacher-forced log-probs, so a
+trainer can check that the engine's weights and numerics agree with its own.
+
+Log-prob convention (both `Rollout.logprobs` and `RolloutEngine.logprobs`):
+
+    logp_t = log softmax(z_t / T)[y_t]
+
+where z_t are the model's final logits over the real vocabulary (after Gemma's soft-capping) and
+T is the sampling temperature; T == 0 (greedy) is scored at T = 1. top-k / top-p filtering is
+*not* applied: the log-prob is the one a trainer gets from `chunked_logprobs(..., temperature=T)`,
+which is what the GRPO importance ratio needs. This is vLLM's log-prob of the sampled token with
+the temperature applied and no truncation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["FinishReason", "Rollout", "RolloutEngine", "SamplingConfig"]
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample completions.
+
+    temperature: 0 is greedy. top_p: nucleus mass in (0, 1], 1 is off. top_k: 0 is off.
+    max_new_tokens: completion tokens per sample, at most. stop_token_ids: a sampled id in this
+    set ends its sample (the stop token is kept in `completion_ids`, with its log-prob).
+    seed: seeds the engine's sampler; the same prompts, config and weights give the same rollouts.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"SamplingConfig.temperature must be >= 0 (0: greedy), "
+                             f"got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingConfig.top_k must be >= 0 (0: off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, "
+                             f"got {self.max_new_tokens}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the returned log-probs are computed at (1 when greedy)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+@dataclass
+class Rollout:
+    """One sampled completion. `logprobs[i]` scores `completion_ids[i]` (module docstring)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What a GRPO loop needs from a generator."""
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                 n: int = 1) -> list[list[Rollout]]:
+        """`n` rollouts per prompt: result[i][j] is sample j of prompts[i]."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full (unsharded) tensors, named as in the native model, into the engine."""
+        ...
+
+    def logprobs(self, sequences: list[list[int]], prompt_lens: list[int], *,
+                 temperature: float = 1.0) -> list[list[float]]:
+        """Teacher-forced log-probs of sequences[i][prompt_lens[i]:], one per token."""
+        ...

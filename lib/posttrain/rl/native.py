@@ -1,0 +1,210 @@
+"""`NativeEngine`: batched sampling from a native `Transformer` with a KV cache (CPU, one GPU).
+
+How a `generate` call runs (see `posttrain.models.kv_cache` for the cache layout):
+
+1. Prompts are taken `max_batch_sequences // n` at a time, left-padded to the longest one and
+   prefilled once; the cache rows are then repeated `n` times (row i * n + j is sample j of
+   prompt i), so the n samples of a prompt share one prefill.
+2. Each step computes fp32 logits over the real vocabulary for the last token of every live row,
+   draws the next token with `posttrain.ops.vocab.sample_next_token` (greedy, temperature, top-k,
+   top-p) from one `torch.Generator` seeded by `SamplingConfig.seed`, and records its log-prob
+   (convention in `posttrain.rl.engine`).
+3. A row that samples a stop token or reaches `max_new_tokens` is finished and dropped from the
+   batch and the cache, so later steps only pay for live rows.
+
+Determinism: for the same prompts, config, weights, `n` and `max_batch_sequences` the rollouts are
+identical. One generator serves the whole batch, so a sample depends on its batch neighbours.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from posttrain.models.kv_cache import KVCache, forward_with_cache
+from posttrain.models.transformer import LMHead, Transformer
+from posttrain.ops.cross_entropy import IGNORE_INDEX, chunked_logprobs
+from posttrain.ops.vocab import mask_padded_logits, sample_next_token
+from posttrain.rl.engine import Rollout, SamplingConfig
+
+__all__ = ["NativeEngine"]
+
+
+class NativeEngine:
+    """A `RolloutEngine` over a native `Transformer`.
+
+    Args:
+        model: the model to sample from. Used as is (weights shared with the caller) unless
+            `copy_model`, which deep-copies it so that training never touches the engine's weights
+            between `update_weights` calls.
+        max_batch_sequences: sequences (prompts x n) decoded together, at most; bounds the cache
+            memory, 2 x layers x rows x kv_heads x (prompt + max_new_tokens) x head_dim values.
+    """
+
+    def __init__(self, model: Transformer, *, copy_model: bool = False,
+                 max_batch_sequences: int = 256):
+        if max_batch_sequences < 1:
+            raise ValueError(f"max_batch_sequences must be >= 1, got {max_batch_sequences}")
+        self.model = copy.deepcopy(model) if copy_model else model
+        self.max_batch_sequences = max_batch_sequences
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed.weight.device
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                 n: int = 1) -> list[list[Rollout]]:
+        """`n` rollouts per prompt; result[i][j] is sample j of prompts[i]."""
+        if n < 1:
+            raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+        self._check_prompts(prompts, sampling.max_new_tokens)
+        generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        per_chunk = max(1, self.max_batch_sequences // n)
+        results: list[list[Rollout]] = []
+        for start in range(0, len(prompts), per_chunk):
+            results += self._generate_chunk(prompts[start:start + per_chunk], sampling, n,
+                                            generator)
+        return results
+
+    @torch.inference_mode()
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingConfig, n: int,
+                        generator: torch.Generator) -> list[list[Rollout]]:
+        device, max_new = self.device, sampling.max_new_tokens
+        prompt_len = max(len(p) for p in prompts)
+        ids_BP = torch.zeros(len(prompts), prompt_len, dtype=torch.long, device=device)
+        for b, prompt in enumerate(prompts):
+            ids_BP[b, prompt_len - len(prompt):] = torch.tensor(prompt, device=device)
+        pad_B = torch.tensor([prompt_len - len(p) for p in prompts], device=device)
+        cache = KVCache.allocate(self.model, pad_B, prompt_len + max_new)
+        hidden_BH = forward_with_cache(self.model, ids_BP, cache)[:, -1]
+
+        rows_B = torch.arange(len(prompts), device=device).repeat_interleave(n)
+        cache, hidden_BH = cache.select(rows_B), hidden_BH.index_select(0, rows_B)
+        live = list(range(len(prompts) * n))          # output index of each cache row
+        tokens: list[list[int]] = [[] for _ in live]
+        logps: list[list[float]] = [[] for _ in live]
+        finish: list[str] = ["length"] * len(live)
+        stops = set(sampling.stop_token_ids)
+        lp_temperature = sampling.logprob_temperature
+        for _ in range(max_new):
+            logits_BV = self._next_token_logits(hidden_BH)
+            next_B = sample_next_token(logits_BV, sampling.temperature, sampling.top_p,
+                                       sampling.top_k, generator,
+                                       real_vocab_size=self.model.args.vocab_size)
+            logp_B = torch.log_softmax(logits_BV / lp_temperature, dim=-1).gather(
+                -1, next_B[:, None]).squeeze(-1)
+            keep = []
+            for r, (out, token, logp) in enumerate(zip(live, next_B.tolist(), logp_B.tolist())):
+                tokens[out].append(token)
+                logps[out].append(logp)
+                if token in stops:
+                    finish[out] = "stop"
+                elif len(tokens[out]) < max_new:
+                    keep.append(r)
+            if not keep:
+                break
+            if len(keep) < len(live):
+                keep_B = torch.tensor(keep, device=device)
+                cache, next_B = cache.select(keep_B), next_B.index_select(0, keep_B)
+                live = [live[r] for r in keep]
+            hidden_BH = forward_with_cache(self.model, next_B[:, None], cache)[:, -1]
+        return [[Rollout(list(prompts[i]), tokens[i * n + j], logps[i * n + j],
+                         finish[i * n + j])  # type: ignore[arg-type]
+                 for j in range(n)] for i in range(len(prompts))]
+
+    def _next_token_logits(self, hidden_BH: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [B, V] (padded columns -inf or cut), computed as `chunked_logprobs`
+        computes them (projection in the model dtype, soft-cap in fp32), so the sampler's
+        log-probs and a trainer's agree."""
+        head, real = self.model.head, self.model.args.vocab_size
+        if isinstance(head, LMHead):
+            logits_BV = F.linear(hidden_BH, head.weight[:real]).float()
+            if head.softcap is not None:
+                logits_BV = torch.tanh(logits_BV / head.softcap) * head.softcap
+            return logits_BV
+        return mask_padded_logits(self.model.logits(hidden_BH).float(), real)
+
+    def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        vocab = self.model.args.vocab_size
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary "
+                                 f"[0, {vocab})")
+        longest = max((len(p) for p in prompts), default=0)
+        limit = self.model.args.max_position_embeddings
+        if longest + max_new_tokens > limit:
+            raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens "
+                             f"({max_new_tokens}) exceeds the model's max_position_embeddings "
+                             f"({limit}); shorten the prompts or lower max_new_tokens")
+
+    # ------------------------------------------------------------------ weights and scoring
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full tensors with native parameter/buffer names into the model (any subset).
+
+        A tied head has no `head.weight` of its own: send `embed.weight`.
+        """
+        targets = {**dict(self.model.named_buffers()), **dict(self.model.named_parameters())}
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in targets:
+                    hint = (" (the head is tied to the embedding; send embed.weight)"
+                            if name == "head.weight" else
+                            f"; known names look like {sorted(targets)[:4]}")
+                    raise ValueError(f"update_weights got '{name}', which is not a parameter "
+                                     f"or buffer of the native model{hint}")
+                target = targets[name]
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"update_weights: '{name}' has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(target.shape)} (full, unsharded "
+                                     "tensors are required)")
+                target.copy_(tensor)
+
+    @torch.inference_mode()
+    def logprobs(self, sequences: list[list[int]], prompt_lens: list[int], *,
+                 temperature: float = 1.0) -> list[list[float]]:
+        """Teacher-forced log p(sequences[i][t]) for t >= prompt_lens[i], at `temperature`
+        (the convention of `posttrain.rl.engine`); one full forward per batch of sequences."""
+        if len(sequences) != len(prompt_lens):
+            raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens")
+        for i, (seq, plen) in enumerate(zip(sequences, prompt_lens)):
+            if not 1 <= plen <= len(seq):
+                raise ValueError(f"prompt_lens[{i}] = {plen} must be in [1, {len(seq)}] "
+                                 "(the first token has no log-prob)")
+        out: list[list[float]] = []
+        for start in range(0, len(sequences), self.max_batch_sequences):
+            stop = start + self.max_batch_sequences
+            out += self._score_batch(sequences[start:stop], prompt_lens[start:stop],
+                                     temperature)
+        return out
+
+    def _score_batch(self, sequences: list[list[int]], prompt_lens: list[int],
+                     temperature: float) -> list[list[float]]:
+        device, longest = self.device, max(len(s) for s in sequences)
+        # right padding: causal attention keeps it out of every real position
+        ids_BT = torch.zeros(len(sequences), longest, dtype=torch.long, device=device)
+        targets_BT = torch.full_like(ids_BT, IGNORE_INDEX)
+        for b, (seq, plen) in enumerate(zip(sequences, prompt_lens)):
+            ids_BT[b, :len(seq)] = torch.tensor(seq, device=device)
+            targets_BT[b, plen - 1:len(seq) - 1] = ids_BT[b, plen:len(seq)]
+        hidden_BTH = self.model(ids_BT)
+        head = self.model.head
+        if isinstance(head, LMHead):
+            logp_BT = chunked_logprobs(hidden_BTH, head.weight, targets_BT,
+                                       real_vocab_size=self.model.args.vocab_size,
+                                       softcap=head.softcap, temperature=temperature)
+        else:
+            logits = mask_padded_logits(self.model.logits(hidden_BTH).float(),
+                                        self.model.args.vocab_size) / temperature
+            logp_BT = torch.log_softmax(logits, dim=-1).gather(
+                -1, targets_BT.clamp_min(0)[..., None]).squeeze(-1)
+        return [logp_BT[b, plen - 1:len(seq) - 1].tolist()
+                for b, (seq, plen) in enumerate(zip(sequences, prompt_lens))]

@@ -1,0 +1,227 @@
+import json
+import math
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from posttrain.config import build, load_yaml
+from posttrain.errors import ConfigError
+from posttrain.rl import rewards
+from posttrain.rl.rewards import (RewardConfig, RewardSpec, combine, extract_code, parse_number,
+                                  register)
+
+ROOT = Path(__file__).resolve().parents[3]
+P = [[{"role": "user", "content": "What is 23 + 58?"}]]
+
+
+def call(name, completions, columns=None, **params):
+    fn = rewards.get_reward(name)
+    return fn(completions, P * len(completions), columns or {}, **params)
+
+
+@pytest.fixture
+def temp_reward():
+    """Register test-only reward functions and remove them afterwards."""
+    added = []
+
+    def add(name, fn):
+        register(name)(fn)
+        added.append(name)
+    yield add
+    for name in added:
+        rewards._REGISTRY.pop(name)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("The answer is -24.", -24),
+    ("so 1,000 + 234 = 1,234", 1234),
+    ("The answer is 81. Let me double check: 23 + 58 = 81, 3 digits", 81),
+    ("  The answer is   42  ", 42),
+    ("I think it's 7, no wait, 8", 8),
+    ("x = −3", -3),
+    ("The answer is 2.50.", Fraction(5, 2)),
+    ("from 3-5 items", 5),
+    ("no number here", None),
+    ("", None),
+])
+def test_parse_number(text, expected):
+    assert parse_number(text) == expected
+
+
+def test_exact_match_number():
+    completions = ["The answer is -24.", "= 1,234", "I don't know", "The answer is 81.", "80"]
+    answers = ["-24", "1234", "5", 81, "81"]
+    assert call("exact_match_number", completions, {"answer": answers}) == [1, 1, 0, 1, 0]
+
+
+def test_exact_match_number_on_the_bundled_data_format():
+    row = json.loads((ROOT / "assets/data/arithmetic/eval.jsonl").read_text().splitlines()[0])
+    good = f"Let me add them. The answer is {row['answer']}."
+    assert rewards.exact_match_number([good], [row["prompt"]], {"answer": [row["answer"]]}) == [1.0]
+
+
+def test_format_reward_default_and_custom():
+    completions = ["Adding: The answer is 81.", "81", "The answer is 81. Then more text"]
+    assert call("format", completions) == [1.0, 0.0, 0.0]
+    assert call("format", completions, pattern=r"^\d+$", full_match=True) == [0.0, 1.0, 0.0]
+
+
+def test_length_penalty_in_chars():
+    out = call("length_penalty", ["x" * 5, "x" * 10, "x" * 30],
+               target_length=10, penalty_per_unit=0.1, max_penalty=1.5)
+    assert out[:2] == [0.0, 0.0] and out[2] == pytest.approx(-1.5)
+    assert call("length_penalty", ["x" * 13], target_length=10, penalty_per_unit=0.1) \
+        == [pytest.approx(-0.3)]
+
+
+def test_length_penalty_in_tokens():
+    tok_dir = str(ROOT / "assets/tokenizer")
+    from posttrain.data.tokenizer import ChatTokenizer, TokenizerConfig
+    text = "The answer is 81. " * 20
+    n_tokens = len(ChatTokenizer(TokenizerConfig(path=tok_dir)).encode_text(text))
+    assert n_tokens != len(text)
+    out = call("length_penalty", [text], target_length=10, penalty_per_unit=1.0, unit="tokens",
+               tokenizer=tok_dir)
+    assert out == [-(n_tokens - 10)]
+
+
+def test_reward_model_wraps_load_reward_model(tmp_path, monkeypatch):
+    from posttrain.train import reward as reward_lib
+    loaded = []
+
+    def fake_load(model_dir, *, device="cpu"):
+        loaded.append((model_dir, device))
+        return lambda prompt, completion: float(len(completion)) + len(prompt)
+
+    monkeypatch.setattr(reward_lib, "load_reward_model", fake_load)
+    rewards._reward_model.cache_clear()
+    (tmp_path / "reward_head.json").write_text("{}")
+    spec = RewardSpec("reward_model", params={"dir": str(tmp_path)})
+    reward = combine([spec])
+    assert reward(["ab", "abcd"], P * 2).components["reward_model"] == [3.0, 5.0]
+    reward(["a"], P)
+    assert loaded == [(str(tmp_path), "cpu")]  # loaded once
+    rewards._reward_model.cache_clear()
+    with pytest.raises(ConfigError, match="reward_head.json"):
+        RewardSpec("reward_model", params={"dir": str(tmp_path / "missing")})
+
+
+def test_python_exec_runs_the_code_in_the_sandbox():
+    completions = [
+        "Here it is:\n```python\nprint(sum(range(5)))\n```",
+        "```\nprint(11)\n```",
+        "```python\nwhile True:\n    pass\n```",
+        "```python\nimport socket\nsocket.create_connection(('1.1.1.1', 80))\nprint(10)\n```",
+        "no code, just 10",
+    ]
+    out = call("python_exec", completions, {"expected_stdout": ["10", "12", "10", "10", "10"]},
+               timeout_s=1.0, max_workers=2)
+    assert out == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_extract_code_takes_the_last_block():
+    assert extract_code("```py\na = 1\n```\ntext\n```python\nb = 2\n```") == "b = 2\n"
+    assert extract_code("no block") is None
+
+
+def test_weights_combine_and_metrics():
+    specs = [RewardSpec("exact_match_number", weight=1.0), RewardSpec("format", weight=0.5)]
+    out = combine(specs)(["The answer is 81.", "81", "The answer is 7."], P * 3,
+                         {"answer": ["81", "81", "81"]})
+    assert out.components == {"exact_match_number": [1, 1, 0], "format": [1, 0, 1]}
+    assert out.total == [1.5, 1.0, 0.5]
+    m = out.metrics()
+    assert m["reward/total/mean"] == pytest.approx(1.0)
+    assert m["reward/format/mean"] == pytest.approx(2 / 3)
+    assert m["reward/format/std"] == pytest.approx(math.sqrt(2 / 9))
+    assert m["reward/exact_match_number/failures"] == 0.0
+
+
+def test_config_from_yaml(tmp_path):
+    path = tmp_path / "rewards.yaml"
+    path.write_text("functions:\n"
+                    "  - {name: exact_match_number}\n"
+                    "  - {name: length_penalty, weight: 0.5, params: {target_length: 100}}\n")
+    cfg = build(RewardConfig, load_yaml(path), "rewards")
+    assert [(s.name, s.weight) for s in cfg.functions] == [("exact_match_number", 1.0),
+                                                           ("length_penalty", 0.5)]
+    out = combine(cfg.functions)(["The answer is 3." + "x" * 200], P, {"answer": ["3"]})
+    assert out.total == [pytest.approx(1.0 - 0.5 * 1e-3 * 116)]
+
+
+def test_unknown_name_lists_the_registered_ones():
+    with pytest.raises(ConfigError, match="unknown reward function 'exact_mach'.*exact_match_number"
+                       ".*format.*length_penalty.*python_exec.*reward_model"):
+        build(RewardConfig, {"functions": [{"name": "exact_mach"}]}, "rewards")
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"name": "format", "params": {"patern": "x"}}, r"unknown params \['patern'\]"),
+    ({"name": "length_penalty"}, r"required params \['target_length'\]"),
+    ({"name": "format", "params": {"pattern": "("}}, "not a valid regex"),
+    ({"name": "length_penalty", "params": {"target_length": 5, "unit": "tokens"}},
+     "needs params.tokenizer"),
+])
+def test_bad_params_fail_at_config_time(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        build(RewardConfig, {"functions": [spec]}, "rewards")
+
+
+def test_duplicate_or_empty_config_is_an_error():
+    with pytest.raises(ConfigError, match="more than once"):
+        RewardConfig((RewardSpec("format"), RewardSpec("format")))
+    with pytest.raises(ConfigError, match="at least one"):
+        RewardConfig(())
+
+
+def test_a_raising_reward_scores_zero_and_is_reported(temp_reward, caplog):
+    def flaky(completions, prompts, columns):
+        if any("bad" in c for c in completions):
+            raise RuntimeError("cannot score 'bad'")
+        return [1.0] * len(completions)
+
+    def broken(completions, prompts, columns):
+        raise KeyError("always")
+
+    temp_reward("test_flaky", flaky)
+    temp_reward("test_broken", broken)
+    reward = combine([RewardSpec("test_flaky", weight=2.0), RewardSpec("test_broken"),
+                      RewardSpec("format")])
+    out = reward(["The answer is 1.", "bad", "The answer is 2."], P * 3)
+    assert out.components["test_flaky"] == [1.0, 0.0, 1.0]  # only the failing sample zeroed
+    assert out.components["test_broken"] == [0.0, 0.0, 0.0]
+    assert out.components["format"] == [1.0, 0.0, 1.0]  # others still counted
+    assert out.total == [3.0, 0.0, 3.0]
+    assert out.failures["test_flaky"].count == 1
+    assert "RuntimeError: cannot score 'bad'" in out.failures["test_flaky"].first_error
+    assert out.failures["test_broken"].count == 3
+    assert out.failures["format"].count == 0 and out.failures["format"].first_error is None
+    assert out.metrics()["reward/test_broken/failures"] == 3.0
+    assert "test_broken" in caplog.text
+
+
+def test_wrong_length_or_nan_counts_as_a_failure(temp_reward):
+    temp_reward("test_short", lambda completions, prompts, columns: [1.0])
+    temp_reward("test_nan", lambda completions, prompts, columns: [math.nan] * len(completions))
+    out = combine([RewardSpec("test_short"), RewardSpec("test_nan")])(["a", "b"], P * 2)
+    assert out.total == [1.0, 1.0]  # test_short works one sample at a time
+    assert out.failures["test_short"].count == 0
+    assert out.failures["test_nan"].count == 2
+    assert "non-finite" in out.failures["test_nan"].first_error
+
+
+def test_missing_column_is_reported_not_raised():
+    out = combine([RewardSpec("exact_match_number")])(["The answer is 1."], P, {"solution": ["1"]})
+    assert out.total == [0.0]
+    assert "no column 'answer'" in out.failures["exact_match_number"].first_error
+
+
+def test_mismatched_batch_is_a_caller_error():
+    with pytest.raises(ValueError, match="column 'answer' has 1 values for 2"):
+        combine([RewardSpec("format")])(["a", "b"], P * 2, {"answer": ["1"]})
+
+
+def test_register_twice_is_an_error():
+    with pytest.raises(ValueError, match="already registered"):
+        register("format")(lambda completions, prompts, columns: [])
