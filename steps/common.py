@@ -10,13 +10,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+from tqdm.auto import tqdm
 
 from posttrain.config.loader import to_dict
 from posttrain.config.recipes import OutputConfig, PrepareConfig
 from posttrain.train.engine import write_random_hf_model
+
+log = logging.getLogger("posttrain.driver")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,3 +129,35 @@ def launch_workers(run_cfg: Any, worker_cls: type, args: tuple) -> Iterator[Any]
             ray.shutdown()
 
 
+def step_loop(group: Any, *, name: str, start: int, max_steps: int, checkpoint_every: int,
+              writer: Any, show_progress: bool,
+              postfix: Callable[[dict], dict[str, str]]) -> list[dict]:
+    """The driver's loop: `train_step` on every rank, log, checkpoint every K steps.
+
+    Returns the metrics of the steps run here. Stops early (with a warning) when the workers
+    report that the data is exhausted. Without a progress bar (a Metaflow task log, CI) a plain
+    line is logged every max_steps/20 steps, so a person can follow the run.
+    """
+    if not show_progress and not logging.getLogger().handlers:
+        # called from a flow or a notebook: make the progress lines visible
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    history: list[dict] = []
+    log_every = max(1, max_steps // 20)
+    bar = tqdm(total=max_steps, initial=start, desc=name, unit="step", disable=not show_progress)
+    for step in range(start, max_steps):
+        metrics = group.call("train_step")[0]
+        if metrics is None:
+            log.warning("data exhausted after %d steps (train.max_steps=%d)", step, max_steps)
+            break
+        writer.write(metrics)
+        history.append(metrics)
+        shown = postfix(metrics)
+        bar.update()
+        bar.set_postfix(**shown)
+        if not show_progress and metrics["step"] % log_every == 0:
+            log.info("%s step %d/%d  %s", name, metrics["step"], max_steps,
+                     "  ".join(f"{k} {v}" for k, v in shown.items()))
+        if metrics["step"] % checkpoint_every == 0:
+            group.call("save_checkpoint")
+    bar.close()
+    return history

@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
 
 from posttrain.config.loader import to_dict
 from posttrain.config.recipes import load_recipe
@@ -37,7 +36,7 @@ from posttrain.train.distill import DistillConfig, DistillWorker, check_teacher
 from posttrain.train.engine import write_random_hf_model
 from posttrain.train.metrics import MetricsWriter
 from steps.common import (base_model_dir, drop_metrics_after, ensure_prepared, launch_workers,
-                          overrides_from)
+                          overrides_from, step_loop)
 
 log = logging.getLogger("posttrain.train_distill")
 
@@ -63,7 +62,6 @@ def run(config: DistillConfig | str | Path, *, overrides: dict | None = None,
         teacher_topk.run(teacher_dir, prepared_dir, k=cfg.teacher.topk)
     writer = MetricsWriter(run_dir / "metrics.jsonl",
                            tensorboard_dir=cfg.run.tensorboard_dir)
-    history: list[dict] = []
     args = (to_dict(cfg), student_dir, teacher_dir, prepared_dir, checkpoint_dir or str(run_dir))
     with launch_workers(cfg.run, DistillWorker, args) as group:
         info = group.call("describe")[0]
@@ -72,22 +70,9 @@ def run(config: DistillConfig | str | Path, *, overrides: dict | None = None,
         log.info("distilling into %s student params (teacher %s, %s) on %d worker(s), from "
                  "step %d", f"{info['params']:,}", f"{info.get('teacher_params', 0):,}",
                  cfg.teacher.signal, info["world_size"], start)
-        bar = tqdm(total=cfg.train.max_steps, initial=start, desc="distill", unit="step",
-                   disable=not show_progress)
-        for step in range(start, cfg.train.max_steps):
-            metrics = group.call("train_step")[0]
-            if metrics is None:
-                log.warning("data exhausted after %d steps (train.max_steps=%d)", step,
-                            cfg.train.max_steps)
-                break
-            writer.write(metrics)
-            history.append(metrics)
-            bar.update()
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}",
-                            tok_s=f"{metrics['real_tokens_per_s']:.0f}")
-            if metrics["step"] % cfg.train.checkpoint_every_steps == 0:
-                group.call("save_checkpoint")
-        bar.close()
+        history = step_loop(group, name="distill", start=start, max_steps=cfg.train.max_steps,
+                             checkpoint_every=cfg.train.checkpoint_every_steps, writer=writer,
+                             show_progress=show_progress, postfix=_postfix)
         evaluation = group.call("evaluate")[0]
         writer.write({"step": start + len(history), **evaluation})
         export_dir = str(run_dir / "hf")
@@ -118,6 +103,9 @@ def teacher_model_dir(cfg: DistillConfig, prepared_dir: str, run_dir: Path) -> s
 
 
 
+
+def _postfix(m: dict) -> dict[str, str]:
+    return {"loss": f"{m['loss']:.3f}", "tok/s": f"{m['real_tokens_per_s']:.0f}"}
 
 def main(args: argparse.Namespace) -> int:
     t0 = time.time()

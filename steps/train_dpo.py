@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
 
 from posttrain.config.loader import to_dict
 from posttrain.config.recipes import load_recipe
@@ -32,7 +31,7 @@ from posttrain.data.prepared import local_view
 from posttrain.train.dpo import DPOConfig, DPOWorker
 from posttrain.train.metrics import MetricsWriter
 from steps.common import (base_model_dir, drop_metrics_after, ensure_prepared, launch_workers,
-                          overrides_from)
+                          overrides_from, step_loop)
 
 log = logging.getLogger("posttrain.train_dpo")
 
@@ -56,7 +55,6 @@ def run(config: DPOConfig | str | Path, *, overrides: dict | None = None,
     state_dir = checkpoint_dir or str(run_dir)
     writer = MetricsWriter(run_dir / "metrics.jsonl",
                            tensorboard_dir=cfg.run.tensorboard_dir)
-    history: list[dict] = []
     args = (to_dict(cfg), hf_dir, prepared_dir, state_dir)
     with launch_workers(cfg.run, worker_cls, args) as group:
         info = group.call("describe")[0]
@@ -66,22 +64,9 @@ def run(config: DPOConfig | str | Path, *, overrides: dict | None = None,
         log.info("%s: %s params (%s trainable) on %d worker(s), from step %d", name,
                  f"{info['params']:,}", f"{info['trainable_params']:,}", info["world_size"],
                  start)
-        bar = tqdm(total=cfg.train.max_steps, initial=start, desc=name, unit="step",
-                   disable=not show_progress)
-        for step in range(start, cfg.train.max_steps):
-            metrics = group.call("train_step")[0]
-            if metrics is None:
-                log.warning("data exhausted after %d steps (train.max_steps=%d)", step,
-                            cfg.train.max_steps)
-                break
-            writer.write(metrics)
-            history.append(metrics)
-            bar.update()
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.2f}",
-                            pairs_s=f"{metrics['pairs_per_s']:.0f}")
-            if metrics["step"] % cfg.train.checkpoint_every_steps == 0:
-                group.call("save_checkpoint")
-        bar.close()
+        history = step_loop(group, name=name, start=start, max_steps=cfg.train.max_steps,
+                             checkpoint_every=cfg.train.checkpoint_every_steps, writer=writer,
+                             show_progress=show_progress, postfix=_postfix)
         evaluation = group.call("evaluate")[0]
         writer.write({"step": start + len(history), **evaluation})
         export_dir = str(run_dir / "hf")
@@ -120,6 +105,10 @@ def summarize(result: dict, seconds: float) -> str:
               f"metrics: {result['metrics_path']}"]
     return "\n".join(lines)
 
+
+def _postfix(m: dict) -> dict[str, str]:
+    return {"loss": f"{m['loss']:.3f}", "acc": f"{m['accuracy']:.2f}",
+            "pairs/s": f"{m['pairs_per_s']:.0f}"}
 
 def main(args: argparse.Namespace) -> int:
     t0 = time.time()

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
 
 from posttrain.config.loader import to_dict
 from posttrain.config.recipes import load_recipe
@@ -37,7 +36,7 @@ from posttrain.data.prepared import local_view
 from posttrain.train.metrics import MetricsWriter
 from posttrain.train.sft import SFTConfig, SFTWorker
 from steps.common import (base_model_dir, drop_metrics_after, ensure_prepared, launch_workers,
-                          overrides_from)
+                          overrides_from, step_loop)
 
 log = logging.getLogger("posttrain.train_sft")
 
@@ -52,15 +51,12 @@ def run(config: SFTConfig | str | Path, *, overrides: dict | None = None,
     orchestrator task that passes the same value continues from the last checkpoint.
     """
     cfg = config if isinstance(config, SFTConfig) else load_recipe(config, SFTConfig, overrides)
-    if not logging.getLogger().handlers:    # called from a flow or a notebook: show progress
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     prepared_dir = prepared_dir or ensure_prepared(cfg, str(run_dir / "prepared"), show_progress)
     hf_dir = base_model_dir(cfg, local_view(prepared_dir), run_dir)
     writer = MetricsWriter(run_dir / "metrics.jsonl",
                            tensorboard_dir=cfg.run.tensorboard_dir)
-    history: list[dict] = []
     args = (to_dict(cfg), hf_dir, prepared_dir, checkpoint_dir or str(run_dir))
     with launch_workers(cfg.run, SFTWorker, args) as group:
         info = group.call("describe")[0]
@@ -69,29 +65,9 @@ def run(config: SFTConfig | str | Path, *, overrides: dict | None = None,
         log.info("training %s params (%s trainable) on %d worker(s), from step %d",
                  f"{info['params']:,}", f"{info['trainable_params']:,}", info["world_size"],
                  start)
-        log_every = max(1, cfg.train.max_steps // 20)
-        bar = tqdm(total=cfg.train.max_steps, initial=start, desc="sft", unit="step",
-                   disable=not show_progress)
-        for step in range(start, cfg.train.max_steps):
-            metrics = group.call("train_step")[0]
-            if metrics is None:
-                log.warning("data exhausted after %d steps (train.max_steps=%d)", step,
-                            cfg.train.max_steps)
-                break
-            writer.write(metrics)
-            history.append(metrics)
-            bar.update()
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['real_tokens_per_s']:.0f}",
-                            mfu=f"{metrics['mfu']:.1%}")
-            if not show_progress and metrics["step"] % log_every == 0:
-                # no bar (a Metaflow task log, CI): a plain line a person can follow
-                log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f real tok/s  "
-                         "MFU %.1f%%", metrics["step"], cfg.train.max_steps, metrics["loss"],
-                         metrics["grad_norm"], metrics["lr"], metrics["real_tokens_per_s"],
-                         100 * metrics["mfu"])
-            if metrics["step"] % cfg.train.checkpoint_every_steps == 0:
-                group.call("save_checkpoint")
-        bar.close()
+        history = step_loop(group, name="sft", start=start, max_steps=cfg.train.max_steps,
+                             checkpoint_every=cfg.train.checkpoint_every_steps, writer=writer,
+                             show_progress=show_progress, postfix=_postfix)
         evaluation = group.call("evaluate")[0]
         writer.write({"step": start + len(history), **evaluation})
         export_dir = str(run_dir / "hf")
@@ -109,6 +85,10 @@ def run(config: SFTConfig | str | Path, *, overrides: dict | None = None,
     (run_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
     return result
 
+
+def _postfix(m: dict) -> dict[str, str]:
+    return {"loss": f"{m['loss']:.3f}", "tok/s": f"{m['real_tokens_per_s']:.0f}",
+            "mfu": f"{m['mfu']:.1%}", "lr": f"{m['lr']:.2e}"}
 
 def main(args: argparse.Namespace) -> int:
     t0 = time.time()
