@@ -11,7 +11,7 @@ ifeq ($(filter-out root,$(USER)),)
 export METAFLOW_USER ?= posttrain
 endif
 
-.PHONY: run test setup assets bench clean
+.PHONY: run test setup assets bench cards clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ $(STAMP): requirements.txt pyproject.toml
 run: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" python flows/sft_flow.py run
 	@PATH="$(CURDIR)/$(BIN):$$PATH" python tools/show_run.py SFTFlow
+
+# Serve the cards of the newest SFT run (loss, tokens/s, MFU; eval table) on localhost:8324
+cards: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" python flows/sft_flow.py card server
 
 test: setup
 	$(BIN)/python -m pytest -q tests

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -30,10 +31,11 @@ def main(argv: list[str]) -> int:
     print(f"eval table ({end.eval_uri}):")
     for row in end.eval_table:
         print(f"  {row['metric']:<24}{row['value']}")
+    python = os.path.relpath(sys.executable)
     print("cards (loss, tokens/s, MFU; eval table and samples):")
-    print(f"  python {flow_file} card server          # then open http://localhost:8324")
+    print("  make cards                              # then open http://localhost:8324")
     for step in ("train", "evaluate"):
-        print(f"  python {flow_file} card get {run.id}/{step} {step}-card.html")
+        print(f"  {python} {flow_file} card get {run.id}/{step} {step}-card.html")
     return 0
 
 
