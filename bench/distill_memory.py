@@ -22,24 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import subprocess
-import sys
-import time
 from functools import partial
 
 import torch
+from _memory import Measured, run_child
 from torch.utils.checkpoint import checkpoint
 
 from posttrain.losses.distill import distill_loss, naive_distill_loss
 
 VARIANTS = ("chunked", "checkpoint", "naive")
 
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def checkpointed_distill_loss(h_s, w_s, h_t, w_t, labels, *, kind, real_vocab_size,
@@ -69,29 +61,17 @@ def run_variant(variant: str, tokens: int, hidden: int, vocab: int, chunk_tokens
     w_t = torch.empty(padded, hidden, device=device).normal_(0.0, 0.03, generator=g)
     labels = torch.randint(0, vocab, (tokens,), generator=g, device=device)
     labels[: tokens // 8] = -100  # a prompt that carries no loss
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = _rss_bytes()
-    start = time.perf_counter()
-    if variant == "chunked":
-        loss, _ = distill_loss(h_s, w_s, h_t, w_t, labels, kind=kind, real_vocab_size=vocab,
-                               chunk_tokens=chunk_tokens)
-    elif variant == "checkpoint":
-        loss = checkpointed_distill_loss(h_s, w_s, h_t, w_t, labels, kind=kind,
-                                         real_vocab_size=vocab, chunk_tokens=chunk_tokens)
-    else:
-        loss = naive_distill_loss(h_s, w_s, h_t, w_t, labels, kind=kind, real_vocab_size=vocab)
-    loss.backward()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    seconds = time.perf_counter() - start
-    return {"peak_extra_bytes": peak - base, "seconds": seconds, "loss": loss.item()}
+    with Measured(device) as m:
+        if variant == "chunked":
+            loss, _ = distill_loss(h_s, w_s, h_t, w_t, labels, kind=kind, real_vocab_size=vocab,
+                                   chunk_tokens=chunk_tokens)
+        elif variant == "checkpoint":
+            loss = checkpointed_distill_loss(h_s, w_s, h_t, w_t, labels, kind=kind,
+                                             real_vocab_size=vocab, chunk_tokens=chunk_tokens)
+        else:
+            loss = naive_distill_loss(h_s, w_s, h_t, w_t, labels, kind=kind, real_vocab_size=vocab)
+        loss.backward()
+    return {"peak_extra_bytes": m.peak_extra_bytes, "seconds": m.seconds, "loss": loss.item()}
 
 
 def main() -> None:
@@ -110,12 +90,10 @@ def main() -> None:
         return
     results = {}
     for variant in VARIANTS:
-        cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant,
-               "--tokens", str(args.tokens), "--hidden", str(args.hidden),
-               "--vocab", str(args.vocab), "--chunk-tokens", str(args.chunk_tokens),
-               "--kind", args.kind, "--device", args.device]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        results[variant] = json.loads(out.strip().splitlines()[-1])
+        results[variant] = run_child(__file__, variant, [
+            "--tokens", str(args.tokens), "--hidden", str(args.hidden),
+            "--vocab", str(args.vocab), "--chunk-tokens", str(args.chunk_tokens),
+            "--kind", args.kind, "--device", args.device])
     chunked, ckpt, naive = (results[v] for v in VARIANTS)
     mib = 2 ** 20
     print(json.dumps({

@@ -13,20 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import subprocess
-import sys
-import time
 
 import torch
+from _memory import Measured, run_child
 
 from posttrain.ops.cross_entropy import chunked_cross_entropy, naive_cross_entropy
 
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def run_variant(variant: str, tokens: int, hidden: int, vocab: int, chunk_tokens: int,
@@ -40,26 +32,14 @@ def run_variant(variant: str, tokens: int, hidden: int, vocab: int, chunk_tokens
     weight_VH.normal_(0.0, 0.02, generator=g).requires_grad_()
     labels_N = torch.randint(0, vocab, (tokens,), generator=g, device=device)
     labels_N[: tokens // 8] = -100  # a prompt that carries no loss
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = _rss_bytes()
-    start = time.perf_counter()
-    if variant == "chunked":
-        loss = chunked_cross_entropy(hidden_NH, weight_VH, labels_N, real_vocab_size=vocab,
-                                     chunk_tokens=chunk_tokens)
-    else:
-        loss = naive_cross_entropy(hidden_NH, weight_VH, labels_N, real_vocab_size=vocab)
-    loss.backward()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    seconds = time.perf_counter() - start
-    return {"peak_extra_bytes": peak - base, "seconds": seconds, "loss": loss.item()}
+    with Measured(device) as m:
+        if variant == "chunked":
+            loss = chunked_cross_entropy(hidden_NH, weight_VH, labels_N, real_vocab_size=vocab,
+                                         chunk_tokens=chunk_tokens)
+        else:
+            loss = naive_cross_entropy(hidden_NH, weight_VH, labels_N, real_vocab_size=vocab)
+        loss.backward()
+    return {"peak_extra_bytes": m.peak_extra_bytes, "seconds": m.seconds, "loss": loss.item()}
 
 
 def main() -> None:
@@ -77,12 +57,10 @@ def main() -> None:
         return
     results = {}
     for variant in ("chunked", "naive"):
-        cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant,
-               "--tokens", str(args.tokens), "--hidden", str(args.hidden),
-               "--vocab", str(args.vocab), "--chunk-tokens", str(args.chunk_tokens),
-               "--device", args.device]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        results[variant] = json.loads(out.strip().splitlines()[-1])
+        results[variant] = run_child(__file__, variant, [
+            "--tokens", str(args.tokens), "--hidden", str(args.hidden),
+            "--vocab", str(args.vocab), "--chunk-tokens", str(args.chunk_tokens),
+            "--device", args.device])
     chunked, naive = results["chunked"], results["naive"]
     mib = 2 ** 20
     print(json.dumps({

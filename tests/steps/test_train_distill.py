@@ -14,13 +14,8 @@ a checkpoint after every step), this shows:
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +23,13 @@ import yaml
 
 from posttrain.errors import ConfigError
 from steps import evaluate_distill, train_distill, train_sft
+
+from functools import partial
+
+from .conftest import run_and_kill, run_to_end, safetensors as _safetensors
+
+_run_to_end = partial(run_to_end, "steps.train_distill")
+_run_and_kill = partial(run_and_kill, "steps.train_distill")
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_ROWS, EVAL_ROWS = 160, 24
@@ -70,48 +72,12 @@ class Tiny:
         return {r["step"]: r for r in rows if "loss" in r}
 
 
-def _cli(config: Path, run_dir: Path) -> subprocess.Popen:
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(run_dir.with_suffix(".log"), "ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "steps.train_distill", "--config", str(config), "--run-dir",
-             str(run_dir), "--launcher", "inline", "--no-progress"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _run_to_end(config: Path, run_dir: Path) -> None:
-    proc = _cli(config, run_dir)
-    try:
-        assert proc.wait(timeout=300) == 0, run_dir.with_suffix(".log").read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
-def _run_and_kill(config: Path, run_dir: Path, step: int) -> None:
-    """Start the CLI, SIGKILL it as soon as checkpoint `step` is committed."""
-    proc = _cli(config, run_dir)
-    manifest = run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json"
-    deadline = time.monotonic() + 300
-    try:
-        while not manifest.is_file():
-            assert proc.poll() is None, run_dir.with_suffix(".log").read_text()[-3000:]
-            assert time.monotonic() < deadline, f"no checkpoint {step} after 300 s"
-            time.sleep(0.005)
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    for d in (run_dir / "checkpoints").glob("step-????????"):
-        if int(d.name[5:]) > step:          # committed before the signal landed
-            shutil.rmtree(d)
 
 
-def _safetensors(hf_dir: Path) -> dict[str, bytes]:
-    files = {p.name: p.read_bytes() for p in sorted(hf_dir.glob("*.safetensors"))}
-    assert files, f"no safetensors in {hf_dir}"
-    return files
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +27,13 @@ import yaml
 from posttrain.config.loader import build
 from posttrain.errors import ConfigError
 from posttrain.train.dpo import DPOConfig
+
+from functools import partial
+
+from .conftest import run_and_kill, run_to_end
+
+_run_to_end = partial(run_to_end, "steps.train_dpo")
+_run_and_kill = partial(run_and_kill, "steps.train_dpo")
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_PAIRS, EVAL_PAIRS = 200, 40
@@ -60,25 +64,10 @@ CONFIG = {
 }
 
 
-def _cli(config: Path, run_dir: Path) -> subprocess.Popen:
-    with open(run_dir.with_suffix(".log"), "ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "steps.train_dpo", "--config", str(config), "--run-dir",
-             str(run_dir), "--launcher", "inline", "--no-progress"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _log_tail(run_dir: Path) -> str:
-    return run_dir.with_suffix(".log").read_text()[-3000:]
 
 
-def _run_to_end(config: Path, run_dir: Path) -> None:
-    proc = _cli(config, run_dir)
-    try:
-        assert proc.wait(timeout=300) == 0, _log_tail(run_dir)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def _metrics(run_dir: Path) -> dict[int, dict]:
@@ -133,22 +122,7 @@ def test_first_step_is_log_2_and_accuracy_rises(tiny):
 def test_sigkill_and_resume_give_identical_weights(tiny):
     tmp, config, ref_dir = tiny
     run_dir = tmp / "killed"
-    proc = _cli(config, run_dir)
-    manifest = run_dir / "checkpoints" / f"step-{KILL_STEP:08d}" / "manifest.json"
-    deadline = time.monotonic() + 300
-    try:
-        while not manifest.is_file():
-            assert proc.poll() is None, _log_tail(run_dir)
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    for d in (run_dir / "checkpoints").glob("step-????????"):
-        if int(d.name[5:]) > KILL_STEP:
-            shutil.rmtree(d)
+    _run_and_kill(config, run_dir, KILL_STEP)
     ref_table = (run_dir / "reference" / "ref_logps_train.parquet").read_bytes()
     _run_to_end(config, run_dir)
     result = json.loads((run_dir / "result.json").read_text())

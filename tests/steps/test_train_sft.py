@@ -16,13 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +29,13 @@ from posttrain.config.recipes import load_recipe
 from posttrain.errors import ConfigError
 from posttrain.train.sft import SFTConfig
 from steps import train_sft
+
+from functools import partial
+
+from .conftest import run_and_kill, run_to_end, safetensors as _safetensors
+
+_run_to_end = partial(run_to_end, "steps.train_sft")
+_run_and_kill = partial(run_and_kill, "steps.train_sft")
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_ROWS, EVAL_ROWS = 160, 24
@@ -85,53 +87,14 @@ def _epoch(run_dir: Path, step: int) -> int:
     return int(meta["extra"]["loader"]["rows"]["upstream"]["upstream"]["epoch"])
 
 
-def _cli(config: Path, run_dir: Path) -> subprocess.Popen:
-    with open(run_dir.with_suffix(".log"), "ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "steps.train_sft", "--config", str(config), "--run-dir",
-             str(run_dir), "--launcher", "inline", "--no-progress"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _log_tail(run_dir: Path) -> str:
-    return run_dir.with_suffix(".log").read_text()[-3000:]
 
 
-def _run_to_end(config: Path, run_dir: Path) -> None:
-    proc = _cli(config, run_dir)
-    try:
-        assert proc.wait(timeout=300) == 0, _log_tail(run_dir)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
-def _run_and_kill(config: Path, run_dir: Path, step: int) -> None:
-    """Start the CLI, SIGKILL it as soon as checkpoint `step` is committed."""
-    proc = _cli(config, run_dir)
-    manifest = run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json"
-    deadline = time.monotonic() + 300
-    try:
-        while not manifest.is_file():
-            assert proc.poll() is None, f"ended before step {step}:\n{_log_tail(run_dir)}"
-            assert time.monotonic() < deadline, f"no checkpoint {step} after 300 s"
-            time.sleep(0.005)
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    # A later checkpoint committed before the signal landed is removed: what is left on disk is
-    # then exactly what a kill right after `step` leaves (a later, uncommitted attempt stays).
-    for d in (run_dir / "checkpoints").glob("step-????????"):
-        if int(d.name[5:]) > step:
-            shutil.rmtree(d)
 
 
-def _safetensors(hf_dir: Path) -> dict[str, bytes]:
-    files = {p.name: p.read_bytes() for p in sorted(hf_dir.glob("*.safetensors"))}
-    assert files, f"no safetensors in {hf_dir}"
-    return files
 
 
 @pytest.fixture(scope="module")

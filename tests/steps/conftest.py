@@ -1,0 +1,68 @@
+"""Helpers the recipe tests share: run a training step's CLI as a user would, kill it, compare.
+
+`run_to_end` and `run_and_kill` start `python -m <module> --config ... --launcher inline` in a
+subprocess, logging to `<run_dir>.log`, so that SIGKILL hits a real process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 300
+
+
+def cli(module: str, config: Path, run_dir: Path) -> subprocess.Popen:
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(run_dir.with_suffix(".log"), "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", module, "--config", str(config), "--run-dir", str(run_dir),
+             "--launcher", "inline", "--no-progress"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def log_tail(run_dir: Path) -> str:
+    return run_dir.with_suffix(".log").read_text()[-3000:]
+
+
+def run_to_end(module: str, config: Path, run_dir: Path) -> None:
+    proc = cli(module, config, run_dir)
+    try:
+        assert proc.wait(timeout=TIMEOUT_S) == 0, log_tail(run_dir)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def run_and_kill(module: str, config: Path, run_dir: Path, step: int) -> None:
+    """Start the CLI, SIGKILL it as soon as checkpoint `step` is committed."""
+    proc = cli(module, config, run_dir)
+    manifest = run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json"
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not manifest.is_file():
+            assert proc.poll() is None, f"ended before step {step}:\n{log_tail(run_dir)}"
+            assert time.monotonic() < deadline, f"no checkpoint {step} after {TIMEOUT_S} s"
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # A later checkpoint committed before the signal landed is removed: what is left on disk is
+    # then exactly what a kill right after `step` leaves (a later, uncommitted attempt stays).
+    for d in (run_dir / "checkpoints").glob("step-????????"):
+        if int(d.name[5:]) > step:
+            shutil.rmtree(d)
+
+
+def safetensors(hf_dir: Path) -> dict[str, bytes]:
+    files = {p.name: p.read_bytes() for p in sorted(hf_dir.glob("*.safetensors"))}
+    assert files, f"no safetensors in {hf_dir}"
+    return files
