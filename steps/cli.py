@@ -5,6 +5,7 @@
     posttrain train-distill --config configs/distill/tiny.yaml
     posttrain train-dpo --config configs/dpo/tiny.yaml
     posttrain train-reward --config configs/reward/tiny.yaml
+    posttrain train-grpo --config configs/grpo/tiny.yaml
     posttrain verify-model --hf-dir path/to/model
 
 User mistakes (bad config, bad data, missing files) print one clear line and exit 2; a stack
@@ -46,6 +47,11 @@ def _train_reward(args: argparse.Namespace) -> int:
     return train_reward.main(args)
 
 
+def _train_grpo(args: argparse.Namespace) -> int:
+    from steps import train_grpo
+    return train_grpo.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from steps import prepare
     from steps.common import add_arguments
@@ -61,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(d)
     d.set_defaults(func=_train_distill)
     for name, func, text in (("train-dpo", _train_dpo, "direct preference optimization"),
-                             ("train-reward", _train_reward, "a Bradley-Terry reward model")):
+                             ("train-reward", _train_reward, "a Bradley-Terry reward model"),
+                             ("train-grpo", _train_grpo, "on-policy RL (GRPO) with rollouts")):
         r = sub.add_parser(name, help=f"{text} on Ray trainer workers")
         add_arguments(r)
         r.set_defaults(func=func)

@@ -200,6 +200,39 @@ def arithmetic_split(rng: random.Random, n_train: int, n_eval: int) -> tuple[lis
     return problems[:n_train], problems[n_train:]
 
 
+def worked_answer(expr: str, value: int) -> str:
+    """A digit-by-digit worked solution ending "The answer is N.".
+
+    Each step is a one-digit fact (a small table seen in every few examples), so a tiny model
+    can learn the procedure and carry it to problems it never saw, which a bare "a + b = c"
+    (a lookup in a 100 x 100 table of number tokens) does not allow. Products of the small
+    factors used here stay a single fact.
+    """
+    a_text, op, b_text = expr.split()
+    a, b = int(a_text), int(b_text)
+    if op == "*":
+        return f"{expr} = {value}. The answer is {value}."
+    if op == "+":
+        ones = a % 10 + b % 10
+        carry = ones // 10
+        tens = a // 10 + b // 10 + carry
+        work = f"{a % 10} + {b % 10} = {ones}, {a // 10} + {b // 10} + {carry} = {tens}"
+        return f"{expr}: {work}, so {value}. The answer is {value}."
+    big, small = (a, b) if a >= b else (b, a)
+    borrow = int(big % 10 < small % 10)
+    top = big % 10 + 10 * borrow
+    ones = f"{top} - {small % 10} = {top - small % 10}"
+    tens = (f"{big // 10} - {small // 10} - {borrow} = "
+            f"{big // 10 - small // 10 - borrow}")
+    head = expr if a >= b else f"{expr} = -({big} - {small})"
+    return f"{head}: {ones}, {tens}, so {value}. The answer is {value}."
+
+
+def worked_row(expr: str, value: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"What is {expr}?"},
+                         {"role": "assistant", "content": worked_answer(expr, value)}]}
+
+
 def rl_row(expr: str, value: int) -> dict:
     return {"prompt": [{"role": "user", "content": f"What is {expr}?"}], "answer": str(value)}
 
@@ -235,6 +268,10 @@ def make_datasets(data_dir: Path) -> list[str]:
         write_jsonl(data_dir / name / "eval.jsonl", ev)
         corpus += [_render(_messages(row)) for row in tr]
     corpus.append(" ".join(str(n) for n in range(-200, 2001)))
+    # Added after the tokenizer's corpus was fixed: written, but not part of the corpus, so the
+    # bundled tokenizer (and every other asset) stays as it was.
+    write_jsonl(data_dir / "arithmetic_worked" / "train.jsonl", [worked_row(*p) for p in train])
+    write_jsonl(data_dir / "arithmetic_worked" / "eval.jsonl", [worked_row(*p) for p in evals])
     return corpus
 
 

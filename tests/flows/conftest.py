@@ -46,8 +46,8 @@ class FlowSandbox:
     env: dict[str, str]
     ray_tmpdir: str
 
-    def config(self, base: Path = TINY_SFT, **overrides: Any) -> Path:
-        """Write `base` with dotted-key overrides as this sandbox's config file."""
+    def config(self, base: Path = TINY_SFT, name: str = "config.yaml", **overrides: Any) -> Path:
+        """Write `base` with dotted-key overrides as this sandbox's config file `name`."""
         data = yaml.safe_load(base.read_text())
         data.setdefault("run", {})["dir"] = str(self.root / "runs")
         for dotted, value in overrides.items():
@@ -56,7 +56,7 @@ class FlowSandbox:
             for key in parents:
                 node = node.setdefault(key, {})
             node[last] = value
-        path = self.root / "config.yaml"
+        path = self.root / name
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         return path
 

@@ -17,7 +17,7 @@ import json
 import shutil
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -217,6 +217,32 @@ def _slice_tensors(value: torch.Tensor, hf_names: list[str], dtype: torch.dtype,
 
     for i, hf_name in enumerate(hf_names):
         yield hf_name, (lambda i=i: thunk(i)), nbytes
+
+
+def hf_named_tensors(args: ModelArgs, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                     dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs for full tensors named as in the native model, laid out as
+    `save_hf` writes them: vocabulary padding rows cut, stacked parameters (MoE experts) split
+    into one tensor per slice, a tied model's `head.weight` dropped (HF ties it on load).
+
+    For handing weights to an engine that loads HF checkpoints (vLLM) without writing them to
+    disk. Tensors stay on their device; `dtype` casts them when given.
+    """
+    bridge = bridge_for_family(args.family)
+    for name, tensor in named_tensors:
+        if args.tie_word_embeddings and name == "head.weight":
+            continue
+        t = _full_tensor(tensor)
+        if name in VOCAB_PARAMS:
+            t = t[:args.vocab_size]
+        if dtype is not None:
+            t = t.to(dtype)
+        hf_names = bridge.hf_names(name, args)
+        if len(hf_names) > 1:
+            assert t.shape[0] == len(hf_names), (name, tuple(t.shape), len(hf_names))
+            yield from zip(hf_names, t.unbind(0))
+        else:
+            yield hf_names[0], t
 
 
 def _copy_tokenizer_files(tokenizer_dir: Path, out_dir: Path) -> None:

@@ -289,6 +289,31 @@ def exact_match_number(completions: list[str], prompts: list[list[dict]],
     return out
 
 
+def _validate_closeness(*, column: str = "answer", scale: float = 1.0) -> None:
+    del column
+    if not scale > 0:
+        raise ValueError(f"params.scale must be > 0, got {scale}")
+
+
+@register("numeric_closeness", validate=_validate_closeness)
+def numeric_closeness(completions: list[str], prompts: list[list[dict]],
+                      columns: dict[str, list[Any]], *, column: str = "answer",
+                      scale: float = 1.0) -> list[float]:
+    """Partial credit for a near miss: ``scale / (scale + |final number - answer|)`` (1.0 when
+    exact, 0.5 at a distance of `scale`), 0.0 without a number. A dense, shaped companion of
+    `exact_match_number` for numeric tasks: every sample of a group is ranked by how close it
+    came, not only the rare exact ones."""
+    del prompts
+    out = []
+    for completion, answer in zip(completions, _column(columns, column)):
+        expected = parse_number(str(answer))
+        if expected is None:
+            raise ValueError(f"column {column!r} value {answer!r} is not a number")
+        got = parse_number(completion)
+        out.append(0.0 if got is None else scale / (scale + float(abs(got - expected))))
+    return out
+
+
 DEFAULT_FORMAT = r"The answer is " + _NUMBER + r"\.?\s*$"
 
 

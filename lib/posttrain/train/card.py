@@ -86,3 +86,58 @@ def eval_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
                  {"metric": "held-out batches", "value": int(heldout["batches"])}]
     rows.append({"metric": "generated samples", "value": len(result.get("samples") or [])})
     return rows
+
+
+# (metrics key, axis title) of a GRPO run's curves over GRPO steps.
+GRPO_CURVES: tuple[tuple[str, str], ...] = (
+    ("reward/total/mean", "train reward (mean over rollouts)"),
+    ("eval/accuracy", "held-out accuracy (greedy)"),
+    ("kl", "KL to the reference (k3)"),
+    ("entropy", "policy entropy (response tokens)"),
+    ("response_length/mean", "response length (tokens)"),
+    ("rollout_tokens_per_s", "rollout tokens/s"),
+    ("sync/max_abs_logprob_diff", "weight sync check: max |engine - trainer| log-prob"),
+)
+GRPO_PHASES = ("time/generate_s", "time/score_s", "time/logprobs_s", "time/update_s",
+               "time/sync_s")
+
+
+def grpo_charts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Reward, held-out accuracy, KL, entropy, lengths, throughput, sync check, phase times."""
+    charts = []
+    for key, title in GRPO_CURVES:
+        with_key = [r for r in records if key in r]
+        if with_key:
+            charts.append(line_chart(with_key, key, title))
+    phases = [{"step": int(r["step"]), "phase": k.split("/")[1][:-2], "seconds": float(r[k])}
+              for r in records for k in GRPO_PHASES if k in r]
+    if phases:
+        charts.append({
+            "$schema": "https://vega.github.io/schema/vega-lite/v5.json",
+            "title": "time per GRPO step, by phase (s)", "width": 480, "height": 200,
+            "data": {"values": phases}, "mark": "bar",
+            "encoding": {"x": {"field": "step", "type": "ordinal", "title": "GRPO step"},
+                         "y": {"field": "seconds", "type": "quantitative", "stack": True},
+                         "color": {"field": "phase", "type": "nominal"}}})
+    return charts
+
+
+def grpo_summary(records: list[dict[str, Any]]) -> list[list[Any]]:
+    """[[name, value]] rows of a GRPO run: steps, rewards, accuracy at the start and the end."""
+    steps = [r for r in records if "reward/total/mean" in r]
+    evals = [r for r in records if "eval/accuracy" in r or "eval/reward_mean" in r]
+    rows: list[list[Any]] = [["GRPO steps logged", len(steps)]]
+    if steps:
+        last = steps[-min(5, len(steps)):]
+        rows.append(["train reward, last 5 steps",
+                     round(sum(r["reward/total/mean"] for r in last) / len(last), 4)])
+        rows.append(["mean rollout tokens/s",
+                     round(sum(r["rollout_tokens_per_s"] for r in steps) / len(steps), 1)])
+        rows.append(["max weight-sync |diff|",
+                     f"{max(r['sync/max_abs_logprob_diff'] for r in steps):.2e}"])
+    for r in (evals[:1] + evals[-1:]) if len(evals) > 1 else evals:
+        for key in ("eval/accuracy", "eval/reward_mean"):
+            if key in r:
+                rows.append([f"held-out {key.split('/')[1]} at step {int(r['step'])}",
+                             round(float(r[key]), 4)])
+    return rows

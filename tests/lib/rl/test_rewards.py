@@ -61,6 +61,17 @@ def test_exact_match_number_on_the_bundled_data_format():
     assert rewards.exact_match_number([good], [row["prompt"]], {"answer": [row["answer"]]}) == [1.0]
 
 
+def test_numeric_closeness_gives_partial_credit():
+    completions = ["The answer is -24.", "The answer is -22.", "so 30", "no number"]
+    answers = ["-24", "-24", "26", "5"]
+    assert call("numeric_closeness", completions, {"answer": answers}, scale=2.0) == \
+        [1.0, 0.5, pytest.approx(1 / 3), 0.0]
+    worked = "55 - 92 = -(92 - 55): 12 - 5 = 7, 9 - 5 - 1 = 3, so -37. The answer is -37."
+    assert call("numeric_closeness", [worked], {"answer": ["-37"]}) == [1.0]
+    with pytest.raises(ConfigError, match="scale must be > 0"):
+        rewards.RewardSpec("numeric_closeness", params={"scale": 0})
+
+
 def test_format_reward_default_and_custom():
     completions = ["Adding: The answer is 81.", "81", "The answer is 81. Then more text"]
     assert call("format", completions) == [1.0, 0.0, 0.0]

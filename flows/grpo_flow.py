@@ -1,0 +1,147 @@
+"""On-policy RL (GRPO) as a Metaflow flow: prepare prompts -> grpo -> evaluate against the start.
+
+    start     resolve the run's storage and the starting checkpoint: the config's model, or the
+              export of another run given by pathspec (`--sft-run SFTFlow/1234`)
+    prepare   tokenize the prompts (chat template with the generation prompt) into shards,
+              keeping the dataset columns the rewards read (e.g. `answer`)
+    grpo      the single controller over Ray trainer actors (FSDP2) and rollout engines (vLLM on
+              GPUs, native on CPU): rollouts, rewards, advantages, updates, weight sync,
+              checkpoints; over `run.num_nodes` machines with @metaflow_ray
+    join      collect the control task's results
+    evaluate  held-out reward and accuracy (greedy) of the trained checkpoint vs the start
+    end       print where everything is
+
+Run it (from the repository root):
+
+    python flows/sft_flow.py --config config configs/sft/arithmetic_tiny.yaml run
+    python flows/grpo_flow.py run --sft-run SFTFlow/<run id>       # tiny CPU run
+    python flows/grpo_flow.py --datastore=s3 --config config configs/grpo/qwen3_8b_2nodes.yaml \\
+        run --with kubernetes --sft-run SFTFlow/<run id>
+    python flows/grpo_flow.py resume grpo                          # continue from the checkpoint
+"""
+
+from _posttrain_flow import build_config, parse_config, ray_nodes, ship_repo
+from metaflow import Config, FlowSpec, Parameter, card, current, retry, step
+
+GRPO_SCHEMA = "posttrain.train.grpo.GRPOConfig"
+
+
+@ship_repo("lib", "steps", "configs", "assets")
+class GRPOFlow(FlowSpec):
+    config = Config("config", default="configs/grpo/tiny.yaml", parser=parse_config(GRPO_SCHEMA))
+    sft_run = Parameter("sft_run", default="",
+                        help="pathspec of a finished run (e.g. SFTFlow/1234) whose exported "
+                             "checkpoint (`hf_uri`) to start from, instead of config.model")
+
+    @step
+    def start(self):
+        """Fix the storage root and the starting checkpoint (recorded as lineage)."""
+        from _posttrain_flow import storage_root
+        self.storage_root = storage_root(self, self.config.run.dir)
+        self.num_nodes = int(self.config.run.num_nodes)
+        self.parent_run, self.base_model_uri = None, self.config.model.hf_dir
+        if self.sft_run:
+            from metaflow import Run
+            parent = Run(self.sft_run)
+            if not parent.successful:
+                raise ValueError(f"--sft-run {self.sft_run} did not finish successfully")
+            self.parent_run, self.base_model_uri = parent.pathspec, parent.data.hf_uri
+        print(f"storage: {self.storage_root}; start from "
+              f"{self.base_model_uri or 'a random model (config.model.init)'}"
+              f"{f' ({self.parent_run})' if self.parent_run else ''}")
+        self.next(self.prepare)
+
+    @step
+    def prepare(self):
+        """Tokenize the prompts into shards; keep the manifest's summary."""
+        from _posttrain_flow import prepare_data
+        out = prepare_data(GRPO_SCHEMA, self.config, self.storage_root)
+        self.prepared_uri, self.content_hash = out["prepared_uri"], out["content_hash"]
+        self.manifest_summary, self.shard_uris = out["manifest_summary"], out["shard_uris"]
+        self.next(self.grpo, num_parallel=self.num_nodes)
+
+    @card(type="blank", id="training")
+    @retry(times=1)
+    @ray_nodes("config")
+    @step
+    def grpo(self):
+        """Train with GRPO (continuing from the newest checkpoint); export HF.
+
+        Checkpoints (weights, optimizer, prompt stream position) live under the run's storage
+        root, so a retried attempt and `resume grpo` continue where the last one stopped.
+        """
+        import dataclasses
+        import time
+
+        from _posttrain_flow import (fetch, grpo_card, join, publish, ray_cluster,
+                                     scratch_dir)
+        from posttrain.train.metrics import read_metrics
+        from steps import train_grpo
+        cfg = build_config(GRPO_SCHEMA, self.config)
+        model = cfg.model
+        if self.base_model_uri:
+            model = dataclasses.replace(model, hf_dir=fetch(self.base_model_uri), init=None)
+        local_dir = scratch_dir(self.storage_root, "grpo")
+        cfg = dataclasses.replace(cfg, model=model, run=dataclasses.replace(cfg.run, dir=local_dir))
+        started = time.time()
+        with ray_cluster(self.num_nodes):
+            result = train_grpo.run(cfg, prepared_dir=self.prepared_uri,
+                                    checkpoint_dir=join(self.storage_root, "grpo"),
+                                    show_progress=False)
+        self.hf_uri = publish(result["hf_dir"], join(self.storage_root, "grpo", "hf"))
+        if not self.base_model_uri:             # a random start: keep it for the comparison
+            self.base_model_uri = publish(result["base_model_dir"],
+                                          join(self.storage_root, "base_model"))
+        self.metrics_uri = publish(result["metrics_path"],
+                                   join(self.storage_root, "grpo", "metrics.jsonl"))
+        self.checkpoint_uri = result["checkpoint_dir"]
+        self.train_result = {k: result.get(k) for k in (
+            "steps", "started_at_step", "final_reward_mean", "mean_rollout_tokens_per_s",
+            "max_sync_diff", "baseline_eval", "eval", "model")}
+        grpo_card(current.card["training"], read_metrics(result["metrics_path"]),
+                  result.get("eval_records") or [])
+        print(train_grpo.summarize(result, time.time() - started))
+        self.next(self.join)
+
+    @step
+    def join(self, inputs):
+        """Keep the control task's results (worker nodes produce none)."""
+        self.merge_artifacts(inputs)
+        self.next(self.evaluate)
+
+    @card(type="blank", id="evaluation")
+    @step
+    def evaluate(self):
+        """Held-out reward and accuracy of the trained checkpoint against the starting one."""
+        from _posttrain_flow import evaluation_comparison_card, fetch, join, publish_json
+        from steps import evaluate_grpo
+        cfg = build_config(GRPO_SCHEMA, self.config)
+        result = evaluate_grpo.run(cfg, fetch(self.hf_uri), fetch(self.base_model_uri),
+                                   self.prepared_uri)
+        self.eval_table = result["table"]
+        self.eval_metrics = result["trained"]["metrics"]
+        self.baseline_metrics = result["baseline"]["metrics"]
+        self.eval_provenance = {"hf_uri": self.hf_uri, "baseline_uri": self.base_model_uri,
+                                "parent_run": self.parent_run,
+                                "content_hash": self.content_hash,
+                                "config": self.config.to_dict()}
+        self.eval_uri = publish_json({**result, "provenance": self.eval_provenance},
+                                     join(self.storage_root, "eval.json"))
+        evaluation_comparison_card(current.card["evaluation"], self.eval_table,
+                                   result["trained"]["records"])
+        self.next(self.end)
+
+    @step
+    def end(self):
+        """Point at the results."""
+        print(f"Hugging Face checkpoint: {self.hf_uri}\ncheckpoints: {self.checkpoint_uri}\n"
+              f"eval: {self.eval_uri}\nstarted from: {self.base_model_uri}"
+              f"{f' ({self.parent_run})' if self.parent_run else ''}")
+        print(f"  {'metric':<28}{'start':>10}{'trained':>10}{'delta':>10}")
+        for row in self.eval_table:
+            print(f"  {row['metric']:<28}{row['baseline']:>10}{row['trained']:>10}"
+                  f"{row['delta']:>+10}")
+
+
+if __name__ == "__main__":
+    GRPOFlow()

@@ -1,0 +1,67 @@
+"""Choosing and building a rollout engine from the config: native (CPU, tests) or vLLM (GPU).
+
+vLLM is imported only when a vLLM engine is built, so the library, its tests and the CPU
+pipeline never need it installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from posttrain.models.args import ModelArgs
+from posttrain.rl.engine import RolloutEngine
+
+__all__ = ["RolloutEngineConfig", "build_rollout_engine"]
+
+
+@dataclass(frozen=True)
+class RolloutEngineConfig:
+    """Which engine generates the rollouts and where it runs.
+
+    kind: ``native`` (our KV-cache generator) or ``vllm``.
+    placement: ``colocated``: every trainer rank also hosts an engine on its device and the two
+        take turns (no extra devices; weights synced in process). ``separate``: `num_engines`
+        Ray actors with `resources_per_engine` each (e.g. ``{num_gpus: 1}``) generate while the
+        trainers own their devices; weights travel trainer rank 0 -> Ray object store ->
+        engines.
+    max_batch_sequences: native engine: sequences decoded together, at most.
+    vllm: keyword arguments of `posttrain.rl.vllm_engine.VLLMEngine` (gpu_memory_utilization,
+        tensor_parallel_size, kv_cache_memory_bytes, enforce_eager, ...).
+    """
+
+    kind: Literal["native", "vllm"] = "native"
+    placement: Literal["colocated", "separate"] = "colocated"
+    num_engines: int = 1
+    resources_per_engine: dict[str, float] = field(default_factory=dict)
+    max_batch_sequences: int = 256
+    vllm: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_engines < 1:
+            raise ValueError(f"rollout.num_engines must be >= 1, got {self.num_engines}")
+        if self.placement == "colocated" and self.num_engines != 1:
+            raise ValueError("rollout.num_engines applies to placement: separate; colocated "
+                             "runs one engine per trainer rank")
+        if self.kind == "native" and self.vllm:
+            raise ValueError("rollout.vllm options are set but rollout.kind is native")
+
+
+def build_rollout_engine(cfg: RolloutEngineConfig, args: ModelArgs, hf_dir: str,
+                         device: torch.device | str, dtype: torch.dtype = torch.float32,
+                         seed: int = 0) -> RolloutEngine:
+    """An engine holding the model of `args`. The native engine starts with random weights
+    (the first weight sync fills them); vLLM loads `hf_dir`, which must have the trainer's
+    vocabulary (then the sync replaces the weights in place)."""
+    if cfg.kind == "native":
+        from posttrain.models.transformer import build_model
+        from posttrain.rl.native import NativeEngine
+        torch.manual_seed(seed)
+        model = build_model(args, device=device).to(dtype).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return NativeEngine(model, max_batch_sequences=cfg.max_batch_sequences)
+    from posttrain.rl.vllm_engine import VLLMEngine
+    return VLLMEngine(hf_dir, seed=seed, **cfg.vllm)

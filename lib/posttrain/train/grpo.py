@@ -1,0 +1,486 @@
+"""The GRPO recipe's parts: config schema, the loss root, the trainer rank and the rollout actor.
+
+The controller (`steps/train_grpo.py`) owns the loop and the prompt stream; this module owns
+what runs on the ranks:
+
+- `GRPOLoss`, the FSDP root. It runs the model over a packed micro-batch
+  (`posttrain.rl.batch`), takes the chunked log-probs of the completion tokens at the sampling
+  temperature, lays them out per sequence and applies `posttrain.losses.grpo.grpo_loss`. With
+  ``score_only`` it returns the log-probs (old-policy and reference passes, the weight-sync
+  probe) through the same code.
+- `GRPOWorker`, one trainer rank: an `Engine` (FSDP2, optimizer, checkpoints) and, when the
+  rollout placement is ``colocated``, a rollout engine on the same device that it keeps in step
+  with the trainer's weights.
+- `RolloutWorker`, a rollout engine of its own (placement ``separate``), a plain Ray actor.
+
+Reference model (for the KL penalty and the ``kl`` metric): ``none``; ``lora_base`` (the LoRA
+policy with its adapters disabled, no extra memory); or ``copy`` (a frozen, unsharded copy of
+the starting weights on every rank: simple, and the memory of one more model per device).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from posttrain.config.loader import build
+from posttrain.config.recipes import DataConfig
+from posttrain.data.prepared import local_view
+from posttrain.data.tokenizer import TokenizerConfig
+from posttrain.errors import ConfigError
+from posttrain.losses.grpo import grpo_loss
+from posttrain.models.transformer import Transformer
+from posttrain.ops.cross_entropy import IGNORE_INDEX, chunked_entropy, chunked_logprobs
+from posttrain.rl.engine import Rollout, SamplingConfig
+from posttrain.rl.factory import RolloutEngineConfig, build_rollout_engine
+from posttrain.rl.rewards import RewardConfig
+from posttrain.train.engine import Engine, EngineConfig, ModelConfig
+from posttrain.train.sft import ExportConfig, RunConfig, _tokenizer_vocab
+
+log = logging.getLogger(__name__)
+
+# stats the root returns as sums over response tokens; the worker divides by the token count
+_TOKEN_STATS = ("pg_loss", "clip_fraction_low", "clip_fraction_high", "ratio_mean", "kl",
+                "is_weight_mean", "is_truncated_fraction", "entropy", "logprob_gap")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GRPOTrainConfig(EngineConfig):
+    """`max_steps` counts GRPO steps (rollout batches); each makes `mini_batches` optimizer
+    steps over `prompts_per_step * samples_per_prompt` sequences."""
+
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 8
+    mini_batches: int = 1
+    max_tokens_per_micro_batch: int = 4096
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.prompts_per_step < 1:
+            raise ValueError("train.prompts_per_step must be at least 1")
+        if self.samples_per_prompt < 2:
+            raise ValueError("train.samples_per_prompt must be at least 2 (group-relative "
+                             "advantages compare samples of one prompt)")
+        if self.mini_batches < 1 or self.prompts_per_step % self.mini_batches:
+            raise ValueError(f"train.mini_batches={self.mini_batches} must divide "
+                             f"train.prompts_per_step={self.prompts_per_step}")
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.max_steps * self.mini_batches
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """The policy loss; formulas in `posttrain.losses.grpo`."""
+
+    normalize_std: bool = True                 # False: Dr. GRPO advantages
+    clip_low: float = 0.2
+    clip_high: float = 0.28                    # > clip_low: DAPO clip-higher
+    aggregation: Literal["seq_mean_token_mean", "token_mean", "constant"] = "token_mean"
+    constant_norm: float | None = None         # aggregation constant: default max_new_tokens
+    kl_coef: float = 0.0
+    reference: Literal["none", "lora_base", "copy"] = "none"
+    is_cap: float | None = 2.0                 # truncated IS engine -> trainer; None: off
+    use_engine_logprobs: bool = True           # False: no importance correction at all
+    log_entropy: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kl_coef > 0 and self.reference == "none":
+            raise ValueError(f"algorithm.kl_coef={self.kl_coef} needs a reference model: set "
+                             "algorithm.reference to lora_base or copy")
+        if self.is_cap is not None and not self.use_engine_logprobs:
+            raise ValueError("algorithm.is_cap needs use_engine_logprobs: true")
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    stop_tokens: tuple[str, ...] = ()          # besides the tokenizer's eos (e.g. "<|im_end|>")
+
+    def sampling(self, stop_token_ids: tuple[int, ...], seed: int,
+                 temperature: float | None = None) -> SamplingConfig:
+        """The engine's settings; `temperature` overrides the configured one (0: greedy,
+        which also turns top-p and top-k off)."""
+        t = self.temperature if temperature is None else temperature
+        return SamplingConfig(temperature=t, top_p=self.top_p if t > 0 else 1.0,
+                              top_k=self.top_k if t > 0 else 0,
+                              max_new_tokens=self.max_new_tokens,
+                              stop_token_ids=stop_token_ids, seed=seed)
+
+
+@dataclass(frozen=True)
+class GRPOEvalConfig:
+    """Held-out evaluation: `samples_per_prompt` completions per prompt at `temperature`
+    (0: one greedy completion; > 0: the mean@k accuracy of sampled completions)."""
+
+    max_prompts: int = 200
+    temperature: float = 0.0
+    samples_per_prompt: int = 1
+    seed: int = 1234
+    every_steps: int = 0                       # 0: at the start and the end only
+    num_records: int = 16                      # sample completions kept for the card
+    accuracy_reward: str | None = "exact_match_number"   # its mean is reported as accuracy
+
+
+@dataclass(frozen=True)
+class SyncCheckConfig:
+    tolerance: float = 1e-3                    # max |engine - trainer| log-prob of the probe
+    fail: bool = False                         # raise instead of warning when exceeded
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    tokenizer: TokenizerConfig
+    data: DataConfig
+    model: ModelConfig
+    train: GRPOTrainConfig
+    rewards: RewardConfig
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    sampling: SamplingSettings = SamplingSettings()
+    rollout: RolloutEngineConfig = RolloutEngineConfig()
+    sync_check: SyncCheckConfig = SyncCheckConfig()
+    run: RunConfig = RunConfig(dir="runs/grpo")
+    eval: GRPOEvalConfig = GRPOEvalConfig()
+    export: ExportConfig = ExportConfig()
+
+    def __post_init__(self) -> None:
+        if self.data.format != "prompt":
+            raise ValueError(f"GRPO trains on prompt data (data.format: prompt), not "
+                             f"{self.data.format!r}")
+        if self.algorithm.reference == "lora_base" and self.model.lora is None:
+            raise ValueError("algorithm.reference: lora_base needs model.lora")
+        if self.export.format in ("merged", "peft") and self.model.lora is None:
+            raise ValueError(f"export.format: {self.export.format} needs model.lora")
+        if self.export.format == "full" and self.model.lora is not None:
+            raise ValueError("export.format: full cannot write a LoRA model; set export.format "
+                             "to merged or peft")
+        if self.eval.temperature == 0 and self.eval.samples_per_prompt != 1:
+            raise ValueError("eval.samples_per_prompt > 1 needs eval.temperature > 0 (greedy "
+                             "completions of one prompt are all the same)")
+        if self.rollout.placement == "separate" and self.run.launcher != "ray":
+            raise ValueError("rollout.placement: separate runs the engines as Ray actors; set "
+                             "run.launcher: ray")
+
+
+# --------------------------------------------------------------------------- loss root
+
+
+class GRPOLoss(nn.Module):
+    """FSDP root over a packed micro-batch (layout in `posttrain.rl.batch`).
+
+    Returns ``(loss, stats)``: `loss` is this micro-batch's share of the mini-batch loss
+    (already divided by the mini-batch's global counts, times ``live``), `stats` are sums over
+    its response tokens (see `_TOKEN_STATS`).
+    """
+
+    input_keys = ("input_ids", "position_ids", "document_lengths", "targets", "token_index",
+                  "mask", "advantages", "engine_logp", "old_logp", "ref_logp",
+                  "global_tokens", "global_sequences", "live")
+
+    def __init__(self, model: Transformer, algo: AlgorithmConfig, temperature: float,
+                 constant_norm: float | None, chunk_tokens: int = 1024):
+        super().__init__()
+        self.model, self.algo = model, algo
+        self.temperature, self.constant_norm = temperature, constant_norm
+        self.chunk_tokens = chunk_tokens
+
+    def sequence_logprobs(self, input_ids, position_ids, document_lengths, targets,
+                          token_index, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs [S, T] of the completion tokens, 0 off the mask; hidden [1, L, H])."""
+        hidden = self.model(input_ids, position_ids, document_lengths)
+        head = self.model.head
+        logp_flat = chunked_logprobs(hidden, head.weight, targets,
+                                     real_vocab_size=head.real_vocab_size,
+                                     chunk_tokens=self.chunk_tokens,
+                                     softcap=getattr(head, "softcap", None),
+                                     temperature=self.temperature).reshape(-1)
+        return logp_flat[token_index].where(mask, 0.0), hidden
+
+    def forward(self, input_ids, position_ids, document_lengths, targets, token_index, mask,
+                advantages, engine_logp, old_logp=None, ref_logp=None, global_tokens=None,
+                global_sequences=None, live=True, *, score_only: bool = False):
+        seq_args = (input_ids, position_ids, document_lengths, targets, token_index, mask)
+        if score_only:
+            return self.sequence_logprobs(*seq_args)[0].detach()
+        algo = self.algo
+        if algo.reference == "lora_base":
+            from posttrain.models.lora import disable_adapters
+            with torch.no_grad(), disable_adapters(self.model):
+                ref_logp = self.sequence_logprobs(*seq_args)[0]
+        logp, hidden = self.sequence_logprobs(*seq_args)
+        old = old_logp if old_logp is not None else logp.detach()
+        use_engine = algo.use_engine_logprobs
+        aggregation = algo.aggregation
+        loss, m = grpo_loss(
+            logp, old, advantages, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
+            ref_logp_BT=ref_logp, kl_coef=algo.kl_coef,
+            engine_logp_BT=engine_logp if use_engine else None,
+            is_cap=algo.is_cap if use_engine else None, aggregation=aggregation,
+            constant_norm=self.constant_norm if aggregation == "constant" else None,
+            global_tokens=global_tokens if aggregation == "token_mean" else None,
+            global_sequences=None if aggregation == "token_mean" else global_sequences)
+        n = mask.sum()
+        stats = {k: v * n for k, v in m.items() if k != "ratio_max"}
+        with torch.no_grad():
+            stats["logprob_gap"] = (old - engine_logp).abs().where(mask, 0.0).sum()
+            if algo.log_entropy:
+                kept = (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+                head = self.model.head
+                h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept)
+                stats["entropy"] = chunked_entropy(
+                    h, head.weight, real_vocab_size=head.real_vocab_size,
+                    chunk_tokens=self.chunk_tokens, softcap=getattr(head, "softcap", None),
+                    temperature=self.temperature).sum()
+        if not live:                       # a dummy micro-batch: collectives, no contribution
+            return loss * 0.0, {k: torch.zeros_like(v) for k, v in stats.items()}
+        return loss, stats
+
+
+# --------------------------------------------------------------------------- trainer rank
+
+
+class GRPOWorker:
+    """One trainer rank (module docstring). Methods are called by the controller on every rank
+    (they are collectives under FSDP) unless noted."""
+
+    def __init__(self, cfg: dict[str, Any], hf_dir: str, prepared_dir: str, run_dir: str):
+        self.cfg = build(GRPOConfig, cfg, where="grpo config")
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.prepared_dir = local_view(prepared_dir)
+        self.hf_dir = hf_dir
+        train = self.cfg.train
+        constant = self.cfg.algorithm.constant_norm or float(self.cfg.sampling.max_new_tokens)
+        engine_cfg = replace(train, max_steps=train.optimizer_steps)
+        self.engine = Engine(
+            self.cfg.model, engine_cfg, hf_dir, run_dir, vocab_size=_tokenizer_vocab(prepared_dir),
+            loss_factory=lambda m: GRPOLoss(m, self.cfg.algorithm, self._temperature, constant,
+                                            self.cfg.model.loss_chunk_tokens))
+        self.reference: GRPOLoss | None = None
+        if self.cfg.algorithm.reference == "copy":
+            self.reference = self._frozen_copy()
+        self.rollout = None
+        if self.cfg.rollout.placement == "colocated":
+            self.rollout = build_rollout_engine(self.cfg.rollout, self.engine.args, hf_dir,
+                                                self.engine.device, self._param_dtype(),
+                                                seed=train.seed)
+        self._synced_names: set[str] | None = None
+
+    @property
+    def _temperature(self) -> float:
+        return self.cfg.sampling.temperature if self.cfg.sampling.temperature > 0 else 1.0
+
+    def _param_dtype(self) -> torch.dtype:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.model.dtype]
+
+    def _frozen_copy(self) -> GRPOLoss:
+        model = build_rollout_engine(RolloutEngineConfig(), self.engine.args, self.hf_dir,
+                                     self.engine.device, self._param_dtype()).model
+        state = self.full_weights()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(state[name])
+        return GRPOLoss(model, replace(self.cfg.algorithm, reference="none"),
+                        self._temperature, None, self.cfg.model.loss_chunk_tokens)
+
+    # ------------------------------------------------------------------ info and state
+    def describe(self) -> dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world, "params": self.engine.num_params,
+                "trainable_params": self.engine.num_trainable,
+                "device": str(self.engine.device)}
+
+    def model_args(self):
+        return self.engine.args
+
+    def resume(self) -> dict | None:
+        """Load the newest valid checkpoint; returns the controller's state saved with it."""
+        extra = self.engine.load_checkpoint()
+        return None if extra is None else extra["controller"]
+
+    def save_checkpoint(self, controller_state: dict) -> str:
+        return self.engine.save_checkpoint({"controller": controller_state})
+
+    # ------------------------------------------------------------------ weights
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Native-named full weights on every rank (LoRA folded in); a collective."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_model_state_dict)
+        from torch.distributed.tensor import DTensor
+        sd = get_model_state_dict(self.engine.root,
+                                  options=StateDictOptions(full_state_dict=True))
+        state = {k[len("model."):]: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+                 for k, v in sd.items() if k.startswith("model.")}
+        lora = self.cfg.model.lora
+        if lora is None:
+            return state
+        scaling = lora.alpha / lora.rank
+        merged = {}
+        for name, t in state.items():
+            if name.endswith((".lora_A", ".lora_B")):
+                continue
+            prefix = name[:-len(".weight")] if name.endswith(".weight") else None
+            if prefix and f"{prefix}.lora_A" in state:
+                a, b = state[f"{prefix}.lora_A"].float(), state[f"{prefix}.lora_B"].float()
+                t = (t.float() + (b @ a) * scaling).to(t.dtype)
+            merged[name] = t
+        return merged
+
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """Full weights on CPU for separate engines: on rank 0, {} elsewhere (a collective)."""
+        state = self.full_weights()
+        return {k: v.cpu() for k, v in state.items()} if self.rank == 0 else {}
+
+    def sync_rollout(self) -> float:
+        """Copy the trainer's weights into the colocated engine; returns the seconds taken."""
+        t0 = time.perf_counter()
+        state = self.full_weights()
+        if self.rollout is not None:
+            push_weights(self.rollout, state)
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ rollouts
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, n: int
+                 ) -> list[list[Rollout]]:
+        """Colocated: this rank's share (prompts r, r + W, ...) of the prompts."""
+        if self.rollout is None:
+            raise RuntimeError("generate on a trainer rank needs rollout.placement: colocated")
+        mine = prompts[self.rank::self.world]
+        seeded = replace(sampling, seed=sampling.seed * 1009 + self.rank)
+        return self.rollout.generate(mine, seeded, n) if mine else []
+
+    def probe(self, sequence: list[int], prompt_len: int) -> dict[str, list[float]]:
+        """The weight-sync check: the trainer's and (colocated) the engine's log-probs of a
+        fixed sequence."""
+        batch = _probe_batch(sequence, prompt_len)
+        with torch.no_grad():
+            self.engine.root.eval()
+            trainer = self.engine.root(*_args(batch, self.engine.device), score_only=True)
+        out = {"trainer": trainer[0].float().cpu().tolist()}
+        if self.rollout is not None:
+            out["engine"] = self.rollout.logprobs([sequence], [prompt_len],
+                                                  temperature=self._temperature)[0]
+        return out
+
+    # ------------------------------------------------------------------ update
+    def train_rollouts(self, mini_batches: list[list[dict]]) -> dict[str, float]:
+        """The policy update of one GRPO step: for each mini-batch (a list of micro-batches,
+        this rank taking r, r + W, ...) one optimizer step. Old-policy log-probs are computed
+        first when there is more than one mini-batch, reference log-probs when configured."""
+        device = self.engine.device
+        mine = [mb[self.rank::self.world] for mb in mini_batches]
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.engine.root.eval()
+            for batches in mine:
+                for b in batches:
+                    if len(mini_batches) > 1:
+                        b["old_logp"] = self.engine.root(*_args(b, device), score_only=True)
+                    if self.reference is not None:
+                        b["ref_logp"] = self.reference(*_args(b, device), score_only=True)
+        logprobs_s = time.perf_counter() - t0
+        totals: dict[str, float] = {}
+        losses, grad_norms = [], []
+        for batches in mine:
+            m = self.engine.train_step(batches, 1)
+            losses.append(m["loss"])
+            grad_norms.append(m["grad_norm"])
+            for k in _TOKEN_STATS:
+                if k in m:
+                    totals[k] = totals.get(k, 0.0) + m[k]
+            lr = m["lr"]
+        tokens = sum(mbs[0]["global_tokens"] for mbs in mini_batches)
+        out = {k: v / max(tokens, 1) for k, v in totals.items()}
+        out.update({"loss": sum(losses) / len(losses), "grad_norm": max(grad_norms), "lr": lr,
+                    "optimizer_step": self.engine.step,
+                    "time/logprobs_s": all_reduce_max(logprobs_s),
+                    "time/update_s": all_reduce_max(time.perf_counter() - t0 - logprobs_s)})
+        return out
+
+    def export(self, out_dir: str) -> str | None:
+        """Write the HF checkpoint (rank 0); a collective."""
+        from posttrain.train.export import export_hf
+        state = self.engine.full_state_dict()
+        if self.rank != 0:
+            return None
+        return export_hf(state, self.engine.args, out_dir, fmt=self.cfg.export.format,
+                         lora=self.cfg.model.lora, tokenizer_dir=f"{self.prepared_dir}/tokenizer",
+                         dtype=self.cfg.export.dtype, base_dir=self.engine.hf_dir)
+
+    def close(self) -> None:
+        pass
+
+
+def _args(batch: dict, device: torch.device) -> tuple:
+    return tuple(batch.get(k).to(device) if isinstance(batch.get(k), torch.Tensor)
+                 else batch.get(k) for k in GRPOLoss.input_keys)
+
+
+def _probe_batch(sequence: list[int], prompt_len: int) -> dict:
+    from posttrain.rl.batch import Sample, pack_micro_batches
+    completion = sequence[prompt_len:]
+    sample = Sample(sequence[:prompt_len], completion, [0.0] * len(completion), 0.0)
+    return pack_micro_batches([sample], max_tokens=len(sequence))[0]
+
+
+def push_weights(engine: Any, state: dict[str, torch.Tensor]) -> None:
+    """Send `state` to a rollout engine: exactly the parameters it holds (a native engine's
+    model, or the native shapes a vLLM engine expects), so a tied head goes as the embedding."""
+    model = getattr(engine, "model", None)
+    if isinstance(model, nn.Module):
+        names = [n for n, _ in model.named_parameters()]
+    elif hasattr(engine, "parameter_shapes"):          # VLLMEngine: native name -> shape
+        names = list(engine.parameter_shapes)
+    else:
+        names = list(state)
+    missing = sorted(set(names) - set(state))
+    if missing:
+        raise ConfigError(f"weight sync: the trainer has no tensors for {missing[:5]}")
+    engine.update_weights((k, state[k]) for k in names)
+
+
+def all_reduce_max(value: float) -> float:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+# --------------------------------------------------------------------------- separate engines
+
+
+class RolloutWorker:
+    """A rollout engine in its own Ray actor (placement ``separate``)."""
+
+    def __init__(self, cfg: dict[str, Any], args: Any, hf_dir: str, index: int):
+        self.cfg = build(GRPOConfig, cfg, where="grpo config")
+        self.index = index
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.model.dtype]
+        self.engine = build_rollout_engine(self.cfg.rollout, args, hf_dir, device, dtype,
+                                           seed=self.cfg.train.seed)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, n: int
+                 ) -> list[list[Rollout]]:
+        seeded = replace(sampling, seed=sampling.seed * 1009 + self.index)
+        return self.engine.generate(prompts, seeded, n) if prompts else []
+
+    def update_weights(self, state: dict[str, torch.Tensor]) -> float:
+        t0 = time.perf_counter()
+        push_weights(self.engine, state)
+        return time.perf_counter() - t0
+
+    def logprobs(self, sequences: list[list[int]], prompt_lens: list[int],
+                 temperature: float) -> list[list[float]]:
+        return self.engine.logprobs(sequences, prompt_lens, temperature=temperature)
+

@@ -1,0 +1,381 @@
+"""Train GRPO: a single controller over trainer ranks and rollout engines.
+
+One step, as `GRPOController.step` reads:
+
+    prompts   -> the next `prompts_per_step` rows of the seeded prompt stream
+    rollouts  -> `samples_per_prompt` completions each, with the engine's log-probs
+    rewards   -> the configured reward functions, weighted (failures score 0, counted)
+    advantages-> group-relative: reward minus the group mean (over the group std for GRPO)
+    update    -> packed micro-batches, `mini_batches` optimizer steps on the FSDP2 trainers
+    sync      -> the trainers' new weights into the engines, then the sync check: the engine's
+                 and the trainer's log-probs of a fixed sequence must agree
+    metrics   -> rewards per function, KL, clip fractions, entropy, lengths, log-prob gap,
+                 time per phase, rollout tokens/s
+    checkpoint-> every K steps: sharded weights and optimizer, the prompt stream position
+
+The controller holds no weights. Trainer ranks are `posttrain.train.grpo.GRPOWorker` (Ray
+actors, or one inline worker); rollout engines live on the trainer ranks (placement
+``colocated``) or in their own actors (``separate``).
+
+Determinism and resume: the prompt order is a function of (seed, epoch), the sampler of step s
+is seeded from (seed, s, engine index), so a run killed and started again with the same run
+directory continues from its last checkpoint and ends with the same weights as a run that never
+stopped (with the same number of ranks and engines: a sample depends on its batch neighbours).
+
+    posttrain train-grpo --config configs/grpo/tiny.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.config.loader import to_dict
+from posttrain.config.recipes import load_recipe
+from posttrain.data.prepared import local_view
+from posttrain.errors import ConfigError
+from posttrain.eval.rl import prompt_columns, reward_eval
+from posttrain.losses.grpo import group_advantages
+from posttrain.rl.batch import Sample, pack_micro_batches, split_mini_batches
+from posttrain.rl.engine import Rollout, SamplingConfig
+from posttrain.rl.prompts import PromptRow, PromptStream, read_prompt_rows
+from posttrain.rl.rewards import combine
+from posttrain.train.grpo import GRPOConfig, GRPOWorker, RolloutWorker
+from posttrain.train.metrics import MetricsWriter
+from steps.common import (base_model_dir, drop_metrics_after, ensure_prepared, launch_workers,
+                          overrides_from)
+
+log = logging.getLogger("posttrain.train_grpo")
+
+
+# --------------------------------------------------------------------------- rollout placement
+
+
+class ColocatedRollouts:
+    """Engines on the trainer ranks: rank r generates prompts r, r + W, ..."""
+
+    def __init__(self, group: Any):
+        self.group = group
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, n: int
+                 ) -> list[list[Rollout]]:
+        return _interleave(self.group.call("generate", prompts, sampling, n), len(prompts))
+
+    def sync(self) -> float:
+        return max(self.group.call("sync_rollout"))
+
+    def probe(self, sequence: list[int], prompt_len: int, temperature: float
+              ) -> tuple[list[float], list[list[float]]]:
+        out = self.group.call("probe", sequence, prompt_len)
+        return out[0]["trainer"], [o["engine"] for o in out]
+
+    def close(self) -> None:
+        pass
+
+
+class SeparateRollouts:
+    """`rollout.num_engines` Ray actors; weights go trainer rank 0 -> object store -> engines."""
+
+    def __init__(self, cfg: GRPOConfig, group: Any, hf_dir: str):
+        import ray
+        self.group, self.ray = group, ray
+        args = group.call("model_args")[0]
+        rc = cfg.rollout
+        res = dict(rc.resources_per_engine)
+        options = {"num_cpus": res.pop("num_cpus", 1), "num_gpus": res.pop("num_gpus", 0),
+                   "resources": res or None}
+        actor = ray.remote(RolloutWorker).options(**options)
+        self.engines = [actor.remote(to_dict(cfg), args, hf_dir, i)
+                        for i in range(rc.num_engines)]
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, n: int
+                 ) -> list[list[Rollout]]:
+        e = len(self.engines)
+        refs = [a.generate.remote(prompts[i::e], sampling, n) for i, a in enumerate(self.engines)]
+        return _interleave(self.ray.get(refs), len(prompts))
+
+    def sync(self) -> float:
+        t0 = time.perf_counter()
+        weights = self.group.call("engine_weights")[0]
+        ref = self.ray.put(weights)
+        self.ray.get([a.update_weights.remote(ref) for a in self.engines])
+        return time.perf_counter() - t0
+
+    def probe(self, sequence: list[int], prompt_len: int, temperature: float
+              ) -> tuple[list[float], list[list[float]]]:
+        trainer = self.group.call("probe", sequence, prompt_len)[0]["trainer"]
+        refs = [a.logprobs.remote([sequence], [prompt_len], temperature) for a in self.engines]
+        return trainer, [r[0] for r in self.ray.get(refs)]
+
+    def close(self) -> None:
+        for a in self.engines:
+            self.ray.kill(a)
+
+
+def _interleave(shares: list[list[Any]], n: int) -> list[Any]:
+    """Undo the round-robin split: item i came from share i % W at position i // W."""
+    w = len(shares)
+    return [shares[i % w][i // w] for i in range(n)]
+
+
+# --------------------------------------------------------------------------- the controller
+
+
+class GRPOController:
+    def __init__(self, cfg: GRPOConfig, group: Any, rollouts: Any, tokenizer: Any,
+                 train_rows: list[PromptRow], eval_rows: list[PromptRow], writer: MetricsWriter,
+                 num_ranks: int):
+        self.cfg, self.group, self.rollouts = cfg, group, rollouts
+        self.tokenizer, self.writer, self.num_ranks = tokenizer, writer, num_ranks
+        self.stream = PromptStream(train_rows, seed=cfg.train.seed)
+        self.eval_rows = eval_rows
+        self.reward = combine(cfg.rewards.functions)
+        self.stop_ids = stop_token_ids(tokenizer, cfg.sampling.stop_tokens)
+        first = train_rows[0].prompt_ids
+        # any fixed token sequence will do; a prompt followed by itself stays in-distribution
+        self.probe_sequence, self.probe_prompt_len = first + first, len(first)
+        self.temperature = cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0
+
+    def resume(self) -> int:
+        state = self.group.call("resume")[0]
+        if state is None:
+            return 0
+        self.stream.load_state_dict(state["prompts"])
+        return int(state["step"])
+
+    def step(self, step: int) -> dict[str, Any]:
+        cfg, t_start = self.cfg, time.perf_counter()
+        n = cfg.train.samples_per_prompt
+        # prompts
+        prompts = self.stream.next_batch(cfg.train.prompts_per_step)
+        # rollouts
+        sampling = cfg.sampling.sampling(self.stop_ids, seed=cfg.train.seed * 1_000_003 + step)
+        groups = self.rollouts.generate([p.prompt_ids for p in prompts], sampling, n)
+        rollouts = [r for g in groups for r in g]
+        t_generated = time.perf_counter()
+        # rewards
+        texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True)
+                 for r in rollouts]
+        columns = {k: [v for v in col for _ in range(n)]
+                   for k, col in prompt_columns(prompts).items()}
+        scored = self.reward(texts, [p.messages for p in prompts for _ in range(n)], columns)
+        t_scored = time.perf_counter()
+        # advantages
+        rewards_G_N = torch.tensor(scored.total, dtype=torch.float64).view(len(prompts), n)
+        advantages = group_advantages(rewards_G_N, normalize_std=cfg.algorithm.normalize_std)
+        # update
+        samples = [Sample(r.prompt_ids, r.completion_ids, r.logprobs, float(a))
+                   for r, a in zip(rollouts, advantages.flatten().tolist())]
+        mini_batches = [pack_micro_batches(mb, max_tokens=cfg.train.max_tokens_per_micro_batch,
+                                           num_ranks=self.num_ranks)
+                        for mb in split_mini_batches(samples, cfg.train.mini_batches)]
+        update = self.group.call("train_rollouts", mini_batches)[0]
+        t_updated = time.perf_counter()
+        # weight sync, then the check that engine and trainer agree
+        self.rollouts.sync()
+        sync_diff = self.check_sync()
+        t_synced = time.perf_counter()
+        # metrics
+        lengths = [len(r.completion_ids) for r in rollouts]
+        generated = sum(lengths)
+        metrics = {
+            "step": step + 1, **scored.metrics(), **update,
+            "response_length/mean": generated / len(rollouts),
+            "response_length/max": max(lengths),
+            "response_length/truncated_fraction":
+                sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+            "groups_with_signal": float((rewards_G_N.std(dim=1) > 0).float().mean()),
+            "sync/max_abs_logprob_diff": sync_diff,
+            "rollout_tokens": generated,
+            "rollout_tokens_per_s": generated / max(t_generated - t_start, 1e-9),
+            "time/generate_s": t_generated - t_start,
+            "time/score_s": t_scored - t_generated,
+            "time/sync_s": t_synced - t_updated,
+            "time/step_s": t_synced - t_start,
+        }
+        if cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
+            metrics.update(self.evaluate()[0])
+        return metrics
+
+    def check_sync(self) -> float:
+        """Max |engine - trainer| log-prob over the probe sequence and every engine."""
+        trainer, engines = self.rollouts.probe(self.probe_sequence, self.probe_prompt_len,
+                                               self.temperature)
+        diff = max(abs(a - b) for e in engines for a, b in zip(e, trainer))
+        if diff > self.cfg.sync_check.tolerance:
+            message = (f"weight sync check: the rollout engine's log-probs differ from the "
+                       f"trainer's by {diff:.3g} (> sync_check.tolerance "
+                       f"{self.cfg.sync_check.tolerance:g})")
+            if self.cfg.sync_check.fail:
+                raise RuntimeError(message)
+            log.warning(message)
+        return diff
+
+    def evaluate(self) -> tuple[dict[str, float], list[dict]]:
+        if not self.eval_rows:
+            return {}, []
+        ev = self.cfg.eval
+        sampling = self.cfg.sampling.sampling(self.stop_ids, seed=ev.seed,
+                                              temperature=ev.temperature)
+
+        def generate(prompts: list[list[int]]) -> list[list[Rollout]]:
+            return self.rollouts.generate(prompts, sampling, ev.samples_per_prompt)
+
+        return reward_eval(generate, self.eval_rows, self.tokenizer, self.reward,
+                           accuracy_reward=self.cfg.eval.accuracy_reward,
+                           num_records=self.cfg.eval.num_records)
+
+    def save_checkpoint(self, step: int) -> None:
+        self.group.call("save_checkpoint", {"prompts": self.stream.state_dict(), "step": step})
+
+
+def stop_token_ids(tokenizer: Any, stop_tokens: tuple[str, ...]) -> tuple[int, ...]:
+    """The tokenizer's eos plus the configured stop tokens, each a single known token."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    vocab = tokenizer.get_vocab()
+    for token in stop_tokens:
+        if token not in vocab:
+            raise ConfigError(f"sampling.stop_tokens: {token!r} is not a token of the "
+                              "tokenizer; list single tokens such as '<|im_end|>'")
+        ids.append(vocab[token])
+    return tuple(dict.fromkeys(ids))
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run(config: GRPOConfig | str | Path, *, overrides: dict | None = None,
+        prepared_dir: str | None = None, checkpoint_dir: str | None = None,
+        show_progress: bool = True) -> dict[str, Any]:
+    """Train, evaluate (held-out reward at the start and the end) and export.
+
+    `prepared_dir` (local or ``s3://``) skips the prepare step; `checkpoint_dir` is where
+    `checkpoints/` live (default `run.dir`), so a retried task continues from the last one.
+    """
+    from transformers import AutoTokenizer
+    from tqdm.auto import tqdm
+
+    cfg = config if isinstance(config, GRPOConfig) else load_recipe(config, GRPOConfig, overrides)
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not show_progress and not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    prepared_dir = prepared_dir or ensure_prepared(cfg, str(run_dir / "prepared"), show_progress)
+    local = local_view(prepared_dir)
+    hf_dir = base_model_dir(cfg, local, run_dir)
+    tokenizer = AutoTokenizer.from_pretrained(f"{local}/tokenizer")
+    train_rows = read_prompt_rows(prepared_dir, "train")
+    eval_rows = _eval_rows(prepared_dir)[:cfg.eval.max_prompts]
+    metrics_path = run_dir / "metrics.jsonl"
+    writer = MetricsWriter(metrics_path, tensorboard_dir=cfg.run.tensorboard_dir)
+    args = (to_dict(cfg), hf_dir, prepared_dir, checkpoint_dir or str(run_dir))
+    history: list[dict] = []
+    with launch_workers(cfg.run, GRPOWorker, args) as group:
+        info = group.call("describe")[0]
+        rollouts = (ColocatedRollouts(group) if cfg.rollout.placement == "colocated"
+                    else SeparateRollouts(cfg, group, hf_dir))
+        try:
+            ctl = GRPOController(cfg, group, rollouts, tokenizer, train_rows, eval_rows, writer,
+                                 info["world_size"])
+            start = ctl.resume()
+            drop_metrics_after(metrics_path, start)
+            rollouts.sync()
+            log.info("GRPO: %s params (%s trainable) on %d trainer rank(s), %s rollouts "
+                     "(%s), from step %d", f"{info['params']:,}",
+                     f"{info['trainable_params']:,}", info["world_size"], cfg.rollout.kind,
+                     cfg.rollout.placement, start)
+            baseline, baseline_records = ({}, []) if start else ctl.evaluate()
+            if baseline:
+                writer.write({"step": 0, **baseline})
+            bar = tqdm(total=cfg.train.max_steps, initial=start, desc="grpo", unit="step",
+                       disable=not show_progress)
+            log_every = max(1, cfg.train.max_steps // 20)
+            for step in range(start, cfg.train.max_steps):
+                metrics = ctl.step(step)
+                writer.write(metrics)
+                history.append(metrics)
+                shown = _postfix(metrics)
+                bar.update()
+                bar.set_postfix(**shown)
+                if not show_progress and metrics["step"] % log_every == 0:
+                    log.info("grpo step %d/%d  %s", metrics["step"], cfg.train.max_steps,
+                             "  ".join(f"{k} {v}" for k, v in shown.items()))
+                if metrics["step"] % cfg.train.checkpoint_every_steps == 0:
+                    ctl.save_checkpoint(metrics["step"])
+            bar.close()
+            final, records = ctl.evaluate()
+            if final:
+                writer.write({"step": cfg.train.max_steps, **final})
+            export_dir = str(run_dir / "hf")
+            group.call("export", export_dir)
+        finally:
+            rollouts.close()
+    writer.close()
+    result = {"run_dir": str(run_dir), "hf_dir": export_dir, "prepared_dir": prepared_dir,
+              "base_model_dir": hf_dir, "metrics_path": str(metrics_path),
+              "checkpoint_dir": f"{(checkpoint_dir or str(run_dir)).rstrip('/')}/checkpoints",
+              "started_at_step": start, "steps": start + len(history), "model": info,
+              "baseline_eval": baseline, "eval": final, "eval_records": records,
+              "baseline_records": baseline_records,
+              "config": to_dict(cfg)}
+    if history:
+        last = history[-min(len(history), 5):]
+        result["final_reward_mean"] = sum(m["reward/total/mean"] for m in last) / len(last)
+        result["mean_rollout_tokens_per_s"] = (sum(m["rollout_tokens_per_s"] for m in history)
+                                               / len(history))
+        result["max_sync_diff"] = max(m["sync/max_abs_logprob_diff"] for m in history)
+    (run_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+def _eval_rows(prepared_dir: str) -> list[PromptRow]:
+    from posttrain.errors import DataError
+    try:
+        return read_prompt_rows(prepared_dir, "eval")
+    except DataError as e:
+        log.warning("no held-out prompts, so no evaluation: %s", e)
+        return []
+
+
+def _postfix(m: dict) -> dict[str, str]:
+    return {"reward": f"{m['reward/total/mean']:.3f}", "kl": f"{m.get('kl', 0.0):.4f}",
+            "len": f"{m['response_length/mean']:.1f}",
+            "tok/s": f"{m['rollout_tokens_per_s']:.0f}",
+            "sync": f"{m['sync/max_abs_logprob_diff']:.1e}"}
+
+
+def main(args: argparse.Namespace) -> int:
+    t0 = time.time()
+    result = run(args.config, overrides=overrides_from(args), show_progress=not args.no_progress)
+    print(summarize(result, time.time() - t0))
+    return 0
+
+
+def summarize(result: dict, seconds: float) -> str:
+    lines = [f"trained {result['steps']} GRPO steps in {seconds:.0f} s"
+             + (f" (resumed at step {result['started_at_step']})"
+                if result["started_at_step"] else "")]
+    if "final_reward_mean" in result:
+        lines.append(f"train reward (last steps) {result['final_reward_mean']:.3f}; "
+                     f"{result['mean_rollout_tokens_per_s']:.0f} rollout tokens/s; "
+                     f"weight sync max |diff| {result['max_sync_diff']:.2e}")
+    base, final = result.get("baseline_eval") or {}, result.get("eval") or {}
+    for key in ("eval/accuracy", "eval/reward_mean"):
+        if key in final:
+            before = f"{base[key]:.3f} -> " if key in base else ""
+            lines.append(f"held-out {key.split('/')[1]}: {before}{final[key]:.3f}")
+    lines += [f"Hugging Face checkpoint: {result['hf_dir']}",
+              f"metrics: {result['metrics_path']}"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from steps.cli import main as cli_main
+    sys.exit(cli_main(["train-grpo", *sys.argv[1:]]))

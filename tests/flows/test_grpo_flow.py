@@ -1,0 +1,97 @@
+"""The GRPO flow through Metaflow's Runner API, chained to an SFT run by pathspec:
+
+    SFTFlow (arithmetic chats, a few steps) -> GRPOFlow --sft-run SFTFlow/<id>:
+    start (resolves the SFT run's export) -> prepare (prompts) -> grpo -> join -> evaluate
+    (held-out reward and accuracy, trained vs the SFT checkpoint) -> end
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import yaml
+
+from .conftest import REPO, card_components, ray_processes_under
+
+GRPO_FLOW = REPO / "flows" / "grpo_flow.py"
+SFT_FLOW = REPO / "flows" / "sft_flow.py"
+TINY_GRPO = REPO / "configs" / "grpo" / "tiny.yaml"
+ARITHMETIC_SFT = REPO / "configs" / "sft" / "arithmetic_tiny.yaml"
+
+
+def test_grpo_configs_pass_the_schema():
+    sys.path.insert(0, str(REPO / "flows"))
+    from _posttrain_flow import gpus_per_node, parse_config
+    parse = parse_config("posttrain.train.grpo.GRPOConfig")
+    for name in ("tiny", "qwen3_0p6b_1gpu", "qwen3_8b_2nodes"):
+        resolved = parse((REPO / "configs" / "grpo" / f"{name}.yaml").read_text())
+        assert resolved["data"]["format"] == "prompt"
+    big = parse((REPO / "configs/grpo/qwen3_8b_2nodes.yaml").read_text())
+    # 12 trainer GPUs + 4 engine GPUs over 2 nodes
+    assert gpus_per_node(_Cfg(big)) == 8
+    assert gpus_per_node(_Cfg(parse(TINY_GRPO.read_text()))) == 0
+
+
+class _Cfg(dict):
+    """The attribute access a Metaflow ConfigValue offers, over a plain dict."""
+
+    def __getattr__(self, name):
+        value = self[name]
+        return _Cfg(value) if isinstance(value, dict) else value
+
+
+def test_unknown_key_fails_in_the_parser():
+    from metaflow.exception import MetaflowException
+    sys.path.insert(0, str(REPO / "flows"))
+    from _posttrain_flow import parse_config
+    data = yaml.safe_load(TINY_GRPO.read_text())
+    data["algorithm"]["clip_hihg"] = 0.3
+    with pytest.raises(MetaflowException, match="clip_hihg"):
+        parse_config("posttrain.train.grpo.GRPOConfig")(yaml.safe_dump(data))
+
+
+@pytest.mark.slow
+def test_sft_then_grpo_flow_chained_by_pathspec(sandbox, monkeypatch):
+    from metaflow import Runner
+    monkeypatch.setenv("USER", sandbox.env["USER"])
+    sft_config = sandbox.config(ARITHMETIC_SFT, name="sft.yaml", **{
+        "train.max_steps": 30, "eval.max_batches": 2, "eval.generate.num_samples": 1})
+    with Runner(str(SFT_FLOW), cwd=str(REPO), env=sandbox.env, show_output=False,
+                config=[("config", str(sft_config))], pylint=False) as runner:
+        sft = runner.run().run
+        assert sft.successful, sft
+        sft_pathspec, sft_hf = sft.pathspec, sft.data.hf_uri
+    grpo_config = sandbox.config(TINY_GRPO, name="grpo.yaml", **{
+        "train.max_steps": 3, "train.prompts_per_step": 8, "train.checkpoint_every_steps": 2,
+        "eval.max_prompts": 16, "eval.num_records": 4})
+    with Runner(str(GRPO_FLOW), cwd=str(REPO), env=sandbox.env, show_output=False,
+                config=[("config", str(grpo_config))], pylint=False) as runner:
+        run = runner.run(sft_run=sft_pathspec).run
+        assert run.successful, run
+        start, train, evaluate = run["start"].task, run["join"].task, run["evaluate"].task
+        assert start.data.parent_run == sft_pathspec
+        assert start.data.base_model_uri == sft_hf
+        assert run["prepare"].task.data.manifest_summary["format"] == "prompt"
+        result = train.data.train_result
+        assert result["steps"] == 3
+        assert result["max_sync_diff"] <= 1e-5
+        assert result["baseline_eval"]["eval/num_prompts"] == 16
+        table = {r["metric"]: r for r in evaluate.data.eval_table}
+        assert {"accuracy", "reward_mean", "exact_match_number_mean"} <= set(table)
+        acc = table["accuracy"]
+        assert acc["delta"] == pytest.approx(acc["trained"] - acc["baseline"], abs=1e-3)
+        # the baseline is the SFT run's export: its accuracy is the grpo step's start eval
+        assert acc["baseline"] == pytest.approx(result["baseline_eval"]["eval/accuracy"],
+                                                abs=1e-4)
+        prov = evaluate.data.eval_provenance
+        assert prov["parent_run"] == sft_pathspec and prov["baseline_uri"] == sft_hf
+        assert prov["content_hash"] == run["prepare"].task.data.content_hash
+        cards = run["grpo"].task.cards
+        html = next(c for c in cards if c.id == "training").get()
+        titles = json.dumps(card_components(html))
+        for title in ("train reward", "held-out accuracy", "rollout tokens/s",
+                      "weight sync check", "time per GRPO step"):
+            assert title in titles, title
+    assert not ray_processes_under(sandbox.ray_tmpdir)
