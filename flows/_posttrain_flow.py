@@ -18,6 +18,9 @@ Kept out of the flow files so that they read as a table of contents:
 - `ray_cluster`: joins the Ray cluster `@metaflow_ray` formed and stops, by PID, the Ray
   processes of that cluster on this machine when the step ends (metaflow-ray leaves them
   running, and the next run on the machine then cannot start Ray).
+- `record_lineage`, `lineage_card`: the end step's `lineage` artifact (datasets and their
+  hashes, parent runs, resolved config and its hash, code version, outputs), the run's
+  `dataset:`/`config:`/`model:`/`parent:` tags, and a card drawing the chain of runs.
 """
 
 from __future__ import annotations
@@ -242,10 +245,17 @@ def prepare_data(schema: str, config: Any, storage_root: str) -> dict[str, Any]:
     manifest = prepare.run(PrepareConfig(tokenizer=cfg.tokenizer, data=cfg.data,
                                          output=OutputConfig(dir=uri)), show_progress=False)
     print(prepare.summarize(manifest))
+    paths = {(split, src.name or f"source{i}"): src.path if isinstance(src.path, str)
+             else list(src.path)        # named as in steps.prepare
+             for split in ("train", "eval") for i, src in enumerate(getattr(cfg.data, split))}
+    sources = [{"split": s["split"], "name": s["name"], "path": paths.get((s["split"], s["name"])),
+                "files": len(s["files"]), "rows": s["rows_written"],
+                "content_hash": s["content_hash"]} for s in manifest["sources"]]
     return {"prepared_uri": uri, "content_hash": manifest["content_hash"],
             "manifest_summary": {"totals": manifest["totals"], "format": manifest["format"],
                                  "config_hash": manifest["config_hash"],
-                                 "vocab_size": manifest["tokenizer"].get("vocab_size")},
+                                 "vocab_size": manifest["tokenizer"].get("vocab_size"),
+                                 "sources": sources},
             "shard_uris": [sh["uri"] for src in manifest["sources"] for sh in src["shards"]]}
 
 
@@ -352,3 +362,107 @@ def evaluation_comparison_card(card: Any, table: list[dict], samples: list[dict]
         keys = [k for k in samples[0] if k != "prompt"]
         card.append(Table([[s["prompt"], *[s[k] for k in keys]] for s in samples],
                           headers=["prompt", *keys]))
+
+
+# --------------------------------------------------------------------------- lineage
+def _code_root() -> Path:
+    """The repository root here; the package root (the task's directory) in a remote task."""
+    here = Path(__file__).resolve().parent
+    return here.parent if (here.parent / "lib" / "posttrain").is_dir() else here
+
+
+def _code_package() -> dict:
+    """What Metaflow knows of the shipped code package: its sha (set for remote tasks) and its
+    INFO (with the git commit of the checkout it was built from, when it was one)."""
+    from metaflow.packaging_sys import MetaflowCodeContent
+    return {"sha": os.environ.get("METAFLOW_CODE_SHA"), "info": MetaflowCodeContent.get_info()}
+
+
+def record_lineage(flow: Any, *, outputs: dict, parents: list | tuple = (),
+                   started_from: dict | None = None) -> dict:
+    """The run's lineage (`posttrain.lineage.Lineage` as a dict), for the end step to store.
+
+    Datasets come from the prepare step's artifacts (`prepared_uri`, `content_hash`,
+    `manifest_summary`), the config from `flow.config`, the code version from git or the code
+    package. Also tags the run (`dataset:`, `config:`, `code:`, `model:`, `parent:`) and writes
+    `lineage.json` next to the run's outputs in its storage root, so weights found in storage
+    lead back to the run.
+    """
+    import warnings
+
+    from metaflow import current
+    from metaflow.exception import MetaflowTaggingError
+
+    from posttrain.lineage import build_lineage, code_version, dataset_ref, tags_for
+    summary = flow.manifest_summary
+    dataset = dataset_ref(prepared_uri=flow.prepared_uri, content_hash=flow.content_hash,
+                          config_hash=summary.get("config_hash", ""),
+                          sources=summary.get("sources"))
+    origin = current.origin_run_id
+    lineage = build_lineage(
+        f"{current.flow_name}/{current.run_id}", config=flow.config.to_dict(),
+        datasets=[dataset], code=code_version(_code_root(), _code_package()), outputs=outputs,
+        parents=parents, started_from=started_from,
+        resumed_from=f"{current.flow_name}/{origin}" if origin else None)
+    tags = tags_for(lineage)
+    try:
+        current.run.add_tags(tags)
+    except MetaflowTaggingError as e:           # e.g. the user's own tags leave no room
+        warnings.warn(f"the run could not be tagged with its lineage ({e}); the `lineage` "
+                      f"artifact has it all", stacklevel=2)
+    record = lineage.to_dict()
+    uri = publish_json(record, join(flow.storage_root, "lineage.json"))
+    print(f"lineage: {uri}\ntags: {' '.join(tags)}")
+    return record
+
+
+def lineage_card(card: Any, lineage: dict) -> None:
+    """The run and the runs behind it: a tree, a table and a graph (parents via the client)."""
+    from metaflow.cards import Markdown, Table, VegaChart
+
+    from posttrain.lineage import lineage_card_spec, walk
+    from steps.lineage import load_from_metaflow
+    spec = lineage_card_spec(walk(lineage["pathspec"], load_from_metaflow, root=lineage))
+    card.append(Markdown(f"# {spec['title']}"))
+    card.append(Markdown("```\n" + spec["tree_text"] + "\n```"))
+    card.append(Table(spec["table"]["rows"], headers=spec["table"]["headers"]))
+    card.append(VegaChart(spec["graph"]))
+
+
+# --------------------------------------------------------------------------- evaluation suites
+def resolve_checkpoint(what: str, run_pathspec: str, directory: str) -> tuple[str, str | None]:
+    """(checkpoint URI, parent run pathspec or None) from a finished run's `hf_uri` artifact
+    or a directory: exactly one of the two (`--<what>-run` / `--<what>-dir`)."""
+    if bool(run_pathspec) == bool(directory):
+        raise ValueError(f"give exactly one of --{what}-run (a run pathspec such as "
+                         f"SFTFlow/1234) and --{what}-dir (a checkpoint directory)")
+    if directory:
+        return directory, None
+    from metaflow import Run
+    run = Run(run_pathspec)
+    if not run.successful:
+        raise ValueError(f"--{what}-run {run_pathspec} did not finish successfully")
+    if "hf_uri" not in run.data:
+        raise ValueError(f"--{what}-run {run_pathspec} has no `hf_uri` artifact (an exported "
+                         "checkpoint); give a training run")
+    return run.data.hf_uri, run.pathspec
+
+
+def suite_card(card: Any, result: dict, records: dict[str, list[dict]],
+               samples_per_task: int = 8) -> None:
+    """The comparison table, a chart of model vs baseline per metric, and per-task samples."""
+    from metaflow import current
+    from metaflow.cards import Markdown, Table, VegaChart
+
+    from posttrain.train.card import comparison_chart, comparison_rows, record_rows
+    card.append(Markdown(f"# Evaluation: {current.flow_name}/{current.run_id}\n\n"
+                         f"model `{result['model_uri']}`, baseline `{result['baseline_uri']}`"))
+    card.append(Table(comparison_rows(result["table"]),
+                      headers=["task", "metric", "model", "baseline", "delta"]))
+    card.append(VegaChart(comparison_chart(result["table"])))
+    for name, task in result["tasks"].items():
+        headers, rows = record_rows(records.get(name, []), samples_per_task)
+        card.append(Markdown(f"## {name} ({task['kind']}): first {len(rows)} of "
+                             f"{task['num_samples']} samples"))
+        if rows:
+            card.append(Table(rows, headers=headers))

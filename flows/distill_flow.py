@@ -7,7 +7,8 @@
               once); checkpoints every K steps; HF export of the student
     join      collect the control task's results
     evaluate  held-out KL(teacher || student) and held-out loss, before and after distillation
-    end       print where everything is
+    end       record the lineage (datasets and hashes, parent runs, config hash, code
+              version, outputs), tag the run with it, draw it in a card; print
 
 Run it (from the repository root):
 
@@ -20,7 +21,7 @@ that does not share the student's tokenizer fails the distill step before any wo
 """
 
 from _posttrain_flow import build_config, parse_config, ray_nodes, ship_repo
-from metaflow import Config, FlowSpec, retry, step
+from metaflow import Config, FlowSpec, card, current, retry, step
 
 DISTILL_SCHEMA = "posttrain.train.distill.DistillConfig"
 
@@ -110,9 +111,17 @@ class DistillFlow(FlowSpec):
                                      join(self.storage_root, "eval.json"))
         self.next(self.end)
 
+    @card(type="blank", id="lineage")
     @step
     def end(self):
-        """Point at the results."""
+        """Record what produced the outputs (lineage artifact, run tags, card); point at them."""
+        from _posttrain_flow import lineage_card, record_lineage
+        self.lineage = record_lineage(
+            self, outputs={"hf_uri": self.hf_uri, "checkpoint_uri": self.checkpoint_uri,
+                           "eval_uri": self.eval_uri},
+            started_from={"base_model_uri": self.base_student_uri,
+                          "teacher_uri": self.teacher_uri})
+        lineage_card(current.card["lineage"], self.lineage)
         print(f"student Hugging Face checkpoint: {self.hf_uri}\nteacher: {self.teacher_uri}\n"
               f"checkpoints: {self.checkpoint_uri}\neval: {self.eval_uri}\n"
               f"held-out KL(teacher || student): {self.kl_before:.4f} -> {self.kl_after:.4f}; "

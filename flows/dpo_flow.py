@@ -7,7 +7,8 @@
     join      collect the control task's results
     evaluate  held-out preference accuracy and reward margin of the exported policy against
               the starting model
-    end       print where everything is
+    end       record the lineage (datasets and hashes, parent runs, config hash, code
+              version, outputs), tag the run with it, draw it in a card; print
 
 Run it (from the repository root):
 
@@ -111,9 +112,16 @@ class DPOFlow(FlowSpec):
         evaluation_card(current.card["evaluation"], self.eval_table, [])
         self.next(self.end)
 
+    @card(type="blank", id="lineage")
     @step
     def end(self):
-        """Point at the results."""
+        """Record what produced the outputs (lineage artifact, run tags, card); point at them."""
+        from _posttrain_flow import lineage_card, record_lineage
+        self.lineage = record_lineage(
+            self, outputs={"hf_uri": self.hf_uri, "reference_uri": self.base_uri,
+                           "checkpoint_uri": self.checkpoint_uri, "eval_uri": self.eval_uri},
+            started_from={"base_model_uri": self.config.model.hf_dir})
+        lineage_card(current.card["lineage"], self.lineage)
         print(f"Hugging Face checkpoint: {self.hf_uri}\nstarting model: {self.base_uri}\n"
               f"checkpoints: {self.checkpoint_uri}\neval: {self.eval_uri}\n"
               f"dataset hash: {self.content_hash}")

@@ -9,7 +9,8 @@
               checkpoints; over `run.num_nodes` machines with @metaflow_ray
     join      collect the control task's results
     evaluate  held-out reward and accuracy (greedy) of the trained checkpoint vs the start
-    end       print where everything is
+    end       record the lineage (datasets and hashes, parent runs, config hash, code
+              version, outputs), tag the run with it, draw it in a card; print
 
 Run it (from the repository root):
 
@@ -131,9 +132,17 @@ class GRPOFlow(FlowSpec):
                                    result["trained"]["records"])
         self.next(self.end)
 
+    @card(type="blank", id="lineage")
     @step
     def end(self):
-        """Point at the results."""
+        """Record what produced the outputs (lineage artifact, run tags, card); point at them."""
+        from _posttrain_flow import lineage_card, record_lineage
+        self.lineage = record_lineage(
+            self, outputs={"hf_uri": self.hf_uri, "checkpoint_uri": self.checkpoint_uri,
+                           "eval_uri": self.eval_uri},
+            parents=[self.parent_run],
+            started_from={"base_model_uri": self.base_model_uri, "parent_run": self.parent_run})
+        lineage_card(current.card["lineage"], self.lineage)
         print(f"Hugging Face checkpoint: {self.hf_uri}\ncheckpoints: {self.checkpoint_uri}\n"
               f"eval: {self.eval_uri}\nstarted from: {self.base_model_uri}"
               f"{f' ({self.parent_run})' if self.parent_run else ''}")

@@ -6,7 +6,8 @@
               checkpoints every K steps; exports the body + reward_head.safetensors
     join      collect the control task's results
     evaluate  held-out pair accuracy of the exported model, scored the way GRPO will load it
-    end       print where everything is
+    end       record the lineage (datasets and hashes, parent runs, config hash, code
+              version, outputs), tag the run with it, draw it in a card; print
 
     python flows/reward_flow.py run                                # tiny CPU run
     python flows/reward_flow.py --config config my_rm.yaml run     # model.hf_dir: an SFT export
@@ -93,9 +94,16 @@ class RewardFlow(FlowSpec):
         evaluation_card(current.card["evaluation"], self.eval_table, [])
         self.next(self.end)
 
+    @card(type="blank", id="lineage")
     @step
     def end(self):
-        """Point at the results."""
+        """Record what produced the outputs (lineage artifact, run tags, card); point at them."""
+        from _posttrain_flow import lineage_card, record_lineage
+        self.lineage = record_lineage(
+            self, outputs={"model_uri": self.model_uri, "checkpoint_uri": self.checkpoint_uri,
+                           "eval_uri": self.eval_uri},
+            started_from={"base_model_uri": self.config.model.hf_dir})
+        lineage_card(current.card["lineage"], self.lineage)
         print(f"reward model: {self.model_uri}\ncheckpoints: {self.checkpoint_uri}\n"
               f"eval: {self.eval_uri}\ndataset hash: {self.content_hash}")
         for row in self.eval_table:

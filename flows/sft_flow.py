@@ -6,7 +6,8 @@
               over `run.num_nodes` machines with @metaflow_ray, or one machine with local Ray
     join      collect the control task's results
     evaluate  held-out loss/perplexity and a few generated samples, from the exported checkpoint
-    end       print where everything is
+    end       record the lineage (datasets and hashes, parent runs, config hash, code
+              version, outputs), tag the run with it, draw it in a card; print
 
 Run it (from the repository root):
 
@@ -119,9 +120,16 @@ class SFTFlow(FlowSpec):
         evaluation_card(current.card["evaluation"], self.eval_table, self.samples)
         self.next(self.end)
 
+    @card(type="blank", id="lineage")
     @step
     def end(self):
-        """Point at the results."""
+        """Record what produced the outputs (lineage artifact, run tags, card); point at them."""
+        from _posttrain_flow import lineage_card, record_lineage
+        self.lineage = record_lineage(
+            self, outputs={"hf_uri": self.hf_uri, "checkpoint_uri": self.checkpoint_uri,
+                           "eval_uri": self.eval_uri},
+            started_from={"base_model_uri": self.config.model.hf_dir})
+        lineage_card(current.card["lineage"], self.lineage)
         print(f"Hugging Face checkpoint: {self.hf_uri}\ncheckpoints: {self.checkpoint_uri}\n"
               f"eval: {self.eval_uri}\ndataset hash: {self.content_hash}")
         for row in self.eval_table:

@@ -7,6 +7,8 @@
     posttrain train-reward --config configs/reward/tiny.yaml
     posttrain train-grpo --config configs/grpo/tiny.yaml
     posttrain verify-model --hf-dir path/to/model
+    posttrain evaluate --suite configs/eval/tiny.yaml --model DIR --baseline DIR
+    posttrain lineage GRPOFlow/1733000000000000
 
 User mistakes (bad config, bad data, missing files) print one clear line and exit 2; a stack
 trace is only shown with POSTTRAIN_DEBUG=1.
@@ -52,6 +54,16 @@ def _train_grpo(args: argparse.Namespace) -> int:
     return train_grpo.main(args)
 
 
+def _lineage(args: argparse.Namespace) -> int:
+    from steps import lineage
+    return lineage.main(args)
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from steps import evaluate_suite
+    return evaluate_suite.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from steps import prepare
     from steps.common import add_arguments
@@ -72,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
         r = sub.add_parser(name, help=f"{text} on Ray trainer workers")
         add_arguments(r)
         r.set_defaults(func=func)
+    from steps import lineage
+    g = sub.add_parser("lineage", help="the runs, datasets, configs and code behind a run")
+    lineage.add_arguments(g)
+    g.set_defaults(func=_lineage)
+    from steps import evaluate_suite
+    e = sub.add_parser("evaluate", help="a model against a baseline on an eval suite")
+    evaluate_suite.add_arguments(e)
+    e.set_defaults(func=_evaluate)
     sub.add_parser("verify-model", add_help=False,
                    help="compare a native model's logits with transformers'")
     return parser

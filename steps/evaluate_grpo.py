@@ -17,11 +17,10 @@ import json
 import sys
 from typing import Any
 
-import torch
-
 from posttrain.config.recipes import load_recipe
 from posttrain.data.prepared import local_view
 from posttrain.eval.rl import reward_eval
+from posttrain.rl import factory
 from posttrain.rl.engine import Rollout
 from posttrain.rl.prompts import read_prompt_rows
 from posttrain.rl.rewards import combine
@@ -29,16 +28,8 @@ from posttrain.train.grpo import GRPOConfig
 
 
 def load_engine(cfg: GRPOConfig, hf_dir: str) -> Any:
-    """A rollout engine serving the weights of `hf_dir`."""
-    if cfg.rollout.kind == "vllm":
-        from posttrain.rl.vllm_engine import VLLMEngine
-        return VLLMEngine(hf_dir, seed=cfg.train.seed, **cfg.rollout.vllm)
-    from posttrain.models.hf_io import load_hf
-    from posttrain.rl.native import NativeEngine
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
-    model = load_hf(hf_dir, device=device).to(dtype).eval()
-    return NativeEngine(model, max_batch_sequences=cfg.rollout.max_batch_sequences)
+    """A rollout engine serving the weights of `hf_dir` (`posttrain.rl.factory.load_engine`)."""
+    return factory.load_engine(cfg.rollout, hf_dir, dtype=cfg.model.dtype, seed=cfg.train.seed)
 
 
 def run(cfg: GRPOConfig, trained_dir: str, baseline_dir: str, prepared_dir: str

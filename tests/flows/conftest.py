@@ -61,6 +61,19 @@ class FlowSandbox:
         return path
 
 
+def get_card(sandbox: "FlowSandbox", flow_file: Path, pathspec: str, card_id: str) -> list[dict]:
+    """The components of card `card_id` of `pathspec` (<run id>/<step>), read with the flow's
+    `card get` command in the sandbox's environment (the in-process client would read the
+    card root Metaflow was imported with, not the sandbox's)."""
+    import subprocess
+    out = sandbox.root / f"{card_id}.html"
+    got = subprocess.run([sys.executable, str(flow_file), "card", "get", "--id", card_id,
+                          pathspec, str(out)], cwd=REPO, env={**os.environ, **sandbox.env},
+                         capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    return card_components(out.read_text())
+
+
 def card_components(html: str) -> list[dict]:
     """The components (type, and for charts the Vega-Lite spec) inside a Metaflow card's HTML."""
     import base64

@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from .conftest import REPO, card_components, ray_processes_under
+from .conftest import REPO, get_card, ray_processes_under
 
 GRPO_FLOW = REPO / "flows" / "grpo_flow.py"
 SFT_FLOW = REPO / "flows" / "sft_flow.py"
@@ -88,10 +88,11 @@ def test_sft_then_grpo_flow_chained_by_pathspec(sandbox, monkeypatch):
         prov = evaluate.data.eval_provenance
         assert prov["parent_run"] == sft_pathspec and prov["baseline_uri"] == sft_hf
         assert prov["content_hash"] == run["prepare"].task.data.content_hash
-        cards = run["grpo"].task.cards
-        html = next(c for c in cards if c.id == "training").get()
-        titles = json.dumps(card_components(html))
+        titles = json.dumps(get_card(sandbox, GRPO_FLOW, f"{run.id}/grpo", "training"))
         for title in ("train reward", "held-out accuracy", "rollout tokens/s",
                       "weight sync check", "time per GRPO step"):
             assert title in titles, title
+        tables = [c for c in get_card(sandbox, GRPO_FLOW, f"{run.id}/evaluate", "evaluation")
+                  if c["type"] == "table"]
+        assert len(tables) == 2                         # start vs trained, completions
     assert not ray_processes_under(sandbox.ray_tmpdir)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import REPO, SFT_FLOW, card_components, ray_processes_under
+from .conftest import REPO, SFT_FLOW, get_card, ray_processes_under
 
 SFT_CONFIGS = sorted((REPO / "configs" / "sft").glob("*.yaml"))
 # A few optimizer steps of the tiny model, and a short evaluation.
@@ -132,11 +132,11 @@ def test_sft_flow_end_to_end_local_survives_a_killed_train_attempt(sandbox):
         ckpt = Path(run["join"].task.data.checkpoint_uri)
     assert (ckpt / "step-00000006").is_dir()
     charts = {c["spec"]["title"]: c["spec"]["data"]["values"]
-              for c in _card(sandbox, f"{run.id}/train", "training") if c["type"] == "vegaChart"}
+              for c in get_card(sandbox, SFT_FLOW, f"{run.id}/train", "training") if c["type"] == "vegaChart"}
     assert set(charts) == {"train loss", "real tokens/s (padding excluded)",
                            "MFU (model FLOPs / peak)"}
     assert [v["step"] for v in charts["train loss"]] == [1, 2, 3, 4, 5, 6]  # both attempts
-    tables = [c for c in _card(sandbox, f"{run.id}/evaluate", "evaluation")
+    tables = [c for c in get_card(sandbox, SFT_FLOW, f"{run.id}/evaluate", "evaluation")
               if c["type"] == "table"]
     assert len(tables) == 2                                     # metrics, generated samples
     model = AutoModelForCausalLM.from_pretrained(hf_uri)
@@ -145,15 +145,6 @@ def test_sft_flow_end_to_end_local_survives_a_killed_train_attempt(sandbox):
 
 
 killed: list[int] = []
-
-
-def _card(sandbox, pathspec: str, card_id: str) -> list[dict]:
-    out = sandbox.root / f"{card_id}.html"
-    got = subprocess.run([sys.executable, str(SFT_FLOW), "card", "get", "--id", card_id,
-                          pathspec, str(out)], cwd=REPO, env={**_base_env(), **sandbox.env},
-                         capture_output=True, text=True, timeout=120)
-    assert got.returncode == 0, got.stderr
-    return card_components(out.read_text())
 
 
 def _kill_train_after_checkpoint(runs: Path, step: int, timeout_s: float = 240.0) -> None:

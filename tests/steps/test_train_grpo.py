@@ -241,7 +241,31 @@ def test_two_ray_trainers_with_a_separate_engine_follow_one_inline_rank(
     assert max(m["sync/max_abs_logprob_diff"] for m in got) <= SYNC_ATOL
 
 
-# ---------------------------------------------------------------------------- 5. config
+# ---------------------------------------------------------------------------- 5. KL, LoRA
+@pytest.mark.parametrize("variant", ["lora_base", "copy"])
+def test_kl_to_a_reference_with_lora_or_a_frozen_copy(resume_reference, workdir, variant):
+    """Two GRPO steps of two mini-batches each with a k3 KL penalty: at the first optimizer
+    step the policy is the reference (KL exactly 0), afterwards it is not; the engine gets the
+    LoRA-merged weights and still agrees with the trainer."""
+    config, ref = resume_reference
+    changes = {"run.dir": str(workdir / f"kl_{variant}"), "train.max_steps": 2,
+               "algorithm.kl_coef": 0.05, "algorithm.reference": variant}
+    if variant == "lora_base":
+        changes.update({"model.lora": {"rank": 4, "alpha": 8.0}, "export.format": "merged",
+                        "train.optimizer.lr": 1e-3})
+    result = train_grpo.run(config, overrides=changes, prepared_dir=str(ref / "prepared"),
+                            show_progress=False)
+    steps = [m for m in metrics(Path(result["run_dir"])) if "loss" in m]
+    assert len(steps) == 2
+    assert steps[0]["kl"] > 0 and steps[1]["kl"] > steps[0]["kl"] / 10
+    assert max(m["sync/max_abs_logprob_diff"] for m in steps) <= 1e-4
+    if variant == "lora_base":
+        assert result["model"]["trainable_params"] < result["model"]["params"] / 5
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(result["hf_dir"])        # a plain HF checkpoint
+
+
+# ---------------------------------------------------------------------------- 6. config
 @pytest.mark.parametrize("changes, names", [
     ({"algorithm.kl_coef": 0.1}, "algorithm.reference"),
     ({"train.samples_per_prompt": 1}, "samples_per_prompt"),

@@ -14,7 +14,7 @@ import torch
 from posttrain.models.args import ModelArgs
 from posttrain.rl.engine import RolloutEngine
 
-__all__ = ["RolloutEngineConfig", "build_rollout_engine"]
+__all__ = ["RolloutEngineConfig", "build_rollout_engine", "load_engine"]
 
 
 @dataclass(frozen=True)
@@ -65,3 +65,23 @@ def build_rollout_engine(cfg: RolloutEngineConfig, args: ModelArgs, hf_dir: str,
         return NativeEngine(model, max_batch_sequences=cfg.max_batch_sequences)
     from posttrain.rl.vllm_engine import VLLMEngine
     return VLLMEngine(hf_dir, seed=seed, **cfg.vllm)
+
+
+def load_engine(cfg: RolloutEngineConfig, hf_dir: str, *, dtype: str = "float32", seed: int = 0,
+                model: Any = None) -> RolloutEngine:
+    """An engine serving the weights of the HF checkpoint `hf_dir`, for evaluation.
+
+    vLLM loads `hf_dir` itself; the native engine generates with `model` when given (a native
+    `Transformer` already loaded from `hf_dir`, whose weights it shares), else loads `hf_dir`
+    on the GPU if there is one, in `dtype`.
+    """
+    if cfg.kind == "vllm":
+        from posttrain.rl.vllm_engine import VLLMEngine
+        return VLLMEngine(hf_dir, seed=seed, **cfg.vllm)
+    from posttrain.rl.native import NativeEngine
+    if model is None:
+        from posttrain.models.hf_io import load_hf
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        model = load_hf(hf_dir, device=device).to(torch_dtype).eval()
+    return NativeEngine(model, max_batch_sequences=cfg.max_batch_sequences)

@@ -141,3 +141,62 @@ def grpo_summary(records: list[dict[str, Any]]) -> list[list[Any]]:
                 rows.append([f"held-out {key.split('/')[1]} at step {int(r['step'])}",
                              round(float(r[key]), 4)])
     return rows
+
+
+def comparison_chart(table: list[dict[str, Any]], title: str = "model vs baseline, per metric"
+                     ) -> dict[str, Any]:
+    """Bars of the model and the baseline side by side, one small panel per (task, metric),
+    each with its own y scale (a loss, a perplexity and an accuracy do not share one).
+
+    `table` holds the rows of `posttrain.eval.suites.SuiteResult.table`: task, metric, model,
+    baseline, delta.
+    """
+    values = [{"metric": f"{r['task']} / {r['metric']}", "checkpoint": which,
+               "value": float(r[which])}
+              for r in table for which in ("baseline", "model")
+              if r[which] is not None and math.isfinite(float(r[which]))]
+    return {
+        "$schema": "https://vega.github.io/schema/vega-lite/v5.json",
+        "title": title,
+        "data": {"values": values},
+        "facet": {"field": "metric", "type": "nominal", "title": None,
+                  "sort": list(dict.fromkeys(v["metric"] for v in values))},
+        "columns": 4,
+        "spec": {
+            "width": 110, "height": 110,
+            "mark": "bar",
+            "encoding": {
+                "x": {"field": "checkpoint", "type": "nominal", "title": None,
+                      "sort": ["baseline", "model"]},
+                "y": {"field": "value", "type": "quantitative", "title": None},
+                "color": {"field": "checkpoint", "type": "nominal",
+                          "sort": ["baseline", "model"]},
+                "tooltip": [{"field": "metric"}, {"field": "checkpoint"},
+                            {"field": "value", "format": ".4g"}],
+            },
+        },
+        "resolve": {"scale": {"y": "independent"}},
+    }
+
+
+def comparison_rows(table: list[dict[str, Any]], digits: int = 4) -> list[list[Any]]:
+    """[[task, metric, model, baseline, delta]] with values rounded for display."""
+    def fmt(x: Any) -> Any:
+        return round(float(x), digits) if isinstance(x, (int, float)) else x
+    return [[r["task"], r["metric"], fmt(r["model"]), fmt(r["baseline"]), fmt(r["delta"])]
+            for r in table]
+
+
+def record_rows(records: list[dict[str, Any]], limit: int = 8, max_chars: int = 160
+                ) -> tuple[list[str], list[list[Any]]]:
+    """(headers, rows) of the first `limit` per-sample records, long texts cut to `max_chars`."""
+    shown = records[:limit]
+    headers = list(dict.fromkeys(k for r in shown for k in r))
+
+    def cell(x: Any) -> Any:
+        if isinstance(x, float):
+            return round(x, 4)
+        if isinstance(x, str) and len(x) > max_chars:
+            return x[:max_chars] + "…"
+        return x
+    return headers, [[cell(r.get(k, "")) for k in headers] for r in shown]

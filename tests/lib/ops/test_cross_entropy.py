@@ -192,6 +192,20 @@ def test_sampling_filters():
     assert draws().max().item() <= 3
 
 
+def test_sampling_frequencies_match_the_probabilities():
+    """200k draws from softmax(z / T) over 6 columns (one of probability 0): each frequency is
+    within 4 standard errors of its probability; the zero column is never drawn."""
+    probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05, 0.0])
+    logits = torch.log(probs).expand(20_000, -1).contiguous()
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.cat([sample_next_token(logits, 0.5, generator=gen) for _ in range(10)])
+    tempered = probs ** 2 / (probs ** 2).sum()               # T = 0.5
+    freq = torch.bincount(ids, minlength=6).double() / ids.numel()
+    se = (tempered * (1 - tempered) / ids.numel()).sqrt()
+    assert freq[5] == 0
+    assert torch.all((freq - tempered).abs() <= 4 * se + 1e-12), (freq, tempered)
+
+
 def test_autograd_saves_no_logits():
     """Between forward and backward only inputs and per-token vectors are kept, never [N, V]."""
     hidden, weight, _, labels = make(seed=10)

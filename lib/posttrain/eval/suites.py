@@ -1,0 +1,530 @@
+"""Evaluation suites: tasks from YAML, a model and its baseline, one comparison table.
+
+A suite (`SuiteConfig`, e.g. ``configs/eval/tiny.yaml``) lists tasks; each has a `name`, a
+`kind` and a data source, and every task is run on both checkpoints with the same rows, code
+and seeds (so a model compared with itself has every delta exactly 0):
+
+* ``heldout_loss``: chat (or sequence) rows -> token-mean cross-entropy on the trained tokens
+  (the assistant turns, as SFT trains them) and perplexity ``exp(loss)``; per row, its loss.
+* ``generation``: prompt rows with a reference column -> each model answers (greedy, or
+  `samples_per_prompt` sampled answers) and a grader scores each answer 0/1:
+  ``exact_match`` (the stripped answer equals the stripped reference), ``exact_match_number``
+  (its final number equals the reference's, `posttrain.rl.rewards.parse_number`), ``regex``
+  (the last match of `pattern` in the answer, its capture group if it has one, equals the
+  reference; ``full_match`` matches the whole stripped answer instead). accuracy = mean score.
+* ``preference``: pairs (prompt, chosen, rejected) seen as DPO does, with the baseline as the
+  reference model: r(y) = beta (log pi(y|x) - log pi_baseline(y|x)). ``reward_accuracy`` is
+  the fraction of pairs with r(chosen) > r(rejected) and ``reward_margin`` the mean of
+  r(chosen) - r(rejected); the baseline, scored against itself, ties on every pair (0 and 0).
+  ``logp_accuracy`` needs no reference: the fraction with log pi(chosen) > log pi(rejected).
+* ``reward``: prompt rows -> answers scored by reward functions of the RL registry
+  (`posttrain.rl.rewards`), with the metrics of the GRPO evaluation (`posttrain.eval.rl`).
+
+Rows are read straight from the source (its first `max_samples`), validated and tokenized as
+`prepare` does: `parse_row` and `RecordEncoder` with the suite's tokenizer and its chat template
+(the checkpoint's own tokenizer when the suite names none). Log-probs (loss, preference) come
+from the native model over packed rows with document boundaries and the chunked log-prob op, as
+in training; answers come from a rollout engine (`posttrain.rl.factory.load_engine`: the native
+KV-cache generator, or vLLM with ``rollout.kind: vllm``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from posttrain.config.loader import to_dict
+from posttrain.config.recipes import ColumnNames, load_recipe
+from posttrain.data.encode import LengthConfig, RecordEncoder
+from posttrain.data.formats import (ChatRecord, FormatConfig, FormatName, PreferenceRecord,
+                                    PromptRecord, Record, SequenceRecord, parse_row)
+from posttrain.data.packing import IGNORE_INDEX, Packer, PackingConfig, Sample, collate
+from posttrain.data.sources import RowStream, SourceConfig
+from posttrain.data.stream import ListStream
+from posttrain.data.tokenizer import ChatTokenizer, TokenizerConfig
+from posttrain.errors import ConfigError, DataError
+from posttrain.models.transformer import Transformer
+from posttrain.ops.cross_entropy import chunked_logprobs
+from posttrain.rl.engine import SamplingConfig
+from posttrain.rl.factory import RolloutEngineConfig, load_engine
+from posttrain.rl.rewards import (RewardFailures, RewardOutput, RewardSpec, combine,
+                                  parse_number)
+
+__all__ = ["GenerationSettings", "GraderConfig", "SuiteConfig", "SuiteResult", "TaskConfig",
+           "TaskResult", "load_suite", "run_suite", "sequence_logps"]
+
+TaskKind = Literal["heldout_loss", "generation", "preference", "reward"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# Options that only some kinds read: setting one on another kind is a config error.
+_KIND_OPTIONS: dict[str, tuple[str, ...]] = {
+    "format": ("heldout_loss",),
+    "reference_column": ("generation",),
+    "grader": ("generation",),
+    "generation": ("generation", "reward"),
+    "rewards": ("reward",),
+    "accuracy_reward": ("reward",),
+    "beta": ("preference",),
+}
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class GraderConfig:
+    """How a generation task scores an answer against the row's reference (0 or 1)."""
+
+    kind: Literal["exact_match", "exact_match_number", "regex"]
+    pattern: str | None = None          # regex: at most one capture group
+    full_match: bool = False            # regex: match the whole (stripped) answer
+
+    def __post_init__(self) -> None:
+        if self.kind != "regex":
+            if self.pattern is not None or self.full_match:
+                raise ValueError(f"pattern and full_match apply to kind regex, not {self.kind}")
+            return
+        if not self.pattern:
+            raise ValueError("pattern: required for kind regex")
+        try:
+            groups = re.compile(self.pattern).groups
+        except re.error as e:
+            raise ValueError(f"pattern: {self.pattern!r} is not a valid regex: {e}") from None
+        if groups > 1:
+            raise ValueError(f"pattern: {self.pattern!r} has {groups} capture groups; use at most "
+                             "one (the part compared with the reference), (?:...) for the rest")
+
+    def score(self, answer: str, reference: Any) -> float:
+        """1.0 when `answer` is right, else 0.0 (module docstring)."""
+        expected = str(reference).strip()
+        if self.kind == "exact_match_number":
+            want, got = parse_number(expected), parse_number(answer)
+            return float(got is not None and got == want)
+        if self.kind == "exact_match":
+            return float(answer.strip() == expected)
+        regex = re.compile(self.pattern, re.DOTALL)
+        if self.full_match:
+            found = regex.fullmatch(answer.strip())
+        else:
+            found = ([None] + list(regex.finditer(answer)))[-1]
+        if found is None:
+            return 0.0
+        got = found.group(1) if regex.groups else found.group(0)
+        return float(got is not None and got.strip() == expected)
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How a model answers: greedy (temperature 0) or sampled, `samples_per_prompt` each."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    samples_per_prompt: int = 1
+    stop_tokens: tuple[str, ...] = ()   # besides the tokenizer's eos, e.g. "<|im_end|>"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
+        if self.temperature == 0 and self.samples_per_prompt != 1:
+            raise ValueError("samples_per_prompt > 1 needs temperature > 0 (greedy answers to "
+                             "one prompt are all the same)")
+        SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+    def sampling(self, stop_token_ids: tuple[int, ...]) -> SamplingConfig:
+        greedy = self.temperature == 0
+        return SamplingConfig(temperature=self.temperature, top_p=1.0 if greedy else self.top_p,
+                              top_k=0 if greedy else self.top_k,
+                              max_new_tokens=self.max_new_tokens,
+                              stop_token_ids=stop_token_ids, seed=self.seed)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """One task of a suite; options that do not apply to its `kind` must stay unset."""
+
+    name: str
+    kind: TaskKind
+    data: SourceConfig
+    max_samples: int | None = None      # the first rows of the source; None: all
+    max_tokens_per_sample: int = 4096   # longer rows are truncated (prompts are refused)
+    columns: ColumnNames = ColumnNames()
+    format: Literal["chat", "sequence"] | None = None   # heldout_loss; default chat
+    reference_column: str | None = None                 # generation; default "answer"
+    grader: GraderConfig | None = None                   # generation
+    generation: GenerationSettings | None = None         # generation, reward
+    rewards: tuple[RewardSpec, ...] = ()                 # reward
+    accuracy_reward: str | None = None                   # reward: its mean is "accuracy"
+    beta: float | None = None                            # preference; default 0.1
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+            raise ValueError(f"name: {self.name!r} must be letters, digits, '_', '.' or '-'")
+        for key, kinds in _KIND_OPTIONS.items():
+            if self.kind not in kinds and getattr(self, key) not in (None, ()):
+                raise ValueError(f"{key}: applies to kind {' or '.join(kinds)}, not {self.kind}")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ValueError(f"max_samples must be >= 1, got {self.max_samples}")
+        if self.kind == "generation" and self.grader is None:
+            raise ValueError("grader: required for kind generation (kind: exact_match, "
+                             "exact_match_number or regex)")
+        if self.kind == "reward":
+            if not self.rewards:
+                raise ValueError("rewards: list at least one reward function")
+            names = [r.name for r in self.rewards]
+            if len(set(names)) != len(names):
+                raise ValueError(f"rewards: a function is listed twice in {names}")
+            if self.accuracy_reward is not None and self.accuracy_reward not in names:
+                raise ValueError(f"accuracy_reward: {self.accuracy_reward!r} is not one of the "
+                                 f"task's rewards {names}")
+        if self.beta is not None and not self.beta > 0:
+            raise ValueError(f"beta must be > 0, got {self.beta}")
+
+    @property
+    def data_format(self) -> FormatName:
+        if self.kind == "heldout_loss":
+            return self.format or "chat"
+        return "preference" if self.kind == "preference" else "prompt"
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    """A suite: its tasks, the tokenizer, and how models are run."""
+
+    tasks: tuple[TaskConfig, ...]
+    tokenizer: TokenizerConfig | None = None    # None: the evaluated checkpoint's tokenizer
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_tokens_per_forward: int = 4096          # packed row length of loss/preference forwards
+    rollout: RolloutEngineConfig = RolloutEngineConfig()
+
+    def __post_init__(self) -> None:
+        if not self.tasks:
+            raise ValueError("tasks: list at least one task")
+        names = [t.name for t in self.tasks]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"tasks: task names must be unique; {dups} repeat")
+        if self.rollout.placement != "colocated":
+            raise ValueError("rollout.placement: an evaluation runs its engine in process; "
+                             "use colocated")
+        if self.max_tokens_per_forward < 2:
+            raise ValueError("max_tokens_per_forward must be at least 2")
+
+
+def load_suite(path: str, overrides: dict | None = None) -> SuiteConfig:
+    """Read a suite YAML strictly: an unknown key fails, naming the file and the key."""
+    return load_recipe(path, SuiteConfig, overrides)
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class TaskResult:
+    """One task's metrics for both checkpoints, their differences, and per-sample records."""
+
+    name: str
+    kind: str
+    model: dict[str, float]
+    baseline: dict[str, float]
+    delta: dict[str, float]             # model - baseline
+    num_samples: int
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class SuiteResult:
+    model_dir: str
+    baseline_dir: str
+    suite: dict[str, Any]
+    tasks: list[TaskResult]
+
+    def table(self) -> list[dict[str, Any]]:
+        """Rows (task, metric, model, baseline, delta), tasks in suite order."""
+        return [{"task": t.name, "metric": k, "model": t.model[k], "baseline": t.baseline[k],
+                 "delta": t.delta[k]} for t in self.tasks for k in t.model]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model_dir": self.model_dir, "baseline_dir": self.baseline_dir,
+                "suite": self.suite, "table": self.table(),
+                "tasks": {t.name: {"kind": t.kind, "num_samples": t.num_samples,
+                                   "model": t.model, "baseline": t.baseline, "delta": t.delta,
+                                   "records": t.records} for t in self.tasks}}
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass
+class _Pass:
+    """What one checkpoint did on one task: metrics (None: computed with the other model's
+    pass) and, per row, its answer (or None) and scores."""
+
+    metrics: dict[str, float] | None
+    outputs: list[str | None]
+    scores: list[dict[str, float]]
+
+
+def run_suite(cfg: SuiteConfig, model_dir: str, baseline_dir: str) -> SuiteResult:
+    """Evaluate both checkpoints on every task of `cfg` and compare them (module docstring)."""
+    tokenizer = ChatTokenizer(cfg.tokenizer or TokenizerConfig(path=model_dir))
+    rows = {t.name: _read_rows(t, tokenizer) for t in cfg.tasks}
+    model = _evaluate_checkpoint(cfg, model_dir, tokenizer, rows)
+    baseline = _evaluate_checkpoint(cfg, baseline_dir, tokenizer, rows)
+    tasks = [_compare(t, rows[t.name], model[t.name], baseline[t.name]) for t in cfg.tasks]
+    return SuiteResult(model_dir, baseline_dir, to_dict(cfg), tasks)
+
+
+def _read_rows(task: TaskConfig, tokenizer: ChatTokenizer) -> list[tuple[Record, dict]]:
+    """(record, token columns) of the task's first rows; a bad row fails naming file and line."""
+    c = task.columns
+    fmt = FormatConfig(format=task.data_format, messages_field=c.messages,
+                       prompt_field=c.prompt, chosen_field=c.chosen, rejected_field=c.rejected)
+    encoder = RecordEncoder(tokenizer, task.data_format,
+                            LengthConfig(task.max_tokens_per_sample, "truncate"))
+    reference = task.reference_column or "answer"
+    out: list[tuple[Record, dict]] = []
+    with RowStream.from_source(task.data) as stream:
+        for raw in stream:
+            if task.max_samples is not None and len(out) >= task.max_samples:
+                break
+            if raw.error is not None:
+                raise raw.error
+            record = parse_row(raw.data, fmt, file=raw.file, line=raw.line)
+            if task.kind == "generation":
+                _check_reference(task, record, reference, raw.file, raw.line)
+            out.append((record, encoder.encode(record, file=raw.file, line=raw.line).columns))
+    if not out:
+        raise DataError(f"task {task.name!r}: the source has no rows", file=str(task.data.path))
+    return out
+
+
+def _check_reference(task: TaskConfig, record: Record, column: str, file: str,
+                     line: int) -> None:
+    assert isinstance(record, PromptRecord)
+    if column not in record.extras:
+        raise DataError(f"task {task.name!r}: the row has no reference column {column!r} (set "
+                        "the task's reference_column)", file=file, line=line, field=column,
+                        reason="missing_field")
+    if task.grader.kind == "exact_match_number" and \
+            parse_number(str(record.extras[column])) is None:
+        raise DataError(f"task {task.name!r}: reference {record.extras[column]!r} is not a "
+                        "number (grader exact_match_number)", file=file, line=line,
+                        field=column, reason="wrong_type")
+
+
+def _evaluate_checkpoint(cfg: SuiteConfig, hf_dir: str, tokenizer: ChatTokenizer,
+                         rows: dict[str, list[tuple[Record, dict]]]) -> dict[str, _Pass]:
+    """Every task on one checkpoint: log-prob tasks with the native model, then the answers."""
+    from posttrain.models.hf_io import load_hf
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_hf(hf_dir, device=device).to(_DTYPES[cfg.dtype]).eval()
+    if model.head.real_vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"checkpoint {hf_dir} has {model.head.real_vocab_size} token ids but "
+                          f"the suite's tokenizer has {tokenizer.vocab_size}; evaluate with the "
+                          "tokenizer it was trained with")
+    out: dict[str, _Pass] = {}
+    pad = tokenizer.pad_token_id or 0
+    for task in cfg.tasks:
+        if task.kind == "heldout_loss":
+            out[task.name] = _loss_pass(model, rows[task.name], cfg.max_tokens_per_forward, pad)
+        elif task.kind == "preference":
+            out[task.name] = _preference_pass(model, rows[task.name],
+                                              cfg.max_tokens_per_forward, pad)
+    answering = [t for t in cfg.tasks if t.kind in ("generation", "reward")]
+    if answering:
+        if cfg.rollout.kind != "native":        # vLLM loads its own copy: free the GPU first
+            del model
+            torch.cuda.empty_cache()
+            model = None
+        engine = load_engine(cfg.rollout, hf_dir, dtype=cfg.dtype, model=model)
+        for task in answering:
+            out[task.name] = _answer_pass(task, engine, tokenizer, rows[task.name])
+        del engine
+    return out
+
+
+@torch.no_grad()
+def sequence_logps(model: Transformer, documents: list[tuple[Any, Any]], *,
+                   max_tokens_per_forward: int = 4096, pad_token_id: int = 0
+                   ) -> list[tuple[float, int]]:
+    """Per document (input ids, loss mask): (sum of log p of its target tokens, their number).
+
+    Target tokens are those with ``loss_mask == 1`` (each predicted from the tokens before it).
+    Documents are packed into rows of `max_tokens_per_forward` tokens (longer when a document
+    is) with document boundaries, so no token sees another document.
+    """
+    if not documents:
+        return []
+    longest = max(len(ids) for ids, _ in documents)
+    cfg = PackingConfig(max_tokens_per_pack=max(max_tokens_per_forward, longest),
+                        buffer_samples=len(documents), pad_token_id=pad_token_id)
+    samples = [Sample(np.asarray(ids, np.int32), np.asarray(mask, np.bool_), sample_id=i)
+               for i, (ids, mask) in enumerate(documents)]
+    device, head = model.embed.weight.device, model.head
+    out: list[tuple[float, int] | None] = [None] * len(documents)
+    for row in Packer(ListStream(samples), cfg):
+        batch = collate([row])
+        labels_T = batch["labels"][0].to(device)
+        hidden = model(batch["input_ids"].to(device), batch["position_ids"].to(device),
+                       batch["document_lengths"])
+        logp_T = chunked_logprobs(hidden[0], head.weight, labels_T,
+                                  real_vocab_size=head.real_vocab_size,
+                                  softcap=getattr(head, "softcap", None))
+        start = 0
+        for sample_id, n in zip(row.sample_ids, row.document_lengths):
+            piece = slice(start, start + n)
+            out[sample_id] = (float(logp_T[piece].sum()),
+                              int((labels_T[piece] != IGNORE_INDEX).sum()))
+            start += n
+    assert all(o is not None for o in out), "the packer dropped a document"
+    return out  # type: ignore[return-value]
+
+
+def _loss_pass(model: Transformer, rows: list[tuple[Record, dict]], max_tokens: int,
+               pad: int) -> _Pass:
+    logps = sequence_logps(model, [(c["input_ids"], c["loss_mask"]) for _, c in rows],
+                           max_tokens_per_forward=max_tokens, pad_token_id=pad)
+    total, tokens = -sum(lp for lp, _ in logps), sum(n for _, n in logps)
+    loss = total / max(tokens, 1)
+    return _Pass({"loss": loss, "perplexity": math.exp(min(loss, 50.0))}, [None] * len(rows),
+                 [{"loss": -lp / max(n, 1), "tokens": n} for lp, n in logps])
+
+
+def _preference_pass(model: Transformer, rows: list[tuple[Record, dict]], max_tokens: int,
+                     pad: int) -> _Pass:
+    docs = [(c[f"{side}_input_ids"], c[f"{side}_loss_mask"])
+            for _, c in rows for side in ("chosen", "rejected")]
+    logps = sequence_logps(model, docs, max_tokens_per_forward=max_tokens, pad_token_id=pad)
+    return _Pass(None, [None] * len(rows),
+                 [{"logp_chosen": logps[2 * i][0], "logp_rejected": logps[2 * i + 1][0]}
+                  for i in range(len(rows))])
+
+
+def preference_metrics(policy: list[dict[str, float]], reference: list[dict[str, float]],
+                       beta: float) -> tuple[dict[str, float], list[float]]:
+    """(metrics, per-pair reward margins) of `policy` with `reference` as the DPO reference."""
+    margins = [beta * ((p["logp_chosen"] - r["logp_chosen"])
+                       - (p["logp_rejected"] - r["logp_rejected"]))
+               for p, r in zip(policy, reference)]
+    n = len(margins)
+    return {"reward_accuracy": sum(m > 0 for m in margins) / n,
+            "reward_margin": sum(margins) / n,
+            "logp_accuracy": sum(p["logp_chosen"] > p["logp_rejected"] for p in policy) / n,
+            }, margins
+
+
+class _Grading:
+    """A generation task's grader in the shape of a combined reward (one component)."""
+
+    def __init__(self, task: TaskConfig):
+        self.grader, self.column = task.grader, task.reference_column or "answer"
+
+    def __call__(self, completions: list[str], prompts: list[list[dict]],
+                 columns: dict[str, list[Any]]) -> RewardOutput:
+        scores = [self.grader.score(c, ref) for c, ref in zip(completions, columns[self.column])]
+        return RewardOutput(total=scores, components={"correct": scores},
+                            failures={"correct": RewardFailures()})
+
+
+def _answer_pass(task: TaskConfig, engine: Any, tokenizer: ChatTokenizer,
+                 rows: list[tuple[Record, dict]]) -> _Pass:
+    from posttrain.eval.rl import reward_eval
+    from posttrain.rl.prompts import PromptRow
+    settings = task.generation or GenerationSettings()
+    sampling = settings.sampling(_stop_token_ids(tokenizer, settings.stop_tokens))
+    prompts = [PromptRow([int(i) for i in c["prompt_ids"]], r.prompt, r.extras) for r, c in rows]
+    if task.kind == "generation":
+        reward, accuracy, names = _Grading(task), "correct", ["correct"]
+    else:
+        reward, accuracy = combine(task.rewards), task.accuracy_reward
+        names = ["reward", *(r.name for r in task.rewards)]
+
+    def generate(prompt_ids: list[list[int]]) -> list[list[Any]]:
+        return engine.generate(prompt_ids, sampling, settings.samples_per_prompt)
+
+    metrics, records = reward_eval(generate, prompts, tokenizer.hf, reward,
+                                   accuracy_reward=accuracy, num_records=len(prompts),
+                                   prefix="eval")
+    metrics = {k.split("/", 1)[1]: float(v) for k, v in metrics.items()
+               if k.split("/", 1)[1] not in ("num_prompts", "samples_per_prompt")}
+    if task.kind == "generation":            # accuracy already says it
+        metrics = {k: v for k, v in metrics.items()
+                   if k not in ("reward_mean", "correct_mean", "correct_failures")}
+    if "accuracy" in metrics:
+        metrics = {"accuracy": metrics.pop("accuracy"), **metrics}
+    return _Pass(metrics, [r["completion"] for r in records],
+                 [{k: r[k] for k in names} for r in records])
+
+
+def _stop_token_ids(tokenizer: ChatTokenizer, stop_tokens: tuple[str, ...]) -> tuple[int, ...]:
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    vocab = tokenizer.hf.get_vocab()
+    for token in stop_tokens:
+        if token not in vocab:
+            raise ConfigError(f"generation.stop_tokens: {token!r} is not a token of the "
+                              "tokenizer; list single tokens such as '<|im_end|>'")
+        ids.append(vocab[token])
+    return tuple(dict.fromkeys(ids))
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+def _compare(task: TaskConfig, rows: list[tuple[Record, dict]], model: _Pass,
+             baseline: _Pass) -> TaskResult:
+    extra: list[dict[str, float]] = [{} for _ in rows]
+    if task.kind == "preference":
+        beta = task.beta if task.beta is not None else 0.1
+        model.metrics, margins = preference_metrics(model.scores, baseline.scores, beta)
+        baseline.metrics, _ = preference_metrics(baseline.scores, baseline.scores, beta)
+        extra = [{"reward_margin": m} for m in margins]
+    assert model.metrics is not None and baseline.metrics is not None
+    delta = {k: model.metrics[k] - baseline.metrics[k] for k in model.metrics}
+    records = []
+    for i, (record, _) in enumerate(rows):
+        rec = _describe(task, record)
+        if model.outputs[i] is not None:
+            rec.update(model_output=model.outputs[i], baseline_output=baseline.outputs[i])
+        rec.update({f"model_{k}": v for k, v in model.scores[i].items()})
+        rec.update({f"baseline_{k}": v for k, v in baseline.scores[i].items()})
+        rec.update(extra[i])
+        records.append(rec)
+    return TaskResult(task.name, task.kind, model.metrics, baseline.metrics, delta, len(rows),
+                      records)
+
+
+def _describe(task: TaskConfig, record: Record) -> dict[str, Any]:
+    """The columns of a per-sample record that do not depend on the model."""
+    if isinstance(record, ChatRecord):
+        return {"prompt": _last(record.messages, "user"),
+                "reference": _last(record.messages, "assistant")}
+    if isinstance(record, SequenceRecord):
+        return {"text": record.text[:200] if record.text is not None else
+                f"{len(record.tokens or [])} tokens"}
+    if isinstance(record, PreferenceRecord):
+        return {"prompt": _last(record.prompt, "user"),
+                "chosen": _last(record.chosen, "assistant"),
+                "rejected": _last(record.rejected, "assistant")}
+    assert isinstance(record, PromptRecord)
+    out: dict[str, Any] = {"prompt": _last(record.prompt, "user")}
+    if task.kind == "generation":
+        out["reference"] = record.extras[task.reference_column or "answer"]
+    else:
+        out.update({k: v for k, v in record.extras.items()
+                    if isinstance(v, (str, int, float, bool))})
+    return out
+
+
+def _last(messages: list[dict[str, Any]], role: str) -> str:
+    found = [m.get("content", "") for m in messages if m.get("role") == role]
+    return str(found[-1]) if found else ""
