@@ -379,14 +379,16 @@ def _code_package() -> dict:
 
 
 def record_lineage(flow: Any, *, outputs: dict, parents: list | tuple = (),
-                   started_from: dict | None = None) -> dict:
+                   started_from: dict | None = None, datasets: list | None = None,
+                   config: dict | None = None) -> dict:
     """The run's lineage (`posttrain.lineage.Lineage` as a dict), for the end step to store.
 
     Datasets come from the prepare step's artifacts (`prepared_uri`, `content_hash`,
-    `manifest_summary`), the config from `flow.config`, the code version from git or the code
-    package. Also tags the run (`dataset:`, `config:`, `code:`, `model:`, `parent:`) and writes
-    `lineage.json` next to the run's outputs in its storage root, so weights found in storage
-    lead back to the run.
+    `manifest_summary`) unless given (`posttrain.lineage.raw_dataset_ref` for data read
+    without a prepare step), the config from `flow.config` unless given, the code version
+    from git or the code package. Also tags the run (`dataset:`, `config:`, `code:`,
+    `model:`, `parent:`) and writes `lineage.json` next to the run's outputs in its storage
+    root, so weights found in storage lead back to the run.
     """
     import warnings
 
@@ -394,14 +396,16 @@ def record_lineage(flow: Any, *, outputs: dict, parents: list | tuple = (),
     from metaflow.exception import MetaflowTaggingError
 
     from posttrain.lineage import build_lineage, code_version, dataset_ref, tags_for
-    summary = flow.manifest_summary
-    dataset = dataset_ref(prepared_uri=flow.prepared_uri, content_hash=flow.content_hash,
-                          config_hash=summary.get("config_hash", ""),
-                          sources=summary.get("sources"))
+    if datasets is None:
+        summary = flow.manifest_summary
+        datasets = [dataset_ref(prepared_uri=flow.prepared_uri, content_hash=flow.content_hash,
+                                config_hash=summary.get("config_hash", ""),
+                                sources=summary.get("sources"))]
     origin = current.origin_run_id
     lineage = build_lineage(
-        f"{current.flow_name}/{current.run_id}", config=flow.config.to_dict(),
-        datasets=[dataset], code=code_version(_code_root(), _code_package()), outputs=outputs,
+        f"{current.flow_name}/{current.run_id}",
+        config=flow.config.to_dict() if config is None else config,
+        datasets=datasets, code=code_version(_code_root(), _code_package()), outputs=outputs,
         parents=parents, started_from=started_from,
         resumed_from=f"{current.flow_name}/{origin}" if origin else None)
     tags = tags_for(lineage)
@@ -466,3 +470,18 @@ def suite_card(card: Any, result: dict, records: dict[str, list[dict]],
                              f"{task['num_samples']} samples"))
         if rows:
             card.append(Table(rows, headers=headers))
+
+
+def promoted_run(flow_name: str, tag: str, exclude: str | None = None) -> Any:
+    """The newest successful run of `flow_name` carrying `tag` (any namespace), or None."""
+    from metaflow import Flow, namespace
+    from metaflow.exception import MetaflowNotFound
+    namespace(None)                 # promotion is global: scheduled runs have their own namespace
+    try:
+        flow = Flow(flow_name)
+    except MetaflowNotFound:
+        return None
+    for run in flow.runs(tag):      # newest first
+        if run.id != str(exclude) and run.successful:
+            return run
+    return None

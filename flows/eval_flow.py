@@ -6,7 +6,8 @@
     evaluate  every task of the suite (held-out loss, graded generation, preference accuracy,
               RL rewards) on both checkpoints; the comparison table, the per-sample records,
               the full result as JSON in the run's storage, and a card with tables and a chart
-    end       print the table
+    end       record the lineage (the suite's data hashes, its config hash, the runs of both
+              checkpoints, code version), tag the run with it, draw it in a card; print
 
 Run it (from the repository root):
 
@@ -17,28 +18,32 @@ Run it (from the repository root):
         --baseline-run SFTFlow/<id>
     python flows/eval_flow.py card server                       # the evaluation card
 
+Deployed with `argo-workflows create`, the flow runs whenever a GRPOFlow run finishes
+(`@trigger_on_finish`): that run's export against the checkpoint it started from.
+
 The suite is validated against its schema when the flow is launched: an unknown key fails
 before any step runs. Generation uses the suite's rollout engine (native on CPU, vLLM on GPU).
 """
 
 from _posttrain_flow import build_config, parse_config, ship_repo
-from metaflow import Config, FlowSpec, Parameter, card, current, step
+from metaflow import Config, FlowSpec, Parameter, card, current, step, trigger_on_finish
 
 SUITE_SCHEMA = "posttrain.eval.suites.SuiteConfig"
 
 
+@trigger_on_finish(flow="GRPOFlow")
 @ship_repo("lib", "steps", "configs", "assets")
 class EvalFlow(FlowSpec):
     suite = Config("suite", default="configs/eval/tiny.yaml", parser=parse_config(SUITE_SCHEMA))
-    model_run = Parameter("model_run", default="",
+    model_run = Parameter("model-run", default="",
                           help="pathspec of a finished run (e.g. SFTFlow/1234) whose exported "
                                "checkpoint (`hf_uri`) to evaluate")
-    model_dir = Parameter("model_dir", default="", help="or: the checkpoint's directory / URI")
-    baseline_run = Parameter("baseline_run", default="",
+    model_dir = Parameter("model-dir", default="", help="or: the checkpoint's directory / URI")
+    baseline_run = Parameter("baseline-run", default="",
                              help="pathspec of a finished run whose export is the baseline")
-    baseline_dir = Parameter("baseline_dir", default="",
+    baseline_dir = Parameter("baseline-dir", default="",
                              help="or: the baseline checkpoint's directory / URI")
-    run_dir = Parameter("run_dir", default="runs/eval",
+    run_dir = Parameter("run-dir", default="runs/eval",
                         help="where the result JSON goes (local directory or s3:// prefix)")
 
     @step
@@ -46,10 +51,19 @@ class EvalFlow(FlowSpec):
         """Resolve the model and the baseline (run pathspec or directory), and the storage."""
         from _posttrain_flow import resolve_checkpoint, storage_root
         self.storage_root = storage_root(self, self.run_dir)
-        self.model_uri, self.model_parent = resolve_checkpoint(
-            "model", self.model_run, self.model_dir)
+        model_run, baseline_run, baseline_dir = self.model_run, self.baseline_run, \
+            self.baseline_dir
+        trigger = getattr(current, "trigger", None)
+        if trigger and not (model_run or self.model_dir):
+            # deployed, a finished GRPOFlow run triggers this flow: its export against the
+            # checkpoint it started from
+            model_run = trigger.run.pathspec
+            if not (baseline_run or baseline_dir):
+                baseline_dir = trigger.run.data.base_model_uri
+        self.model_uri, self.model_parent = resolve_checkpoint("model", model_run,
+                                                               self.model_dir)
         self.baseline_uri, self.baseline_parent = resolve_checkpoint(
-            "baseline", self.baseline_run, self.baseline_dir)
+            "baseline", baseline_run, baseline_dir)
         print(f"model: {self.model_uri} ({self.model_parent or 'directory'})\n"
               f"baseline: {self.baseline_uri} ({self.baseline_parent or 'directory'})")
         self.next(self.evaluate)
@@ -75,9 +89,18 @@ class EvalFlow(FlowSpec):
         print(evaluate_suite.summarize(result))
         self.next(self.end)
 
+    @card(type="blank", id="lineage")
     @step
     def end(self):
-        """Point at the results."""
+        """Record what the result came from (lineage artifact, run tags, card); print the table."""
+        from _posttrain_flow import lineage_card, record_lineage
+        from posttrain.lineage import raw_dataset_ref
+        self.lineage = record_lineage(
+            self, config=self.suite.to_dict(), outputs={"eval_uri": self.eval_uri},
+            datasets=[raw_dataset_ref(t["name"], t["data"]["path"]) for t in self.suite.tasks],
+            parents=[p for p in dict.fromkeys([self.model_parent, self.baseline_parent]) if p],
+            started_from={"model_uri": self.model_uri, "baseline_uri": self.baseline_uri})
+        lineage_card(current.card["lineage"], self.lineage)
         print(f"model: {self.model_uri}\nbaseline: {self.baseline_uri}\neval: {self.eval_uri}")
         for row in self.eval_table:
             print(f"  {row['task']:<24}{row['metric']:<28}{row['model']:>10.4g}"

@@ -19,18 +19,23 @@ Run it (from the repository root):
     python flows/grpo_flow.py --datastore=s3 --config config configs/grpo/qwen3_8b_2nodes.yaml \\
         run --with kubernetes --sft-run SFTFlow/<run id>
     python flows/grpo_flow.py resume grpo                          # continue from the checkpoint
+
+Deployed with `argo-workflows create`, the flow runs whenever an SFTFlow run finishes
+(`@trigger_on_finish`) and starts from that run's export.
 """
 
 from _posttrain_flow import build_config, parse_config, ray_nodes, ship_repo
-from metaflow import Config, FlowSpec, Parameter, card, current, retry, step
+from metaflow import (Config, FlowSpec, Parameter, card, current, retry, step,
+                      trigger_on_finish)
 
 GRPO_SCHEMA = "posttrain.train.grpo.GRPOConfig"
 
 
+@trigger_on_finish(flow="SFTFlow")
 @ship_repo("lib", "steps", "configs", "assets")
 class GRPOFlow(FlowSpec):
     config = Config("config", default="configs/grpo/tiny.yaml", parser=parse_config(GRPO_SCHEMA))
-    sft_run = Parameter("sft_run", default="",
+    sft_run = Parameter("sft-run", default="",
                         help="pathspec of a finished run (e.g. SFTFlow/1234) whose exported "
                              "checkpoint (`hf_uri`) to start from, instead of config.model")
 
@@ -41,9 +46,12 @@ class GRPOFlow(FlowSpec):
         self.storage_root = storage_root(self, self.config.run.dir)
         self.num_nodes = int(self.config.run.num_nodes)
         self.parent_run, self.base_model_uri = None, self.config.model.hf_dir
-        if self.sft_run:
+        # deployed (Argo), a finished SFTFlow run triggers this flow: start from its export
+        trigger = getattr(current, "trigger", None)
+        triggered = trigger.run.pathspec if trigger else None
+        if self.sft_run or triggered:
             from metaflow import Run
-            parent = Run(self.sft_run)
+            parent = Run(self.sft_run or triggered)
             if not parent.successful:
                 raise ValueError(f"--sft-run {self.sft_run} did not finish successfully")
             self.parent_run, self.base_model_uri = parent.pathspec, parent.data.hf_uri

@@ -21,7 +21,7 @@ from posttrain.config.recipes import load_recipe
 from posttrain.data.prepared import local_view
 from posttrain.eval.rl import reward_eval
 from posttrain.rl import factory
-from posttrain.rl.engine import Rollout
+from posttrain.rl.engine import Rollout, stop_token_ids
 from posttrain.rl.prompts import read_prompt_rows
 from posttrain.rl.rewards import combine
 from posttrain.train.grpo import GRPOConfig
@@ -36,7 +36,6 @@ def run(cfg: GRPOConfig, trained_dir: str, baseline_dir: str, prepared_dir: str
         ) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from steps.train_grpo import stop_token_ids
     local = local_view(prepared_dir)
     tokenizer = AutoTokenizer.from_pretrained(f"{local}/tokenizer")
     rows = read_prompt_rows(prepared_dir, "eval")[:cfg.eval.max_prompts]

@@ -40,11 +40,10 @@ import torch
 from posttrain.config.loader import to_dict
 from posttrain.config.recipes import load_recipe
 from posttrain.data.prepared import local_view
-from posttrain.errors import ConfigError
 from posttrain.eval.rl import prompt_columns, reward_eval
 from posttrain.losses.grpo import group_advantages
 from posttrain.rl.batch import Sample, pack_micro_batches, split_mini_batches
-from posttrain.rl.engine import Rollout, SamplingConfig
+from posttrain.rl.engine import Rollout, SamplingConfig, stop_token_ids
 from posttrain.rl.prompts import PromptRow, PromptStream, read_prompt_rows
 from posttrain.rl.rewards import combine
 from posttrain.train.grpo import GRPOConfig, GRPOWorker, RolloutWorker
@@ -234,18 +233,6 @@ class GRPOController:
 
     def save_checkpoint(self, step: int) -> None:
         self.group.call("save_checkpoint", {"prompts": self.stream.state_dict(), "step": step})
-
-
-def stop_token_ids(tokenizer: Any, stop_tokens: tuple[str, ...]) -> tuple[int, ...]:
-    """The tokenizer's eos plus the configured stop tokens, each a single known token."""
-    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    vocab = tokenizer.get_vocab()
-    for token in stop_tokens:
-        if token not in vocab:
-            raise ConfigError(f"sampling.stop_tokens: {token!r} is not a token of the "
-                              "tokenizer; list single tokens such as '<|im_end|>'")
-        ids.append(vocab[token])
-    return tuple(dict.fromkeys(ids))
 
 
 # --------------------------------------------------------------------------- the run

@@ -272,6 +272,12 @@ def make_datasets(data_dir: Path) -> list[str]:
     # bundled tokenizer (and every other asset) stays as it was.
     write_jsonl(data_dir / "arithmetic_worked" / "train.jsonl", [worked_row(*p) for p in train])
     write_jsonl(data_dir / "arithmetic_worked" / "eval.jsonl", [worked_row(*p) for p in evals])
+    # Dated snapshots of the worked data, as a retraining schedule sees them (configs/retrain/):
+    # the newer one has twice the training rows; both share the held-out problems.
+    for day, rows in (("2026-11-29", 1000), ("2026-11-30", 2000)):
+        snap = data_dir / "snapshots" / "arithmetic" / day
+        write_jsonl(snap / "train.jsonl", [worked_row(*p) for p in train[:rows]])
+        write_jsonl(snap / "eval.jsonl", [worked_row(*p) for p in evals])
     return corpus
 
 

@@ -32,10 +32,14 @@ def main(argv: list[str]) -> int:
     for row in end.eval_table:
         print(f"  {row['metric']:<24}{row['value']}")
     python = os.path.relpath(sys.executable)
-    print("cards (loss, tokens/s, MFU; eval table and samples):")
+    print("cards (loss, tokens/s, MFU; eval table and samples; lineage):")
     print("  make cards                              # then open http://localhost:8324")
-    for step in ("train", "evaluate"):
+    for step in ("train", "evaluate", "end"):
         print(f"  {python} {flow_file} card get {run.id}/{step} {step}-card.html")
+    if "lineage" in end:
+        posttrain = os.path.join(os.path.dirname(python), "posttrain")
+        print(f"lineage (datasets, config, code, parent runs):\n"
+              f"  {posttrain} lineage {run.pathspec}")
     return 0
 
 

@@ -178,6 +178,30 @@ def dataset_ref(*, prepared_uri: str, content_hash: str, config_hash: str,
             "config_hash": config_hash, "sources": list(sources or [])}
 
 
+def raw_dataset_ref(name: str, path: str | list[str]) -> dict[str, Any]:
+    """A dataset read as it is, without a prepare step (an evaluation task's rows).
+
+    `content_hash` is the sha256 over the sha256 of each file's bytes, in the order
+    `expand_paths` lists them: it changes when any row changes, not when the files move.
+    """
+    import fsspec
+
+    from posttrain.data.sources import expand_paths
+    files = expand_paths(path)
+    digests = []
+    for uri in files:
+        h = hashlib.sha256()
+        with fsspec.open(uri, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        digests.append(h.hexdigest())
+    content = hashlib.sha256("\n".join(digests).encode()).hexdigest()
+    path = path if isinstance(path, str) else list(path)
+    return {"prepared_uri": None, "content_hash": content, "config_hash": None,
+            "sources": [{"split": "eval", "name": name, "path": path, "files": len(files),
+                         "content_hash": content}]}
+
+
 def check_pathspec(pathspec: str) -> str:
     """`Flow/run_id`, or a `LineageError` saying what a run pathspec looks like."""
     parts = str(pathspec).split("/")
@@ -303,8 +327,9 @@ def _details(lin: Mapping[str, Any]) -> list[str]:
             path = s.get("path")
             path = ", ".join(path) if isinstance(path, list) else path
             lines.append(f"data {s.get('split')}/{s.get('name')}: {path}")
-        lines.append(f"prepared: {d['prepared_uri']} (prepare config "
-                     f"{d.get('config_hash', '')[:SHORT]})")
+        if d.get("prepared_uri"):
+            lines.append(f"prepared: {d['prepared_uri']} (prepare config "
+                         f"{(d.get('config_hash') or '')[:SHORT]})")
     for k, v in lin.get("started_from", {}).items():
         lines.append(f"started from {k}: {v}")
     if lin.get("resumed_from"):

@@ -1,12 +1,13 @@
 """Lineage of a real chain of runs, through Metaflow's Runner and client:
 
     SFTFlow (arithmetic chats, a few steps) -> GRPOFlow --sft-run SFTFlow/<id>
+        -> EvalFlow --model-run GRPOFlow/<id> --baseline-run SFTFlow/<id>
 
-Each run's `lineage` artifact must name its prepared dataset by the prepare step's content
-hash and its config by the hash of the resolved config; the GRPO run's parent must be the SFT
-run; the runs carry the dataset/config/model/parent tags (and the client filters on them);
-`posttrain lineage GRPOFlow/<id>` prints both runs as a tree; the end step's lineage card
-shows it.
+Each run's `lineage` artifact must name its datasets by content hash (a recipe run's: the
+prepare step's hash; the eval run's: the hash of its suite's data files) and its config by
+the hash of the resolved config; each run's parents must be the runs it started from; the
+runs carry the dataset/config/model/parent tags (and the client filters on them);
+`posttrain lineage <run>` prints the chain as a tree; the end step's lineage card shows it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import pytest
 
 from .conftest import REPO, card_components
 
+EVAL_FLOW = REPO / "flows" / "eval_flow.py"
+TINY_SUITE = REPO / "configs" / "eval" / "tiny.yaml"
 GRPO_FLOW = REPO / "flows" / "grpo_flow.py"
 SFT_FLOW = REPO / "flows" / "sft_flow.py"
 TINY_GRPO = REPO / "configs" / "grpo" / "tiny.yaml"
@@ -152,6 +155,8 @@ def test_lineage_of_an_sft_then_grpo_chain(sandbox, monkeypatch, tmp_path):
     as_json = json.loads(_lineage_cli(sandbox, grpo.pathspec, "--json").stdout)
     assert as_json["parents"][0]["lineage"] == sft_lin
 
+    _check_eval_lineage(sandbox, sft, grpo)
+
     # an unknown run and a run without lineage: one line, exit 2
     missing = _lineage_cli(sandbox, "SFTFlow/123")
     assert missing.returncode == 2 and missing.stdout == ""
@@ -164,3 +169,51 @@ def test_lineage_of_an_sft_then_grpo_chain(sandbox, monkeypatch, tmp_path):
     no_lineage = _lineage_cli(sandbox, old.pathspec)
     assert no_lineage.returncode == 2
     assert no_lineage.stderr.strip().count("\n") == 0 and "no `lineage`" in no_lineage.stderr
+
+
+def _files_hash(path: str) -> str:
+    import hashlib
+    digest = hashlib.sha256((REPO / path).read_bytes()).hexdigest()
+    return hashlib.sha256(digest.encode()).hexdigest()
+
+
+def _check_eval_lineage(sandbox, sft, grpo) -> None:
+    """EvalFlow of the GRPO export against the SFT export: both runs are its parents, its
+    datasets are its suite's files, and the tree reaches the SFT run through both."""
+    import yaml
+    from metaflow import Runner
+
+    from posttrain.lineage import config_hash
+    data = yaml.safe_load(TINY_SUITE.read_text())
+    data["tasks"] = [t for t in data["tasks"] if t["kind"] in ("heldout_loss", "generation")][:2]
+    for task in data["tasks"]:
+        task["max_samples"] = 4
+    suite = sandbox.root / "suite.yaml"
+    suite.write_text(yaml.safe_dump(data, sort_keys=False))
+    with Runner(str(EVAL_FLOW), cwd=str(REPO), env=sandbox.env, show_output=False,
+                config=[("suite", str(suite))], pylint=False) as runner:
+        ev = runner.run(model_run=grpo.pathspec, baseline_run=sft.pathspec,
+                        run_dir=str(sandbox.root / "runs")).run
+        assert ev.successful, ev
+        lin = ev.data.lineage
+        assert lin["parents"] == [grpo.pathspec, sft.pathspec]
+        assert lin["started_from"] == {"model_uri": grpo.data.hf_uri,
+                                       "baseline_uri": sft.data.hf_uri}
+        resolved = _resolved_config("posttrain.eval.suites.SuiteConfig", suite)
+        assert lin["config"] == resolved and lin["config_hash"] == config_hash(resolved)
+        assert [d["content_hash"] for d in lin["datasets"]] == \
+            [_files_hash(t["data"]["path"]) for t in data["tasks"]]
+        assert lin["outputs"] == {"eval_uri": ev.data.eval_uri}
+        tags = set(ev.tags)
+        assert {f"parent:{grpo.pathspec}", f"parent:{sft.pathspec}",
+                f"config:{lin['config_hash'][:12]}"} <= tags
+        assert {f"dataset:{d['content_hash'][:12]}" for d in lin["datasets"]} <= tags
+    out = _lineage_cli(sandbox, ev.pathspec, "--brief")
+    assert out.returncode == 0, out.stderr
+    h = {run.pathspec: run.data.lineage["config_hash"][:12] for run in (sft, grpo)}
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"{ev.pathspec} (dataset ")
+    assert lines[1].startswith(f"├─ {grpo.pathspec} (") and h[grpo.pathspec] in lines[1]
+    assert lines[2].startswith(f"│  └─ {sft.pathspec} (") and h[sft.pathspec] in lines[2]
+    assert lines[3].startswith(f"└─ {sft.pathspec} (") and lines[3].endswith("(shown above)")
+    assert len(lines) == 4

@@ -93,15 +93,21 @@ def read_flow(path: Path) -> FlowSource:
 
 
 def gpus_per_node(config_path: Path | None) -> tuple[int, int]:
-    """(GPUs each node of the training step needs, num_nodes) from the config's `run` section.
+    """(GPUs each node of the training step needs, num_nodes) from the config: the trainer
+    workers' GPUs (`run`), plus those of separately placed GRPO rollout engines (`rollout`).
 
     Defaults are RunConfig's: one node, one worker, no resources per worker."""
     if config_path is None:
         return 0, 1
-    run = (yaml.safe_load(config_path.read_text()) or {}).get("run") or {}
+    data = yaml.safe_load(config_path.read_text()) or {}
+    run = data.get("run") or {}
     nodes, workers = int(run.get("num_nodes", 1)), int(run.get("num_workers", 1))
-    per_worker = float((run.get("resources_per_worker") or {}).get("GPU", 0))
-    return math.ceil(workers * per_worker / nodes), nodes
+    total = workers * float((run.get("resources_per_worker") or {}).get("GPU", 0))
+    rollout = data.get("rollout") or {}
+    if rollout.get("placement") == "separate":
+        total += int(rollout.get("num_engines", 1)) * float(
+            (rollout.get("resources_per_engine") or {}).get("num_gpus", 0))
+    return math.ceil(total / nodes), nodes
 
 
 def _cases() -> list[tuple[Path, Path | None]]:
@@ -305,8 +311,9 @@ def test_retries_are_the_flows_retry_decorators(compile_spec, flow: Path, config
 
 @pytest.mark.parametrize(("flow", "config"), CASES, ids=IDS)
 def test_training_step_asks_each_node_for_the_configs_gpus(compile_spec, flow: Path, config: Path):
-    """GPUs per node = ceil(num_workers x resources_per_worker.GPU / num_nodes), on the control
-    and the worker pods of the JobSet alike; a config without GPUs asks for none anywhere."""
+    """GPUs per node = ceil((num_workers x resources_per_worker.GPU + separate rollout engines'
+    GPUs) / num_nodes), on the control and the worker pods of the JobSet alike; a config
+    without GPUs asks for none anywhere."""
     source = read_flow(flow)
     spec = compile_spec(flow, config)
     expected, _ = gpus_per_node(config)

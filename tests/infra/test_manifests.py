@@ -298,6 +298,14 @@ def test_kubernetes_profile_names_what_the_manifests_define(kubernetes_profile: 
     assert datastore["METAFLOW_DATASTORE_SYSROOT_S3"] == p["METAFLOW_DATASTORE_SYSROOT_S3"]
     assert p["METAFLOW_DEFAULT_DATASTORE"] == "s3" and p["METAFLOW_DEFAULT_METADATA"] == "service"
     assert not p["METAFLOW_KUBERNETES_CONTAINER_IMAGE"].endswith(":latest")
+    # @trigger_on_finish: the event bus, the webhook event source and the sensors' account
+    assert (ns, p["METAFLOW_ARGO_EVENTS_EVENT_BUS"]) in _by_kind("EventBus")
+    source = _by_kind("EventSource")[(ns, p["METAFLOW_ARGO_EVENTS_EVENT_SOURCE"])]
+    assert p["METAFLOW_ARGO_EVENTS_EVENT"] in source["spec"]["webhook"]
+    assert (ns, p["METAFLOW_ARGO_EVENTS_SERVICE_ACCOUNT"]) in _by_kind("ServiceAccount")
+    hook = urlparse(p["METAFLOW_ARGO_EVENTS_WEBHOOK_URL"])
+    assert hook.hostname.split(".")[:2] == [f"{source['metadata']['name']}-eventsource-svc", ns]
+    assert hook.path == source["spec"]["webhook"][p["METAFLOW_ARGO_EVENTS_EVENT"]]["endpoint"]
 
 
 def _local_kustomizations() -> list[Path]:

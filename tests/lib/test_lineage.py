@@ -11,7 +11,8 @@ import pytest
 
 from posttrain.lineage import (MAX_LINEAGE_TAGS, LineageError, build_lineage, canonical_json,
                                code_label, code_version, config_hash, dataset_ref, format_tree,
-                               lineage_card_spec, tags_for, tree_hash, walk)
+                               lineage_card_spec, raw_dataset_ref, tags_for, tree_hash,
+                               walk)
 
 CFG = {"train": {"max_steps": 10, "optimizer": {"lr": 0.003, "betas": [0.9, 0.95]}},
        "data": {"format": "chat", "train": [{"path": "a.jsonl", "name": "a"}]},
@@ -87,6 +88,21 @@ def test_build_lineage_records_the_config_hash_and_drops_missing_parents():
         _lineage("GRPOFlow/2", parents=["SFTFlow"])
     with pytest.raises(ValueError, match="no content hash"):
         dataset_ref(prepared_uri="/p", content_hash="", config_hash="")
+
+
+def test_raw_dataset_hash_follows_the_rows_not_the_location(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "eval.jsonl").write_text('{"x": 1}\n')
+    (b / "eval.jsonl").write_text('{"x": 1}\n')
+    ref = raw_dataset_ref("t", str(a / "eval.jsonl"))
+    assert ref["content_hash"] == raw_dataset_ref("t", str(b / "eval.jsonl"))["content_hash"]
+    assert ref["sources"][0]["path"] == str(a / "eval.jsonl") and ref["prepared_uri"] is None
+    (b / "eval.jsonl").write_text('{"x": 2}\n')
+    assert ref["content_hash"] != raw_dataset_ref("t", str(b / "eval.jsonl"))["content_hash"]
+    both = raw_dataset_ref("t", [str(a / "eval.jsonl"), str(b / "eval.jsonl")])
+    assert both["sources"][0]["files"] == 2 and both["content_hash"] != ref["content_hash"]
 
 
 def test_tags_name_dataset_config_code_model_and_parents_within_metaflow_limits():
@@ -201,7 +217,8 @@ def test_format_tree_of_a_hand_built_tree():
     assert full[0].startswith("GRPOFlow/2 (dataset")
     assert "├─ data train/a: a.jsonl" in full
     assert "├─ hf_uri: /runs/GRPOFlow/2/hf" in full
-    sft_line = full.index(f"├─ SFTFlow/1 (dataset 1a2b3c4d5e6f, config {h}, code 0123456+dirty)")
+    sft_line = full.index(
+        f"├─ SFTFlow/1 (dataset 1a2b3c4d5e6f, config {h}, code 0123456+dirty)")
     assert full[sft_line + 1] == "│  ├─ data train/a: a.jsonl"
     assert full[-1] == "└─ SFTFlow/0 (no lineage: no such run)"
 

@@ -1,4 +1,4 @@
-"""Held-out loss/perplexity of a native model, and a few generated samples.
+"""Held-out loss/perplexity of a native model, per-document log-probs, and a few samples.
 
 Used after training on the exported checkpoint (single process): the numbers are what the
 exported model does, not what the trainer believed. Generation here re-runs the full prefix
@@ -11,11 +11,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from posttrain.data.loader import LoaderConfig, TrainLoader
+from posttrain.data.packing import IGNORE_INDEX, Packer, PackingConfig, Sample, collate
+from posttrain.data.stream import ListStream
 from posttrain.losses.sft import sft_loss_sum
 from posttrain.models.transformer import Transformer
+from posttrain.ops.cross_entropy import chunked_logprobs
 from posttrain.ops.vocab import sample_next_token
 
 
@@ -40,6 +44,43 @@ def heldout_loss(model: Transformer, sources: dict[str, list[str]], loader_cfg: 
     loss = loss_sum / max(tokens, 1)
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens,
             "batches": batches}
+
+
+@torch.no_grad()
+def sequence_logps(model: Transformer, documents: list[tuple[Any, Any]], *,
+                   max_tokens_per_forward: int = 4096, pad_token_id: int = 0
+                   ) -> list[tuple[float, int]]:
+    """Per document (input ids, loss mask): (sum of log p of its target tokens, their number).
+
+    Target tokens are those with ``loss_mask == 1`` (each predicted from the tokens before it).
+    Documents are packed into rows of `max_tokens_per_forward` tokens (longer when a document
+    is) with document boundaries, so no token sees another document.
+    """
+    if not documents:
+        return []
+    longest = max(len(ids) for ids, _ in documents)
+    cfg = PackingConfig(max_tokens_per_pack=max(max_tokens_per_forward, longest),
+                        buffer_samples=len(documents), pad_token_id=pad_token_id)
+    samples = [Sample(np.asarray(ids, np.int32), np.asarray(mask, np.bool_), sample_id=i)
+               for i, (ids, mask) in enumerate(documents)]
+    device, head = model.embed.weight.device, model.head
+    out: list[tuple[float, int] | None] = [None] * len(documents)
+    for row in Packer(ListStream(samples), cfg):
+        batch = collate([row])
+        labels_T = batch["labels"][0].to(device)
+        hidden = model(batch["input_ids"].to(device), batch["position_ids"].to(device),
+                       batch["document_lengths"])
+        logp_T = chunked_logprobs(hidden[0], head.weight, labels_T,
+                                  real_vocab_size=head.real_vocab_size,
+                                  softcap=getattr(head, "softcap", None))
+        start = 0
+        for sample_id, n in zip(row.sample_ids, row.document_lengths):
+            piece = slice(start, start + n)
+            out[sample_id] = (float(logp_T[piece].sum()),
+                              int((labels_T[piece] != IGNORE_INDEX).sum()))
+            start += n
+    assert all(o is not None for o in out), "the packer dropped a document"
+    return out  # type: ignore[return-value]
 
 
 @torch.no_grad()

@@ -35,7 +35,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 from posttrain.config.loader import to_dict
@@ -43,20 +42,19 @@ from posttrain.config.recipes import ColumnNames, load_recipe
 from posttrain.data.encode import LengthConfig, RecordEncoder
 from posttrain.data.formats import (ChatRecord, FormatConfig, FormatName, PreferenceRecord,
                                     PromptRecord, Record, SequenceRecord, parse_row)
-from posttrain.data.packing import IGNORE_INDEX, Packer, PackingConfig, Sample, collate
 from posttrain.data.sources import RowStream, SourceConfig
-from posttrain.data.stream import ListStream
 from posttrain.data.tokenizer import ChatTokenizer, TokenizerConfig
 from posttrain.errors import ConfigError, DataError
+from posttrain.eval.heldout import sequence_logps
+from posttrain.eval.preference import preference_metrics
 from posttrain.models.transformer import Transformer
-from posttrain.ops.cross_entropy import chunked_logprobs
-from posttrain.rl.engine import SamplingConfig
+from posttrain.rl.engine import SamplingConfig, stop_token_ids
 from posttrain.rl.factory import RolloutEngineConfig, load_engine
 from posttrain.rl.rewards import (RewardFailures, RewardOutput, RewardSpec, combine,
                                   parse_number)
 
 __all__ = ["GenerationSettings", "GraderConfig", "SuiteConfig", "SuiteResult", "TaskConfig",
-           "TaskResult", "load_suite", "run_suite", "sequence_logps"]
+           "TaskResult", "load_suite", "run_suite"]
 
 TaskKind = Literal["heldout_loss", "generation", "preference", "reward"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -277,6 +275,10 @@ class _Pass:
 def run_suite(cfg: SuiteConfig, model_dir: str, baseline_dir: str) -> SuiteResult:
     """Evaluate both checkpoints on every task of `cfg` and compare them (module docstring)."""
     tokenizer = ChatTokenizer(cfg.tokenizer or TokenizerConfig(path=model_dir))
+    for task in cfg.tasks:                  # fail on a bad stop token before loading models
+        if task.generation is not None:
+            stop_token_ids(tokenizer.hf, task.generation.stop_tokens,
+                           key="generation.stop_tokens")
     rows = {t.name: _read_rows(t, tokenizer) for t in cfg.tasks}
     model = _evaluate_checkpoint(cfg, model_dir, tokenizer, rows)
     baseline = _evaluate_checkpoint(cfg, baseline_dir, tokenizer, rows)
@@ -326,24 +328,24 @@ def _evaluate_checkpoint(cfg: SuiteConfig, hf_dir: str, tokenizer: ChatTokenizer
                          rows: dict[str, list[tuple[Record, dict]]]) -> dict[str, _Pass]:
     """Every task on one checkpoint: log-prob tasks with the native model, then the answers."""
     from posttrain.models.hf_io import load_hf
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_hf(hf_dir, device=device).to(_DTYPES[cfg.dtype]).eval()
-    if model.head.real_vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"checkpoint {hf_dir} has {model.head.real_vocab_size} token ids but "
-                          f"the suite's tokenizer has {tokenizer.vocab_size}; evaluate with the "
-                          "tokenizer it was trained with")
-    out: dict[str, _Pass] = {}
-    pad = tokenizer.pad_token_id or 0
-    for task in cfg.tasks:
-        if task.kind == "heldout_loss":
-            out[task.name] = _loss_pass(model, rows[task.name], cfg.max_tokens_per_forward, pad)
-        elif task.kind == "preference":
-            out[task.name] = _preference_pass(model, rows[task.name],
-                                              cfg.max_tokens_per_forward, pad)
+    scoring = [t for t in cfg.tasks if t.kind in ("heldout_loss", "preference")]
     answering = [t for t in cfg.tasks if t.kind in ("generation", "reward")]
+    out: dict[str, _Pass] = {}
+    model = None
+    if scoring or (answering and cfg.rollout.kind == "native"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = load_hf(hf_dir, device=device).to(_DTYPES[cfg.dtype]).eval()
+        if model.head.real_vocab_size < tokenizer.vocab_size:
+            raise ConfigError(f"checkpoint {hf_dir} has {model.head.real_vocab_size} token ids "
+                              f"but the suite's tokenizer has {tokenizer.vocab_size}; evaluate "
+                              "with the tokenizer it was trained with")
+    pad = tokenizer.pad_token_id or 0
+    for task in scoring:
+        score = _loss_pass if task.kind == "heldout_loss" else _preference_pass
+        out[task.name] = score(model, rows[task.name], cfg.max_tokens_per_forward, pad)
     if answering:
-        if cfg.rollout.kind != "native":        # vLLM loads its own copy: free the GPU first
-            del model
+        if cfg.rollout.kind != "native" and model is not None:
+            del model                           # vLLM loads its own copy: free the GPU first
             torch.cuda.empty_cache()
             model = None
         engine = load_engine(cfg.rollout, hf_dir, dtype=cfg.dtype, model=model)
@@ -351,43 +353,6 @@ def _evaluate_checkpoint(cfg: SuiteConfig, hf_dir: str, tokenizer: ChatTokenizer
             out[task.name] = _answer_pass(task, engine, tokenizer, rows[task.name])
         del engine
     return out
-
-
-@torch.no_grad()
-def sequence_logps(model: Transformer, documents: list[tuple[Any, Any]], *,
-                   max_tokens_per_forward: int = 4096, pad_token_id: int = 0
-                   ) -> list[tuple[float, int]]:
-    """Per document (input ids, loss mask): (sum of log p of its target tokens, their number).
-
-    Target tokens are those with ``loss_mask == 1`` (each predicted from the tokens before it).
-    Documents are packed into rows of `max_tokens_per_forward` tokens (longer when a document
-    is) with document boundaries, so no token sees another document.
-    """
-    if not documents:
-        return []
-    longest = max(len(ids) for ids, _ in documents)
-    cfg = PackingConfig(max_tokens_per_pack=max(max_tokens_per_forward, longest),
-                        buffer_samples=len(documents), pad_token_id=pad_token_id)
-    samples = [Sample(np.asarray(ids, np.int32), np.asarray(mask, np.bool_), sample_id=i)
-               for i, (ids, mask) in enumerate(documents)]
-    device, head = model.embed.weight.device, model.head
-    out: list[tuple[float, int] | None] = [None] * len(documents)
-    for row in Packer(ListStream(samples), cfg):
-        batch = collate([row])
-        labels_T = batch["labels"][0].to(device)
-        hidden = model(batch["input_ids"].to(device), batch["position_ids"].to(device),
-                       batch["document_lengths"])
-        logp_T = chunked_logprobs(hidden[0], head.weight, labels_T,
-                                  real_vocab_size=head.real_vocab_size,
-                                  softcap=getattr(head, "softcap", None))
-        start = 0
-        for sample_id, n in zip(row.sample_ids, row.document_lengths):
-            piece = slice(start, start + n)
-            out[sample_id] = (float(logp_T[piece].sum()),
-                              int((labels_T[piece] != IGNORE_INDEX).sum()))
-            start += n
-    assert all(o is not None for o in out), "the packer dropped a document"
-    return out  # type: ignore[return-value]
 
 
 def _loss_pass(model: Transformer, rows: list[tuple[Record, dict]], max_tokens: int,
@@ -410,19 +375,6 @@ def _preference_pass(model: Transformer, rows: list[tuple[Record, dict]], max_to
                   for i in range(len(rows))])
 
 
-def preference_metrics(policy: list[dict[str, float]], reference: list[dict[str, float]],
-                       beta: float) -> tuple[dict[str, float], list[float]]:
-    """(metrics, per-pair reward margins) of `policy` with `reference` as the DPO reference."""
-    margins = [beta * ((p["logp_chosen"] - r["logp_chosen"])
-                       - (p["logp_rejected"] - r["logp_rejected"]))
-               for p, r in zip(policy, reference)]
-    n = len(margins)
-    return {"reward_accuracy": sum(m > 0 for m in margins) / n,
-            "reward_margin": sum(margins) / n,
-            "logp_accuracy": sum(p["logp_chosen"] > p["logp_rejected"] for p in policy) / n,
-            }, margins
-
-
 class _Grading:
     """A generation task's grader in the shape of a combined reward (one component)."""
 
@@ -441,7 +393,8 @@ def _answer_pass(task: TaskConfig, engine: Any, tokenizer: ChatTokenizer,
     from posttrain.eval.rl import reward_eval
     from posttrain.rl.prompts import PromptRow
     settings = task.generation or GenerationSettings()
-    sampling = settings.sampling(_stop_token_ids(tokenizer, settings.stop_tokens))
+    sampling = settings.sampling(stop_token_ids(tokenizer.hf, settings.stop_tokens,
+                                                key="generation.stop_tokens"))
     prompts = [PromptRow([int(i) for i in c["prompt_ids"]], r.prompt, r.extras) for r, c in rows]
     if task.kind == "generation":
         reward, accuracy, names = _Grading(task), "correct", ["correct"]
@@ -464,17 +417,6 @@ def _answer_pass(task: TaskConfig, engine: Any, tokenizer: ChatTokenizer,
         metrics = {"accuracy": metrics.pop("accuracy"), **metrics}
     return _Pass(metrics, [r["completion"] for r in records],
                  [{k: r[k] for k in names} for r in records])
-
-
-def _stop_token_ids(tokenizer: ChatTokenizer, stop_tokens: tuple[str, ...]) -> tuple[int, ...]:
-    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    vocab = tokenizer.hf.get_vocab()
-    for token in stop_tokens:
-        if token not in vocab:
-            raise ConfigError(f"generation.stop_tokens: {token!r} is not a token of the "
-                              "tokenizer; list single tokens such as '<|im_end|>'")
-        ids.append(vocab[token])
-    return tuple(dict.fromkeys(ids))
 
 
 # --------------------------------------------------------------------------- comparing

@@ -23,7 +23,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["FinishReason", "Rollout", "RolloutEngine", "SamplingConfig"]
+__all__ = ["FinishReason", "Rollout", "RolloutEngine", "SamplingConfig", "stop_token_ids"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -91,3 +91,18 @@ class RolloutEngine(Protocol):
                  temperature: float = 1.0) -> list[list[float]]:
         """Teacher-forced log-probs of sequences[i][prompt_lens[i]:], one per token."""
         ...
+
+
+def stop_token_ids(tokenizer, stop_tokens: Iterable[str], *,
+                   key: str = "sampling.stop_tokens") -> tuple[int, ...]:
+    """The Hugging Face `tokenizer`'s eos id plus each of `stop_tokens` (single tokens of its
+    vocabulary, e.g. ``<|im_end|>``); a ConfigError naming `key` for one that is not a token."""
+    from posttrain.errors import ConfigError
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    vocab = tokenizer.get_vocab()
+    for token in stop_tokens:
+        if token not in vocab:
+            raise ConfigError(f"{key}: {token!r} is not a token of the tokenizer; list single "
+                              "tokens such as '<|im_end|>'")
+        ids.append(vocab[token])
+    return tuple(dict.fromkeys(ids))

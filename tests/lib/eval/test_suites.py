@@ -13,8 +13,8 @@ import torch
 
 from posttrain.config.loader import build
 from posttrain.errors import ConfigError
-from posttrain.eval.suites import (GraderConfig, SuiteConfig, load_suite, run_suite,
-                                   sequence_logps)
+from posttrain.eval.heldout import sequence_logps
+from posttrain.eval.suites import GraderConfig, SuiteConfig, load_suite, run_suite
 from posttrain.train.engine import ModelInitConfig, write_random_hf_model
 
 REPO = Path(__file__).resolve().parents[3]

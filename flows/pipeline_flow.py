@@ -1,0 +1,131 @@
+"""SFT -> GRPO -> evaluation chained in one flow, for a laptop or one machine.
+
+    start     fix the run's storage
+    sft       prepare the SFT data, train, export (the SFT recipe, e.g. arithmetic_tiny.yaml)
+    grpo      prepare the prompts, GRPO from the SFT export, export
+    evaluate  the evaluation suite: the GRPO model against the SFT model it started from
+    end       the chain and the table
+
+On a cluster the same chain runs as three deployed flows, each triggered by the previous one
+finishing (`@trigger_on_finish` on GRPOFlow and EvalFlow); this flow is the local equivalent,
+with every intermediate checkpoint an artifact of one run:
+
+    python flows/pipeline_flow.py run
+    python flows/pipeline_flow.py --config sft my_sft.yaml --config grpo my_grpo.yaml run
+"""
+
+from _posttrain_flow import build_config, parse_config, ship_repo
+from metaflow import Config, FlowSpec, card, current, retry, step
+
+SFT_SCHEMA = "posttrain.train.sft.SFTConfig"
+GRPO_SCHEMA = "posttrain.train.grpo.GRPOConfig"
+SUITE_SCHEMA = "posttrain.eval.suites.SuiteConfig"
+
+
+@ship_repo("lib", "steps", "configs", "assets")
+class PipelineFlow(FlowSpec):
+    sft = Config("sft", default="configs/sft/arithmetic_tiny.yaml", parser=parse_config(SFT_SCHEMA))
+    grpo = Config("grpo", default="configs/grpo/tiny.yaml", parser=parse_config(GRPO_SCHEMA))
+    suite = Config("suite", default="configs/eval/tiny.yaml", parser=parse_config(SUITE_SCHEMA))
+
+    @step
+    def start(self):
+        """Fix the storage root of the whole chain."""
+        from _posttrain_flow import storage_root
+        self.storage_root = storage_root(self, "runs/pipeline")
+        print(f"storage: {self.storage_root}")
+        self.next(self.train_sft)
+
+    @retry(times=1)
+    @step
+    def train_sft(self):
+        """Prepare and train the SFT recipe; export HF."""
+        import dataclasses
+
+        from _posttrain_flow import join, prepare_data, publish, scratch_dir
+        from steps import train_sft
+        root = join(self.storage_root, "sft")
+        data = prepare_data(SFT_SCHEMA, self.sft, root)
+        self.sft_prepared_uri, self.sft_content_hash = data["prepared_uri"], data["content_hash"]
+        self.sft_manifest_summary = data["manifest_summary"]
+        cfg = build_config(SFT_SCHEMA, self.sft)
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run,
+                                                               dir=scratch_dir(root, "train")))
+        result = train_sft.run(cfg, prepared_dir=self.sft_prepared_uri,
+                               checkpoint_dir=join(root, "train"), show_progress=False)
+        self.sft_hf_uri = publish(result["hf_dir"], join(root, "hf"))
+        self.sft_result = {k: result.get(k) for k in ("steps", "final_loss", "eval")}
+        self.next(self.train_grpo)
+
+    @retry(times=1)
+    @step
+    def train_grpo(self):
+        """Prepare the prompts and run GRPO from the SFT export; export HF."""
+        import dataclasses
+
+        from _posttrain_flow import fetch, join, prepare_data, publish, scratch_dir
+        from steps import train_grpo
+        root = join(self.storage_root, "grpo")
+        data = prepare_data(GRPO_SCHEMA, self.grpo, root)
+        self.grpo_prepared_uri = data["prepared_uri"]
+        self.grpo_content_hash = data["content_hash"]
+        self.grpo_manifest_summary = data["manifest_summary"]
+        cfg = build_config(GRPO_SCHEMA, self.grpo)
+        cfg = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, hf_dir=fetch(self.sft_hf_uri), init=None),
+            run=dataclasses.replace(cfg.run, dir=scratch_dir(root, "train")))
+        result = train_grpo.run(cfg, prepared_dir=self.grpo_prepared_uri,
+                                checkpoint_dir=join(root, "train"), show_progress=False)
+        self.hf_uri = publish(result["hf_dir"], join(root, "hf"))
+        self.grpo_result = {k: result.get(k) for k in (
+            "steps", "final_reward_mean", "max_sync_diff", "baseline_eval", "eval")}
+        self.next(self.evaluate)
+
+    @card(type="blank", id="evaluation")
+    @step
+    def evaluate(self):
+        """The suite: the GRPO model against the SFT model it started from."""
+        from _posttrain_flow import fetch, join, publish_json, suite_card
+        from steps import evaluate_suite
+        result = evaluate_suite.run(build_config(SUITE_SCHEMA, self.suite), fetch(self.hf_uri),
+                                    fetch(self.sft_hf_uri))
+        full = {**result.to_dict(), "model_uri": self.hf_uri, "baseline_uri": self.sft_hf_uri}
+        self.eval_uri = publish_json(full, join(self.storage_root, "eval.json"))
+        self.records = {t.name: t.records for t in result.tasks}
+        self.eval_table = result.table()
+        suite_card(current.card["evaluation"],
+                   {**full, "tasks": {n: {k: v for k, v in t.items() if k != "records"}
+                                      for n, t in full["tasks"].items()}}, self.records)
+        print(evaluate_suite.summarize(result))
+        self.next(self.end)
+
+    @card(type="blank", id="lineage")
+    @step
+    def end(self):
+        """The chain and the table; the lineage (both datasets, all three configs)."""
+        from _posttrain_flow import lineage_card, record_lineage
+        from posttrain.lineage import dataset_ref
+        datasets = [dataset_ref(prepared_uri=uri, content_hash=h,
+                                config_hash=summary.get("config_hash", ""),
+                                sources=summary.get("sources"))
+                    for uri, h, summary in (
+                        (self.sft_prepared_uri, self.sft_content_hash, self.sft_manifest_summary),
+                        (self.grpo_prepared_uri, self.grpo_content_hash,
+                         self.grpo_manifest_summary))]
+        self.lineage = record_lineage(
+            self, outputs={"sft_hf_uri": self.sft_hf_uri, "hf_uri": self.hf_uri,
+                           "eval_uri": self.eval_uri},
+            datasets=datasets, config={"sft": self.sft.to_dict(), "grpo": self.grpo.to_dict(),
+                                       "suite": self.suite.to_dict()},
+            started_from={"base_model_uri": self.sft.model.hf_dir})
+        lineage_card(current.card["lineage"], self.lineage)
+        print(f"SFT:  {self.sft_hf_uri} (data {self.sft_content_hash[:12]})\n"
+              f"GRPO: {self.hf_uri} (prompts {self.grpo_content_hash[:12]})\n"
+              f"eval: {self.eval_uri}")
+        for row in self.eval_table:
+            print(f"  {row['task']:<24}{row['metric']:<28}{row['model']:>10.4g}"
+                  f"{row['baseline']:>10.4g}{row['delta']:>+10.4g}")
+
+
+if __name__ == "__main__":
+    PipelineFlow()

@@ -1,0 +1,137 @@
+"""Scheduled retraining with a promotion gate: newest snapshot -> SFT -> evaluate -> promote?
+
+    start     find the newest complete data snapshot; point the SFT recipe at it
+    prepare   tokenize the snapshot into shards
+    train     the SFT recipe (checkpoints every K steps, HF export)
+    evaluate  the candidate and the currently promoted model (the newest run of this flow tagged
+              `promoted`) on the snapshot's held-out split, then the gate
+              (`posttrain.promotion.decide`): promote only if better by the margin
+    end       move the `promoted` tag (or leave it) and say why
+
+Deployed with `python flows/retrain_flow.py --datastore=s3 argo-workflows create`, it runs on the
+`@schedule` below; locally, `python flows/retrain_flow.py run` runs it once.
+"""
+
+from _posttrain_flow import parse_config, ship_repo
+from metaflow import Config, FlowSpec, card, current, retry, schedule, step
+
+RETRAIN_SCHEMA = "posttrain.retrain.RetrainConfig"
+SFT_SCHEMA = "posttrain.train.sft.SFTConfig"
+PROMOTED = "promoted"
+
+
+@schedule(daily=True)
+@ship_repo("lib", "steps", "configs", "assets")
+class RetrainFlow(FlowSpec):
+    config = Config("config", default="configs/retrain/tiny.yaml",
+                    parser=parse_config(RETRAIN_SCHEMA))
+
+    @step
+    def start(self):
+        """The newest snapshot, and the SFT recipe pointed at it (validated here)."""
+        from _posttrain_flow import build_config, storage_root
+        from posttrain.config.loader import to_dict
+        from posttrain.config.recipes import load_recipe
+        from posttrain.retrain import newest_snapshot
+        from posttrain.train.sft import SFTConfig
+        cfg = build_config(RETRAIN_SCHEMA, self.config)
+        self.snapshot = newest_snapshot(cfg.snapshots)
+        recipe = load_recipe(cfg.recipe, SFTConfig, {
+            "data.train": [{"name": "snapshot", "path": self.snapshot["train"]}],
+            "data.eval": [{"name": "snapshot", "path": self.snapshot["eval"]}]})
+        self.recipe = to_dict(recipe)
+        self.storage_root = storage_root(self, recipe.run.dir)
+        print(f"snapshot {self.snapshot['name']} (sha256 {self.snapshot['sha256'][:12]}); "
+              f"storage {self.storage_root}")
+        self.next(self.prepare)
+
+    @step
+    def prepare(self):
+        """Tokenize the snapshot into shards."""
+        from _posttrain_flow import prepare_data
+        out = prepare_data(SFT_SCHEMA, self.recipe, self.storage_root)
+        self.prepared_uri, self.content_hash = out["prepared_uri"], out["content_hash"]
+        self.manifest_summary = out["manifest_summary"]
+        self.next(self.train)
+
+    @retry(times=1)
+    @step
+    def train(self):
+        """Train the candidate (continuing from the newest checkpoint on a retry); export HF."""
+        import dataclasses
+
+        from _posttrain_flow import build_config, join, publish, scratch_dir
+        from steps import train_sft
+        cfg = build_config(SFT_SCHEMA, self.recipe)
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(
+            cfg.run, dir=scratch_dir(self.storage_root, "train")))
+        result = train_sft.run(cfg, prepared_dir=self.prepared_uri,
+                               checkpoint_dir=join(self.storage_root, "train"),
+                               show_progress=False)
+        self.hf_uri = publish(result["hf_dir"], join(self.storage_root, "train", "hf"))
+        self.train_result = {k: result.get(k) for k in ("steps", "final_loss", "eval")}
+        self.next(self.evaluate)
+
+    @card(type="blank", id="promotion")
+    @step
+    def evaluate(self):
+        """Candidate vs the promoted model on this snapshot's held-out split; the gate."""
+        from metaflow.cards import Markdown, Table
+
+        from _posttrain_flow import build_config, fetch, promoted_run
+        from posttrain.data.prepared import local_view
+        from posttrain.promotion import decide
+        from steps import evaluate
+        gate = build_config(RETRAIN_SCHEMA, self.config).gate
+        sft = build_config(SFT_SCHEMA, self.recipe)
+        prepared = local_view(self.prepared_uri)
+
+        def metrics(hf_uri: str) -> dict[str, float]:
+            held = evaluate.run(fetch(hf_uri), prepared, loader=sft.train.loader,
+                                max_batches=sft.eval.max_batches, num_samples=0)["heldout"]
+            return {"eval_loss": held["loss"], "eval_perplexity": held["perplexity"]}
+
+        self.candidate_metrics = metrics(self.hf_uri)
+        previous = promoted_run(current.flow_name, PROMOTED, exclude=current.run_id)
+        self.baseline_run = previous.pathspec if previous else None
+        self.baseline_metrics = metrics(previous.data.hf_uri) if previous else None
+        d = decide(gate, self.candidate_metrics, self.baseline_metrics)
+        self.decision = {"promote": d.promote, "reason": d.reason, "metric": gate.metric,
+                         "candidate": d.candidate, "baseline": d.baseline,
+                         "improvement": d.improvement, "baseline_run": self.baseline_run}
+        card_ = current.card["promotion"]
+        card_.append(Markdown(f"# Promotion: {'promoted' if d.promote else 'not promoted'}\n\n"
+                              f"{d.reason}"))
+        rows = [[k, round(v, 4), "" if self.baseline_metrics is None
+                 else round(self.baseline_metrics[k], 4)]
+                for k, v in self.candidate_metrics.items()]
+        card_.append(Table(rows, headers=["metric", "candidate",
+                                          f"promoted ({self.baseline_run or 'none'})"]))
+        print(d.reason)
+        self.next(self.end)
+
+    @card(type="blank", id="lineage")
+    @step
+    def end(self):
+        """Move the `promoted` tag to this run if the gate said so; record the lineage."""
+        from metaflow import Run
+
+        from _posttrain_flow import lineage_card, record_lineage
+        self.lineage = record_lineage(
+            self, outputs={"hf_uri": self.hf_uri}, config={
+                "retrain": self.config.to_dict(), "recipe": self.recipe},
+            started_from={"base_model_uri": self.recipe["model"].get("hf_dir"),
+                          "snapshot": self.snapshot})
+        lineage_card(current.card["lineage"], self.lineage)
+        if self.decision["promote"]:
+            current.run.add_tags([PROMOTED])
+            if self.baseline_run:
+                Run(self.baseline_run).remove_tag(PROMOTED)
+            print(f"promoted {current.flow_name}/{current.run_id} "
+                  f"(was {self.baseline_run or 'none'})")
+        else:
+            print(f"kept {self.baseline_run}: {self.decision['reason']}")
+
+
+if __name__ == "__main__":
+    RetrainFlow()
