@@ -131,21 +131,27 @@ def launch_workers(run_cfg: Any, worker_cls: type, args: tuple) -> Iterator[Any]
 
 def step_loop(group: Any, *, name: str, start: int, max_steps: int, checkpoint_every: int,
               writer: Any, show_progress: bool,
-              postfix: Callable[[dict], dict[str, str]]) -> list[dict]:
-    """The driver's loop: `train_step` on every rank, log, checkpoint every K steps.
+              postfix: Callable[[dict], dict[str, str]],
+              step_fn: Callable[[int], dict | None] | None = None,
+              save_fn: Callable[[int], Any] | None = None) -> list[dict]:
+    """The driver's loop: one step, log, checkpoint every K steps.
 
-    Returns the metrics of the steps run here. Stops early (with a warning) when the workers
-    report that the data is exhausted. Without a progress bar (a Metaflow task log, CI) a plain
-    line is logged every max_steps/20 steps, so a person can follow the run.
+    A step is `step_fn(step)` (the GRPO controller's) or, by default, `train_step` on every
+    rank; a checkpoint is `save_fn(step)` or `save_checkpoint` on every rank. Returns the
+    metrics of the steps run here. Stops early (with a warning) when a step returns None (the
+    data is exhausted). Without a progress bar (a Metaflow task log, CI) a plain line is logged
+    every max_steps/20 steps, so a person can follow the run.
     """
     if not show_progress and not logging.getLogger().handlers:
         # called from a flow or a notebook: make the progress lines visible
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    step_fn = step_fn or (lambda step: group.call("train_step")[0])
+    save_fn = save_fn or (lambda step: group.call("save_checkpoint"))
     history: list[dict] = []
     log_every = max(1, max_steps // 20)
     bar = tqdm(total=max_steps, initial=start, desc=name, unit="step", disable=not show_progress)
     for step in range(start, max_steps):
-        metrics = group.call("train_step")[0]
+        metrics = step_fn(step)
         if metrics is None:
             log.warning("data exhausted after %d steps (train.max_steps=%d)", step, max_steps)
             break
@@ -158,6 +164,6 @@ def step_loop(group: Any, *, name: str, start: int, max_steps: int, checkpoint_e
             log.info("%s step %d/%d  %s", name, metrics["step"], max_steps,
                      "  ".join(f"{k} {v}" for k, v in shown.items()))
         if metrics["step"] % checkpoint_every == 0:
-            group.call("save_checkpoint")
+            save_fn(metrics["step"])
     bar.close()
     return history

@@ -49,7 +49,7 @@ from posttrain.rl.rewards import combine
 from posttrain.train.grpo import GRPOConfig, GRPOWorker, RolloutWorker
 from posttrain.train.metrics import MetricsWriter
 from steps.common import (base_model_dir, drop_metrics_after, ensure_prepared, launch_workers,
-                          overrides_from)
+                          overrides_from, step_loop)
 
 log = logging.getLogger("posttrain.train_grpo")
 
@@ -247,7 +247,6 @@ def run(config: GRPOConfig | str | Path, *, overrides: dict | None = None,
     `checkpoints/` live (default `run.dir`), so a retried task continues from the last one.
     """
     from transformers import AutoTokenizer
-    from tqdm.auto import tqdm
 
     cfg = config if isinstance(config, GRPOConfig) else load_recipe(config, GRPOConfig, overrides)
     run_dir = Path(cfg.run.dir)
@@ -263,7 +262,6 @@ def run(config: GRPOConfig | str | Path, *, overrides: dict | None = None,
     metrics_path = run_dir / "metrics.jsonl"
     writer = MetricsWriter(metrics_path, tensorboard_dir=cfg.run.tensorboard_dir)
     args = (to_dict(cfg), hf_dir, prepared_dir, checkpoint_dir or str(run_dir))
-    history: list[dict] = []
     with launch_workers(cfg.run, GRPOWorker, args) as group:
         info = group.call("describe")[0]
         rollouts = (ColocatedRollouts(group) if cfg.rollout.placement == "colocated"
@@ -281,22 +279,11 @@ def run(config: GRPOConfig | str | Path, *, overrides: dict | None = None,
             baseline, baseline_records = ({}, []) if start else ctl.evaluate()
             if baseline:
                 writer.write({"step": 0, **baseline})
-            bar = tqdm(total=cfg.train.max_steps, initial=start, desc="grpo", unit="step",
-                       disable=not show_progress)
-            log_every = max(1, cfg.train.max_steps // 20)
-            for step in range(start, cfg.train.max_steps):
-                metrics = ctl.step(step)
-                writer.write(metrics)
-                history.append(metrics)
-                shown = _postfix(metrics)
-                bar.update()
-                bar.set_postfix(**shown)
-                if not show_progress and metrics["step"] % log_every == 0:
-                    log.info("grpo step %d/%d  %s", metrics["step"], cfg.train.max_steps,
-                             "  ".join(f"{k} {v}" for k, v in shown.items()))
-                if metrics["step"] % cfg.train.checkpoint_every_steps == 0:
-                    ctl.save_checkpoint(metrics["step"])
-            bar.close()
+            history = step_loop(group, name="grpo", start=start,
+                                max_steps=cfg.train.max_steps,
+                                checkpoint_every=cfg.train.checkpoint_every_steps,
+                                writer=writer, show_progress=show_progress, postfix=_postfix,
+                                step_fn=ctl.step, save_fn=ctl.save_checkpoint)
             final, records = ctl.evaluate()
             if final:
                 writer.write({"step": cfg.train.max_steps, **final})

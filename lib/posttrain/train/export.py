@@ -55,3 +55,15 @@ def export_hf(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str, *,
     else:
         raise ValueError(f"unknown export format {fmt!r}")
     return str(out)
+
+
+def export_worker(engine, cfg, prepared_dir: str, out_dir: str) -> str | None:
+    """A recipe worker's export: gather the full weights of `engine` (a collective, every rank
+    calls it) and write them on rank 0 in the recipe's `cfg.export` format, the prepared
+    tokenizer alongside; None on the other ranks."""
+    state = engine.full_state_dict()
+    if engine.rank != 0:
+        return None
+    return export_hf(state, engine.args, out_dir, fmt=cfg.export.format, lora=cfg.model.lora,
+                     tokenizer_dir=f"{prepared_dir}/tokenizer", dtype=cfg.export.dtype,
+                     base_dir=engine.hf_dir)

@@ -408,13 +408,8 @@ class GRPOWorker:
 
     def export(self, out_dir: str) -> str | None:
         """Write the HF checkpoint (rank 0); a collective."""
-        from posttrain.train.export import export_hf
-        state = self.engine.full_state_dict()
-        if self.rank != 0:
-            return None
-        return export_hf(state, self.engine.args, out_dir, fmt=self.cfg.export.format,
-                         lora=self.cfg.model.lora, tokenizer_dir=f"{self.prepared_dir}/tokenizer",
-                         dtype=self.cfg.export.dtype, base_dir=self.engine.hf_dir)
+        from posttrain.train.export import export_worker
+        return export_worker(self.engine, self.cfg, self.prepared_dir, out_dir)
 
     def close(self) -> None:
         pass
