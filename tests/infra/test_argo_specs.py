@@ -44,11 +44,12 @@ class FlowSource:
     """What a flow file declares, read from its syntax tree (the flow is not imported)."""
 
     path: Path
-    config_default: str | None                                  # Config("config", default=)
+    config_default: str | None                                  # Config(name, default=...)
     retries: dict[str, int] = field(default_factory=dict)       # step -> @retry(times=)
     steps: tuple[str, ...] = ()
     ray_steps: tuple[str, ...] = ()                             # steps under @ray_nodes
     scheduled: bool = False
+    config_name: str = "config"                                 # the Config's name
 
 
 def _name(node: ast.expr) -> str:
@@ -65,15 +66,18 @@ def read_flow(path: Path) -> FlowSource:
              and any(_name(b) == "FlowSpec" for b in c.bases)]
     assert len(flows) == 1, f"{path.name}: expected one FlowSpec class, found {len(flows)}"
     cls = flows[0]
-    default = None
+    configs: list[tuple[str, str | None]] = []              # (name, default) of each Config
     for stmt in cls.body:
         if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) \
                 and _name(stmt.value) == "Config":
             kw = {k.arg: k.value for k in stmt.value.keywords}
-            if "default" in kw:
-                value = kw["default"]
-                default = constants.get(value.id) if isinstance(value, ast.Name) \
-                    else ast.literal_eval(value)
+            value = kw.get("default")
+            configs.append((ast.literal_eval(stmt.value.args[0]), None if value is None else
+                            constants.get(value.id) if isinstance(value, ast.Name)
+                            else ast.literal_eval(value)))
+    # one Config: compiled with every config of its recipe; several (a pipeline of recipes):
+    # compiled with their defaults
+    name, default = configs[0] if len(configs) == 1 else ("config", None)
     steps, ray_steps, retries = [], [], {}
     for fn in cls.body:
         if not isinstance(fn, ast.FunctionDef):
@@ -89,7 +93,7 @@ def read_flow(path: Path) -> FlowSource:
             kw = {k.arg: ast.literal_eval(k.value) for k in getattr(deco, "keywords", [])}
             retries[fn.name] = int(kw.get("times", 3))       # Metaflow's default
     scheduled = any(_name(d) == "schedule" for d in cls.decorator_list)
-    return FlowSource(path, default, retries, tuple(steps), tuple(ray_steps), scheduled)
+    return FlowSource(path, default, retries, tuple(steps), tuple(ray_steps), scheduled, name)
 
 
 def gpus_per_node(config_path: Path | None) -> tuple[int, int]:
@@ -112,7 +116,7 @@ def gpus_per_node(config_path: Path | None) -> tuple[int, int]:
 
 def _cases() -> list[tuple[Path, Path | None]]:
     """Every flow with every config of its recipe (the directory of its Config default); a
-    flow without a Config default is compiled as it is."""
+    flow without a Config default, or with several Configs, is compiled as it is."""
     cases: list[tuple[Path, Path | None]] = []
     for flow in FLOWS:
         default = read_flow(flow).config_default
@@ -154,7 +158,8 @@ def compile_spec(s3, tmp_path_factory, request):
     def run(case: tuple[Path, Path | None]) -> tuple[Any, subprocess.CompletedProcess, float]:
         flow, config = case
         started = time.monotonic()
-        with_config = ["--config", "config", str(config.relative_to(REPO))] if config else []
+        name = read_flow(flow).config_name
+        with_config = ["--config", name, str(config.relative_to(REPO))] if config else []
         out = subprocess.run(
             [sys.executable, str(flow.relative_to(REPO)), "--datastore=s3", *with_config,
              "argo-workflows", "create", "--only-json"],

@@ -290,7 +290,7 @@ class GRPOWorker:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(state[name])
-        return GRPOLoss(model, replace(self.cfg.algorithm, reference="none"),
+        return GRPOLoss(model, replace(self.cfg.algorithm, reference="none", kl_coef=0.0),
                         self._temperature, None, self.cfg.model.loss_chunk_tokens)
 
     # ------------------------------------------------------------------ info and state
