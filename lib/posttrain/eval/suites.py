@@ -47,6 +47,7 @@ from posttrain.data.tokenizer import ChatTokenizer, TokenizerConfig
 from posttrain.errors import ConfigError, DataError
 from posttrain.eval.heldout import sequence_logps
 from posttrain.eval.preference import preference_metrics
+from posttrain.models.args import DTYPES
 from posttrain.models.transformer import Transformer
 from posttrain.rl.engine import SamplingConfig, stop_token_ids
 from posttrain.rl.factory import RolloutEngineConfig, load_engine
@@ -57,7 +58,6 @@ __all__ = ["GenerationSettings", "GraderConfig", "SuiteConfig", "SuiteResult", "
            "TaskResult", "load_suite", "run_suite"]
 
 TaskKind = Literal["heldout_loss", "generation", "preference", "reward"]
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Options that only some kinds read: setting one on another kind is a config error.
 _KIND_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -334,7 +334,7 @@ def _evaluate_checkpoint(cfg: SuiteConfig, hf_dir: str, tokenizer: ChatTokenizer
     model = None
     if scoring or (answering and cfg.rollout.kind == "native"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = load_hf(hf_dir, device=device).to(_DTYPES[cfg.dtype]).eval()
+        model = load_hf(hf_dir, device=device).to(DTYPES[cfg.dtype]).eval()
         if model.head.real_vocab_size < tokenizer.vocab_size:
             raise ConfigError(f"checkpoint {hf_dir} has {model.head.real_vocab_size} token ids "
                               f"but the suite's tokenizer has {tokenizer.vocab_size}; evaluate "

@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 Family = Literal["qwen3", "qwen3_moe", "llama", "gemma3"]
 
 
@@ -82,3 +84,7 @@ class ModelArgs:
         from posttrain.models.families import bridge_for_config
 
         return bridge_for_config(config).args_from_hf(config, vocab_multiple=vocab_multiple)
+
+
+# The weight dtypes a config may name (model.dtype, export.dtype, a suite's dtype).
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import torch
 
-from posttrain.models.args import ModelArgs
+from posttrain.models.args import DTYPES, ModelArgs
 from posttrain.rl.engine import RolloutEngine
 
 __all__ = ["RolloutEngineConfig", "build_rollout_engine", "load_engine"]
@@ -82,6 +82,6 @@ def load_engine(cfg: RolloutEngineConfig, hf_dir: str, *, dtype: str = "float32"
     if model is None:
         from posttrain.models.hf_io import load_hf
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        torch_dtype = DTYPES[dtype]
         model = load_hf(hf_dir, device=device).to(torch_dtype).eval()
     return NativeEngine(model, max_batch_sequences=cfg.max_batch_sequences)

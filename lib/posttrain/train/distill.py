@@ -266,10 +266,10 @@ class DistillWorker(SFTWorker):
         """Stream the teacher's HF tensors into its shards (the root is already on the device)."""
         from posttrain.distributed.materialize import fill_parameters
         from posttrain.models.hf_io import iter_hf_tensors
-        from posttrain.train.engine import _DTYPES
+        from posttrain.models.args import DTYPES
         teacher = self._teacher
         assert teacher is not None
-        dtype = _DTYPES[self.cfg.model.dtype]
+        dtype = DTYPES[self.cfg.model.dtype]
         fill_parameters(self.engine.root, ((n, t.to(dtype)) for n, t in
                                            iter_hf_tensors(self.teacher_dir, teacher.args)),
                         prefix="teacher.")

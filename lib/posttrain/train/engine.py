@@ -38,7 +38,7 @@ from posttrain.distributed.env import build_mesh, get_device, init_process_group
 from posttrain.distributed.materialize import materialize
 from posttrain.distributed.parallelize import ParallelConfig, count_params, parallelize
 from posttrain.errors import ConfigError
-from posttrain.models.args import ModelArgs
+from posttrain.models.args import DTYPES, ModelArgs
 from posttrain.models.families.base import VOCAB_PARAMS
 from posttrain.models.hf_io import grow_vocab_rows, iter_hf_tensors, load_hf
 from posttrain.models.transformer import LMHead, Transformer, build_model
@@ -48,7 +48,6 @@ from posttrain.train.optim import (OptimizerConfig, SchedulerConfig, build_optim
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -178,7 +177,7 @@ class Engine:
         root = loss_factory(model)
         mesh = build_mesh(self.cfg.parallel.dp_shard, self.cfg.parallel.tp)
         root = parallelize(model, mesh, self.cfg.parallel, root=root)
-        dtype = _DTYPES[mcfg.dtype]
+        dtype = DTYPES[mcfg.dtype]
         # a custom head (a reward model's scalar projection) replaces the LM head: it is
         # initialized here, not read from the checkpoint
         custom_head = not isinstance(model.head, LMHead)
@@ -288,10 +287,18 @@ def _fit_vocab(name: str, t: torch.Tensor, ckpt: ModelArgs, model: ModelArgs) ->
 
 
 def all_reduce_sum(value: float) -> float:
+    return _all_reduce(value, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(value: float) -> float:
+    return _all_reduce(value, dist.ReduceOp.MAX)
+
+
+def _all_reduce(value: float, op) -> float:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=op)
     return float(t.item())
 
 

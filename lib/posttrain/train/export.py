@@ -13,11 +13,10 @@ from typing import Literal
 
 import torch
 
-from posttrain.models.args import ModelArgs
+from posttrain.models.args import DTYPES, ModelArgs
 from posttrain.models.hf_io import save_hf
 from posttrain.models.transformer import build_model
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def model_from_state(state: dict[str, torch.Tensor], args: ModelArgs, lora=None):
@@ -42,7 +41,7 @@ def export_hf(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str, *,
               tokenizer_dir: str | None = None, dtype: str | None = None,
               base_dir: str | None = None) -> str:
     model = model_from_state(state, args, lora)
-    torch_dtype = _DTYPES[dtype] if dtype else None
+    torch_dtype = DTYPES[dtype] if dtype else None
     out = Path(out_dir)
     if fmt == "full":
         save_hf(model, out, tokenizer_dir=tokenizer_dir, dtype=torch_dtype)

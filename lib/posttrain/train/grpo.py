@@ -40,7 +40,8 @@ from posttrain.ops.cross_entropy import IGNORE_INDEX, chunked_entropy, chunked_l
 from posttrain.rl.engine import Rollout, SamplingConfig
 from posttrain.rl.factory import RolloutEngineConfig, build_rollout_engine
 from posttrain.rl.rewards import RewardConfig
-from posttrain.train.engine import Engine, EngineConfig, ModelConfig
+from posttrain.models.args import DTYPES
+from posttrain.train.engine import Engine, EngineConfig, ModelConfig, all_reduce_max
 from posttrain.train.sft import ExportConfig, RunConfig, _tokenizer_vocab
 
 log = logging.getLogger(__name__)
@@ -281,7 +282,7 @@ class GRPOWorker:
         return self.cfg.sampling.temperature if self.cfg.sampling.temperature > 0 else 1.0
 
     def _param_dtype(self) -> torch.dtype:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.model.dtype]
+        return DTYPES[self.cfg.model.dtype]
 
     def _frozen_copy(self) -> GRPOLoss:
         model = build_rollout_engine(RolloutEngineConfig(), self.engine.args, self.hf_dir,
@@ -443,14 +444,6 @@ def push_weights(engine: Any, state: dict[str, torch.Tensor]) -> None:
     engine.update_weights((k, state[k]) for k in names)
 
 
-def all_reduce_max(value: float) -> float:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 # --------------------------------------------------------------------------- separate engines
 
 
@@ -461,7 +454,7 @@ class RolloutWorker:
         self.cfg = build(GRPOConfig, cfg, where="grpo config")
         self.index = index
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.model.dtype]
+        dtype = DTYPES[self.cfg.model.dtype]
         self.engine = build_rollout_engine(self.cfg.rollout, args, hf_dir, device, dtype,
                                            seed=self.cfg.train.seed)
 
