@@ -6,8 +6,8 @@ use: `from posttrain.distributed import WorkerGroup` works, while importing this
 `import *`) does not import Ray.
 """
 
-from posttrain.distributed.env import (build_mesh, free_port, get_device, init_process_group,
-                                       local_rank, rank, world_size)
+from posttrain.distributed.env import (build_mesh, close_process_group, free_port, get_device,
+                                       init_process_group, local_rank, rank, world_size)
 from posttrain.distributed.parallelize import (ParallelConfig, UnsupportedParallelismError,
                                                apply_activation_checkpointing, apply_compile,
                                                apply_fsdp, apply_tp, count_params,
@@ -16,8 +16,8 @@ from posttrain.distributed.parallelize import (ParallelConfig, UnsupportedParall
 __all__ = [
     "ParallelConfig", "UnsupportedParallelismError",
     "apply_activation_checkpointing", "apply_compile", "apply_fsdp", "apply_tp", "build_mesh",
-    "count_params", "free_port", "gather_full_state_dict", "get_device", "init_process_group",
-    "local_rank", "parallelize", "rank", "world_size",
+    "close_process_group", "count_params", "free_port", "gather_full_state_dict", "get_device",
+    "init_process_group", "local_rank", "parallelize", "rank", "world_size",
 ]
 
 

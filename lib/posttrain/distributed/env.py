@@ -91,6 +91,20 @@ def init_process_group(backend: str | None = None, timeout_s: int = 600) -> None
                             world_size=int(os.environ["WORLD_SIZE"]), **kwargs)
 
 
+def close_process_group() -> None:
+    """Leave the default process group at the end of a job; a no-op without one.
+
+    Every rank waits at a barrier first, so that none tears down its transport while a peer
+    is still in a collective with it; then the group is destroyed. Call it on the success
+    path only: after a rank-local failure the barrier would wait for a rank that never comes.
+    """
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def resolve_mesh_shape(world: int, dp_shard: int = -1, tp: int = 1) -> tuple[int, int]:
     """(dp_shard, tp) with `dp_shard=-1` filled in; raises ConfigError if it cannot fit `world`."""
     if tp < 1:

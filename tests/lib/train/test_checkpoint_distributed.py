@@ -80,6 +80,7 @@ def _worker(phase: str, work: Path) -> None:
     """One process of a phase; RANK and WORLD_SIZE come from the environment."""
     import torch.distributed as dist
 
+    from posttrain.distributed import close_process_group
     from posttrain.train.checkpoint import CheckpointConfig, CheckpointManager
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -121,8 +122,7 @@ def _worker(phase: str, work: Path) -> None:
     (work / f"{phase}-rank{rank}.json").write_text(json.dumps(out))
     if rank == 0:
         torch.save(states, work / f"{phase}-state.pt")
-    if world > 1:
-        dist.destroy_process_group()
+    close_process_group()
 
 
 # --- the test ----------------------------------------------------------------------
@@ -206,3 +206,9 @@ def _load_states(work: Path, phase: str) -> dict:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], Path(sys.argv[2]))
+    # Skip interpreter finalization: the FSDP modules still reference gloo objects whose C++
+    # destructors, run while the interpreter is torn down, now and then abort the process
+    # ("terminate called without an active exception", seen under load). The results are on
+    # disk and the group is closed; nothing is left to finalize.
+    sys.stdout.flush()
+    os._exit(0)
