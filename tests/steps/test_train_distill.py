@@ -144,6 +144,12 @@ def test_distillation_lowers_heldout_kl(tiny, signal_):
 def test_sigkill_and_restart_gives_bit_identical_student(tiny, signal_):
     run_dir = tiny.tmp / f"killed_{signal_}"
     _run_and_kill(tiny.configs[signal_], run_dir, KILL_STEP)
+    if signal_ == "online":  # the frozen teacher is rebuilt on restart, not checkpointed
+        from torch.distributed.checkpoint import FileSystemReader
+        ckpt = run_dir / "checkpoints" / f"step-{KILL_STEP:08d}" / "dcp"
+        saved = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+        assert any(k.startswith("model.model.") for k in saved)
+        assert not any(k.startswith("model.teacher.") for k in saved)
     _run_to_end(tiny.configs[signal_], run_dir)
     result = json.loads((run_dir / "result.json").read_text())
     assert (result["started_at_step"], result["steps"]) == (KILL_STEP, MAX_STEPS)

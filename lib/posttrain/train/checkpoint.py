@@ -12,6 +12,14 @@ Model and optimizer go through `get_state_dict`/`set_state_dict`, so the same co
 module and an FSDP2 (`fully_shard`) model; each rank writes only its own shards, and DCP reshards
 on load when the number of processes changed. Everything that is not a tensor is JSON.
 
+Frozen parameters (`requires_grad=False`: a LoRA run's base weights, a distillation teacher, a
+DPO reference inside the root) are not saved by default (`save_frozen=False`): training never
+changes them and the run rebuilds them from their source (the base checkpoint, a seeded init)
+before it loads, so a LoRA checkpoint of an 8B model holds megabytes of adapters and optimizer
+state instead of the 16 GB base again, every save. Loading restores frozen parameters when the
+checkpoint has them and leaves them as built when it does not; every trainable parameter must be
+in the checkpoint either way.
+
 Atomicity. A save writes into ``step-00000042.tmp-<nonce>/``; after all ranks are done and have
 hashed their share of the files, rank 0 writes the manifest and commits with one ``os.rename``.
 S3 has no rename, so there the files are written in place and the manifest, a single PUT written
@@ -48,6 +56,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -83,6 +92,7 @@ class CheckpointConfig:
     dir: str
     every_steps: int = 100
     keep_last: int = 3
+    save_frozen: bool = False   # also write parameters with requires_grad=False (see above)
 
     def __post_init__(self):
         if not self.dir:
@@ -210,6 +220,7 @@ class CheckpointManager:
                 meta_blob = _to_json({"format": _FORMAT, "step": step,
                                       "world_size": self.world_size,
                                       "has_optimizer": optimizer is not None,
+                                      "has_frozen": self.cfg.save_frozen,
                                       "scheduler": sched_sd, "extra": extra}, "meta")
             problem = None
         except CheckpointError as e:
@@ -229,7 +240,7 @@ class CheckpointManager:
             self._store.makedirs(work)
         self._barrier()
 
-        state = self._state_dict(model, optimizer)
+        state = self._state_dict(model, optimizer, self.cfg.save_frozen)
         with self._quiet_single_process():
             dcp.save(state, storage_writer=self._store.dcp_writer(f"{work}/{_DCP}"),
                      no_dist=self.world_size == 1)
@@ -255,10 +266,12 @@ class CheckpointManager:
         self._barrier()
         return self._store.uri(final)
 
-    def _state_dict(self, model: nn.Module, optimizer) -> dict:
+    @staticmethod
+    def _state_dict(model: nn.Module, optimizer, frozen: bool) -> dict:
+        opts = StateDictOptions(ignore_frozen_params=not frozen)
         if optimizer is None:
-            return {"model": get_model_state_dict(model)}
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+            return {"model": get_model_state_dict(model, options=opts)}
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
         return {"model": model_sd, "optim": optim_sd}
 
     def _prune(self) -> None:
@@ -387,15 +400,20 @@ class CheckpointManager:
             raise CheckpointError(f"{uri}: holds no scheduler state, but load was given a "
                                   "scheduler")
 
-        state = self._state_dict(model, optimizer)
+        # checkpoints from before `has_frozen` existed hold every parameter
+        has_frozen = meta.get("has_frozen", True)
+        state = self._state_dict(model, optimizer, has_frozen)
         with self._quiet_single_process():
             dcp.load(state, storage_reader=self._store.dcp_reader(f"{root}/{_DCP}"),
                      planner=SafeLoadPlanner(), no_dist=self.world_size == 1)
+        # DCP has filled every key of `state` (a key the checkpoint lacks is an error there), so
+        # the keys left out are exactly the frozen parameters, which stay as the model has them.
+        opts = StateDictOptions(ignore_frozen_params=not has_frozen, strict=has_frozen)
         if optimizer is None:
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(model, state["model"], options=opts)
         else:
             set_state_dict(model, optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+                           optim_state_dict=state["optim"], options=opts)
         if scheduler is not None:
             scheduler.load_state_dict(meta["scheduler"])
 

@@ -8,8 +8,8 @@ optionally mixed with cross-entropy on the labels). The teacher signal is either
   student (`DistillLoss`), its blocks sharded with FSDP2 like the student's
   (`shard_frozen`), its embedding and head in the root's group, so its head weight is
   gathered during the root forward, where the chunked loss reads it. It has no gradients and
-  no optimizer state. (Its shards are part of the root's state, so checkpoints hold them too:
-  restored bit for bit, at the cost of the teacher's size on disk.)
+  no optimizer state, and checkpoints leave it out (frozen parameters are rebuilt from
+  `teacher.hf_dir` or the seeded init before a resume loads; `posttrain.train.checkpoint`).
 - offline: `steps/teacher_topk.py` stored the teacher's top-k log-probs per label position
   beside the prepared shards; the worker reads those rows with `posttrain.data.topk.TopkLoader`
   (its own loader: the packed batches carry the top-k as extra tensors) and no teacher is

@@ -6,7 +6,10 @@ import pytest
 
 from posttrain.rl.sandbox import SandboxLimits, run_python
 
+# FAST for code that never ends by itself; ROOMY for code that does, so that a slow start on a
+# loaded machine cannot turn the outcome under test into a timeout.
 FAST = SandboxLimits(timeout_s=1.0, cpu_s=2, memory_bytes=256 * 2**20)
+ROOMY = SandboxLimits(timeout_s=30.0, cpu_s=10, memory_bytes=256 * 2**20)
 
 
 def _alive(pid: int) -> bool:
@@ -32,14 +35,14 @@ def test_alive_probe():
 
 
 def test_normal_code_returns_stdout():
-    r = run_python("import math\nprint(sum(range(10)), math.sqrt(16))", FAST)
+    r = run_python("import math\nprint(sum(range(10)), math.sqrt(16))", ROOMY)
     assert r.ok and r.error is None and r.stdout == "45 4.0\n"
 
 
 def test_runs_isolated_in_a_temp_dir_with_an_empty_env(monkeypatch):
     monkeypatch.setenv("POSTTRAIN_SECRET", "x")
     r = run_python("import os, sys\nprint('POSTTRAIN_SECRET' in os.environ, 'HOME' in os.environ,"
-                   " sys.flags.isolated, os.getcwd())", FAST)
+                   " sys.flags.isolated, os.getcwd())", ROOMY)
     secret, home, isolated, cwd = r.stdout.split()
     assert (secret, home, isolated) == ("False", "False", "1")
     assert "posttrain-sandbox-" in cwd and cwd != os.getcwd()
@@ -59,9 +62,7 @@ def test_cpu_limit_stops_a_loop_under_a_long_wall_clock():
 
 
 def test_unbounded_allocation_is_stopped_by_the_memory_limit():
-    start = time.monotonic()
-    r = run_python("x = []\nwhile True:\n    x.append(bytearray(10**7))", FAST)
-    assert time.monotonic() - start < 5
+    r = run_python("x = []\nwhile True:\n    x.append(bytearray(10**7))", ROOMY)
     assert not r.ok and r.error == "memory"
 
 
@@ -73,19 +74,19 @@ def test_unbounded_allocation_is_stopped_by_the_memory_limit():
     "import urllib.request\nurllib.request.urlopen('http://10.255.255.1', timeout=1)",
 ])
 def test_network_access_fails_and_is_reported(code):
-    r = run_python(code, FAST)
+    r = run_python(code, ROOMY)
     assert not r.ok and r.error == "network" and "blocked" in r.detail
     assert "caught" not in r.stdout
 
 
 def test_crash_is_reported_with_the_traceback_tail():
-    r = run_python("print('before')\nraise ValueError('boom')", FAST)
+    r = run_python("print('before')\nraise ValueError('boom')", ROOMY)
     assert not r.ok and r.error == "crash" and "ValueError: boom" in r.detail
     assert r.stdout == "before\n"
 
 
 def test_process_spawning_is_blocked_by_default():
-    r = run_python("import os\nos.system('echo escaped')", FAST)
+    r = run_python("import os\nos.system('echo escaped')", ROOMY)
     assert r.error == "crash" and "not allowed" in r.detail and "escaped" not in r.stdout
 
 

@@ -136,6 +136,47 @@ def test_load_into_fresh_objects_and_without_optimizer(tmp_path):
     _assert_same_tree(saved[0], weights_only.state_dict())
 
 
+def _setup_half_frozen(seed: int, frozen_seed: int = 0):
+    """_setup's model with its first layer frozen, built from `frozen_seed` (its 'base')."""
+    model, _, _ = _setup(seed)
+    torch.manual_seed(frozen_seed)
+    base = nn.Linear(6, 16)
+    with torch.no_grad():
+        model[0].weight.copy_(base.weight)
+        model[0].bias.copy_(base.bias)
+    model[0].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+
+def _saved_keys(path: str) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+    return set(FileSystemReader(f"{path}/dcp").read_metadata().state_dict_metadata)
+
+
+@pytest.mark.parametrize("save_frozen", [False, True])
+def test_frozen_parameters_are_rebuilt_not_saved_unless_asked(tmp_path, save_frozen):
+    model, opt, sched = _setup_half_frozen(seed=0)
+    _train(model, opt, sched, 2)
+    mgr = _manager(tmp_path, save_frozen=save_frozen)
+    path = mgr.save(2, model, opt, scheduler=sched)
+    saved = _snapshot(model, opt, sched)
+    frozen = {"model.0.weight", "model.0.bias"}
+    model_keys = {k for k in _saved_keys(path) if k.startswith("model.")}
+    assert model_keys == {"model.3.weight", "model.3.bias"} | (frozen if save_frozen else set())
+
+    # A fresh run rebuilds its frozen layer from the same base: everything is restored exactly.
+    fresh = _setup_half_frozen(seed=1)
+    assert mgr.load(*fresh[:2], scheduler=fresh[2]).step == 2
+    _assert_same_tree(saved, _snapshot(*fresh))
+    # Built from another base, the frozen layer comes back only from a checkpoint that has it.
+    other = _setup_half_frozen(seed=1, frozen_seed=5)
+    mgr.load(*other[:2], scheduler=other[2])
+    restored = torch.equal(other[0][0].weight, model[0].weight)
+    assert restored == save_frozen
+    assert torch.equal(other[0][3].weight, model[3].weight)
+
+
 def test_load_with_nothing_saved_returns_none(tmp_path):
     model, opt, _ = _setup()
     assert _manager(tmp_path).load(model, opt) is None
