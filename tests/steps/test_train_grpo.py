@@ -268,6 +268,30 @@ def test_kl_to_a_reference_with_lora_or_a_frozen_copy(resume_reference, workdir,
     AutoModelForCausalLM.from_pretrained(result["hf_dir"])        # a plain HF checkpoint
 
 
+def test_copy_reference_is_the_starting_policy_and_sharded(resume_reference, workdir, sft_model):
+    """The `copy` reference is read from the policy's checkpoint into a frozen FSDP2 root of
+    its own: its log-probs equal the starting policy's exactly."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from posttrain.config.loader import to_dict
+    from posttrain.train.grpo import GRPOWorker, _args, _probe_batch
+    config, ref = resume_reference
+    cfg = load_recipe(config, GRPOConfig, {"algorithm.reference": "copy",
+                                           "algorithm.kl_coef": 0.05})
+    worker = GRPOWorker(to_dict(cfg), str(sft_model), str(ref / "prepared"),
+                        str(workdir / "copy_reference"))
+    assert all(isinstance(p, DTensor) and not p.requires_grad
+               for p in worker.reference.parameters())
+    batch = _probe_batch(list(range(40, 80)), 12)
+    device = worker.engine.device
+    worker.engine.root.eval()
+    with torch.no_grad():
+        policy = worker.engine.root(*_args(batch, device), score_only=True)
+        reference = worker.reference(*_args(batch, device), score_only=True)
+    assert policy.shape == reference.shape and torch.equal(policy, reference)
+
+
 # ---------------------------------------------------------------------------- 6. config
 @pytest.mark.parametrize("changes, names", [
     ({"algorithm.kl_coef": 0.1}, "algorithm.reference"),

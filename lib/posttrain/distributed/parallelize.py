@@ -233,6 +233,22 @@ def shard_frozen(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
                     reshard_after_forward=True)
 
 
+def parallelize_frozen(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
+                       blocks_attr: str = "layers", root: nn.Module | None = None) -> nn.Module:
+    """`parallelize` for a model that only runs forward without gradients, in its own root (a
+    KL reference policy): `shard_frozen` on the blocks, then `fully_shard` on the root, every
+    part resharded after each forward, so a rank holds 1/dp_shard of it between calls. No
+    activation checkpointing or compile; `cfg.mixed_precision` as for the trained model, so a
+    reference equal to the starting policy computes exactly the policy's numbers."""
+    from torch.distributed.fsdp import fully_shard
+    shard_frozen(model, mesh, cfg, blocks_attr=blocks_attr)
+    root = model if root is None else root
+    root.requires_grad_(False)
+    fully_shard(root, mesh=mesh["dp_shard"], mp_policy=_mp_policy(cfg.mixed_precision),
+                reshard_after_forward=True)
+    return root
+
+
 def _check_mesh(mesh: DeviceMesh, cfg: ParallelConfig) -> None:
     names = mesh.mesh_dim_names or ()
     if "dp_shard" not in names or "tp" not in names:

@@ -36,7 +36,8 @@ from torch import nn
 
 from posttrain.distributed.env import build_mesh, get_device, init_process_group
 from posttrain.distributed.materialize import materialize
-from posttrain.distributed.parallelize import ParallelConfig, count_params, parallelize
+from posttrain.distributed.parallelize import (ParallelConfig, count_params, parallelize,
+                                               parallelize_frozen)
 from posttrain.errors import ConfigError
 from posttrain.models.args import DTYPES, ModelArgs
 from posttrain.models.families.base import VOCAB_PARAMS
@@ -144,8 +145,10 @@ class Engine:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = get_device()
         torch.manual_seed(cfg.seed)
-        self.model, self.root = self._build(loss_factory or (
-            lambda m: CausalLMLoss(m, model_cfg.loss_chunk_tokens)))
+        self.model, self.root = build_sharded(
+            model_cfg, cfg.parallel, hf_dir, self.device,
+            loss_factory or (lambda m: CausalLMLoss(m, model_cfg.loss_chunk_tokens)),
+            vocab_size=vocab_size, init_missing=self._init_missing)
         self.args: ModelArgs = self.model.args
         self.optimizer = build_optimizer(self.root, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.max_steps, cfg.scheduler)
@@ -159,36 +162,6 @@ class Engine:
         self.num_trainable = count_params(self.model, trainable_only=True)
 
     # ------------------------------------------------------------------ build
-    def _build(self, loss_factory) -> tuple[Transformer, nn.Module]:
-        mcfg = self.model_cfg
-        model = load_hf(self.hf_dir, on_meta=True, param_filter=lambda name: False,
-                        vocab_multiple=mcfg.vocab_multiple)
-        ckpt_args = model.args
-        if self.vocab_size is not None and self.vocab_size > ckpt_args.vocab_size:
-            # tokens added by the data layer: grow embedding/head rows (mean init)
-            log.info("growing the vocabulary from %d to %d (tokens added by the tokenizer)",
-                     ckpt_args.vocab_size, self.vocab_size)
-            model = build_model(ckpt_args.replace(vocab_size=self.vocab_size), device="meta")
-        if mcfg.lora is not None:
-            lora = _lora_module()
-            lcfg = lora.LoraConfig(rank=mcfg.lora.rank, alpha=mcfg.lora.alpha,
-                                   dropout=mcfg.lora.dropout, targets=mcfg.lora.targets)
-            lora.apply_lora(model, lcfg)
-        root = loss_factory(model)
-        mesh = build_mesh(self.cfg.parallel.dp_shard, self.cfg.parallel.tp)
-        root = parallelize(model, mesh, self.cfg.parallel, root=root)
-        dtype = DTYPES[mcfg.dtype]
-        # a custom head (a reward model's scalar projection) replaces the LM head: it is
-        # initialized here, not read from the checkpoint
-        custom_head = not isinstance(model.head, LMHead)
-        tensors = ((name, _fit_vocab(name, t, ckpt_args, model.args).to(dtype))
-                   for name, t in iter_hf_tensors(self.hf_dir, ckpt_args)
-                   if not (custom_head and name.startswith("head.")))
-        materialize(root, self.device, tensors, prefix="model.",
-                    init_missing=self._init_missing)
-        model.tie_weights()
-        return model, root
-
     def _init_missing(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """Deterministic init of parameters the checkpoint lacks (LoRA adapters, custom head)."""
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + _stable_hash(name))
@@ -278,6 +251,47 @@ class Engine:
         from posttrain.distributed.parallelize import gather_full_state_dict
         sd = gather_full_state_dict(self.root)
         return {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
+
+
+def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
+                  device: torch.device, loss_factory: Callable[[Transformer], nn.Module], *,
+                  vocab_size: int | None = None, frozen: bool = False,
+                  init_missing: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                  ) -> tuple[Transformer, nn.Module]:
+    """The model of `hf_dir` inside `loss_factory(model)`, laid out on the device mesh and
+    filled from the checkpoint, each rank reading only its shards (see the module docstring).
+
+    `vocab_size` above the checkpoint's grows the embedding and head rows (tokens the data layer
+    added); `model_cfg.lora` wraps the targets first. `frozen` builds a model that is only run
+    forward without gradients (a KL reference): sharded the same way, no activation
+    checkpointing, everything resharded after each forward. `init_missing(name, param)` fills
+    parameters the checkpoint lacks (LoRA adapters, a custom head); without it they are an error.
+    """
+    model = load_hf(hf_dir, on_meta=True, param_filter=lambda name: False,
+                    vocab_multiple=model_cfg.vocab_multiple)
+    ckpt_args = model.args
+    if vocab_size is not None and vocab_size > ckpt_args.vocab_size:
+        log.info("growing the vocabulary from %d to %d (tokens added by the tokenizer)",
+                 ckpt_args.vocab_size, vocab_size)
+        model = build_model(ckpt_args.replace(vocab_size=vocab_size), device="meta")
+    if model_cfg.lora is not None:
+        lora = _lora_module()
+        lcfg = lora.LoraConfig(rank=model_cfg.lora.rank, alpha=model_cfg.lora.alpha,
+                               dropout=model_cfg.lora.dropout, targets=model_cfg.lora.targets)
+        lora.apply_lora(model, lcfg)
+    root = loss_factory(model)
+    mesh = build_mesh(parallel.dp_shard, parallel.tp)
+    root = (parallelize_frozen if frozen else parallelize)(model, mesh, parallel, root=root)
+    dtype = DTYPES[model_cfg.dtype]
+    # a custom head (a reward model's scalar projection) replaces the LM head: it is
+    # initialized by `init_missing`, not read from the checkpoint
+    custom_head = not isinstance(model.head, LMHead)
+    tensors = ((name, _fit_vocab(name, t, ckpt_args, model.args).to(dtype))
+               for name, t in iter_hf_tensors(hf_dir, ckpt_args)
+               if not (custom_head and name.startswith("head.")))
+    materialize(root, device, tensors, prefix="model.", init_missing=init_missing)
+    model.tie_weights()
+    return model, root
 
 
 def _fit_vocab(name: str, t: torch.Tensor, ckpt: ModelArgs, model: ModelArgs) -> torch.Tensor:

@@ -14,8 +14,9 @@ what runs on the ranks:
 - `RolloutWorker`, a rollout engine of its own (placement ``separate``), a plain Ray actor.
 
 Reference model (for the KL penalty and the ``kl`` metric): ``none``; ``lora_base`` (the LoRA
-policy with its adapters disabled, no extra memory); or ``copy`` (a frozen, unsharded copy of
-the starting weights on every rank: simple, and the memory of one more model per device).
+policy with its adapters disabled, no extra memory); or ``copy`` (the starting weights, frozen,
+read from the same checkpoint and sharded over the trainer ranks like the policy, so each rank
+holds 1/W of one more model; `posttrain.distributed.parallelize.parallelize_frozen`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from posttrain.rl.engine import Rollout, SamplingConfig
 from posttrain.rl.factory import RolloutEngineConfig, build_rollout_engine
 from posttrain.rl.rewards import RewardConfig
 from posttrain.models.args import DTYPES
-from posttrain.train.engine import Engine, EngineConfig, ModelConfig, all_reduce_max
+from posttrain.train.engine import (Engine, EngineConfig, ModelConfig, all_reduce_max,
+                                    build_sharded)
 from posttrain.train.sft import ExportConfig, RunConfig, _tokenizer_vocab
 
 log = logging.getLogger(__name__)
@@ -269,7 +271,7 @@ class GRPOWorker:
                                             self.cfg.model.loss_chunk_tokens))
         self.reference: GRPOLoss | None = None
         if self.cfg.algorithm.reference == "copy":
-            self.reference = self._frozen_copy()
+            self.reference = self._frozen_copy().eval()
         self.rollout = None
         if self.cfg.rollout.placement == "colocated":
             self.rollout = build_rollout_engine(self.cfg.rollout, self.engine.args, hf_dir,
@@ -285,14 +287,16 @@ class GRPOWorker:
         return DTYPES[self.cfg.model.dtype]
 
     def _frozen_copy(self) -> GRPOLoss:
-        model = build_rollout_engine(RolloutEngineConfig(), self.engine.args, self.hf_dir,
-                                     self.engine.device, self._param_dtype()).model
-        state = self.full_weights()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(state[name])
-        return GRPOLoss(model, replace(self.cfg.algorithm, reference="none", kl_coef=0.0),
-                        self._temperature, None, self.cfg.model.loss_chunk_tokens)
+        """The ``copy`` reference: the starting policy (the policy's checkpoint without LoRA,
+        whose adapters start at zero) in a frozen root of its own, sharded like the trainer."""
+        algorithm = replace(self.cfg.algorithm, reference="none", kl_coef=0.0)
+        _, root = build_sharded(
+            replace(self.cfg.model, lora=None), self.engine.cfg.parallel, self.hf_dir,
+            self.engine.device,
+            lambda m: GRPOLoss(m, algorithm, self._temperature, None,
+                               self.cfg.model.loss_chunk_tokens),
+            vocab_size=self.engine.vocab_size, frozen=True)
+        return root
 
     # ------------------------------------------------------------------ info and state
     def describe(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from torch import nn
 from posttrain.distributed import (ParallelConfig, build_mesh, close_process_group, count_params,
                                    free_port, gather_full_state_dict, init_process_group,
                                    parallelize)
-from posttrain.distributed.parallelize import UnsupportedParallelismError
+from posttrain.distributed.parallelize import UnsupportedParallelismError, parallelize_frozen
 from posttrain.errors import ConfigError
 
 VOCAB, HIDDEN, HEADS, HEAD_DIM, INTER, LAYERS = 64, 32, 4, 8, 48, 2
@@ -153,6 +153,22 @@ def _distributed_run(cfg: ParallelConfig, tie: bool = True) -> tuple[list[float]
     return losses, gather_full_state_dict(model), count_params(model)
 
 
+def _frozen_run() -> dict:
+    """A frozen root (`parallelize_frozen`): its forward on this rank's slice of the batch, the
+    share of the parameters this rank holds between calls, and that nothing needs gradients."""
+    model = _make_model()
+    root = parallelize_frozen(model, build_mesh(), ParallelConfig(), root=LossWrapper(model))
+    ids, labels = _batch()
+    per = ids.shape[1] // WORLD
+    mine = slice(dist.get_rank() * per, (dist.get_rank() + 1) * per)
+    with torch.no_grad():
+        loss = root(ids[0, mine], labels[0, mine])
+    local = sum(p.to_local().numel() for p in root.parameters())
+    return {"loss": loss.item(), "local_numel": local,
+            "numel": sum(p.numel() for p in root.parameters()),
+            "trainable": sum(p.requires_grad for p in root.parameters())}
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -169,6 +185,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             ("bf16", ParallelConfig(mixed_precision="bf16"), True),
         ]:
             results[name] = _distributed_run(cfg, tie)
+        results["frozen"] = _frozen_run()
         try:
             build_mesh(dp_shard=2, tp=2)
         except ConfigError as e:
@@ -194,6 +211,20 @@ def two_rank_results(tmp_path_factory):
     for r, res in enumerate(results):
         assert "error" not in res, f"rank {r} failed:\n{res['error']}"
     return results
+
+
+def test_frozen_root_is_sharded_and_computes_the_plain_forward(two_rank_results):
+    model = _make_model()
+    ids, labels = _batch()
+    per = ids.shape[1] // WORLD
+    for rank, res in enumerate(two_rank_results):
+        got = res["frozen"]
+        with torch.no_grad():
+            want = LossWrapper(model)(ids[0, rank * per:(rank + 1) * per],
+                                      labels[0, rank * per:(rank + 1) * per])
+        assert got["loss"] == pytest.approx(want.item(), abs=1e-6)
+        assert got["trainable"] == 0
+        assert got["local_numel"] * WORLD == got["numel"]  # every dim 0 here splits evenly
 
 
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_ac", "tp"])
