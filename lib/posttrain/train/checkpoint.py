@@ -12,13 +12,13 @@ Model and optimizer go through `get_state_dict`/`set_state_dict`, so the same co
 module and an FSDP2 (`fully_shard`) model; each rank writes only its own shards, and DCP reshards
 on load when the number of processes changed. Everything that is not a tensor is JSON.
 
-Frozen parameters (`requires_grad=False`: a LoRA run's base weights, a distillation teacher, a
-DPO reference inside the root) are not saved by default (`save_frozen=False`): training never
-changes them and the run rebuilds them from their source (the base checkpoint, a seeded init)
-before it loads, so a LoRA checkpoint of an 8B model holds megabytes of adapters and optimizer
-state instead of the 16 GB base again, every save. Loading restores frozen parameters when the
-checkpoint has them and leaves them as built when it does not; every trainable parameter must be
-in the checkpoint either way.
+Frozen parameters (`requires_grad=False`: a LoRA run's base weights, an online distillation
+teacher) are not saved by default (`save_frozen=False`): training never changes them and the
+run rebuilds them from their source (the base checkpoint, a seeded init) before it loads, so a
+LoRA checkpoint of an 8B model holds megabytes of adapters and optimizer state instead of the
+16 GB base again, every save. Loading restores frozen parameters when the checkpoint has them
+and leaves them as built when it does not; every trainable parameter must be in the checkpoint
+either way.
 
 Atomicity. A save writes into ``step-00000042.tmp-<nonce>/``; after all ranks are done and have
 hashed their share of the files, rank 0 writes the manifest and commits with one ``os.rename``.
