@@ -18,7 +18,9 @@ run rebuilds them from their source (the base checkpoint, a seeded init) before 
 LoRA checkpoint of an 8B model holds megabytes of adapters and optimizer state instead of the
 16 GB base again, every save. Loading restores frozen parameters when the checkpoint has them
 and leaves them as built when it does not; every trainable parameter must be in the checkpoint
-either way.
+either way. So that a replaced base is not picked up silently, `meta.json` then keeps a
+fingerprint of each frozen parameter (its sum and sum of squares in float64, over the full
+tensor), and a load whose rebuilt frozen parameters do not match fails naming the first one.
 
 Atomicity. A save writes into ``step-00000042.tmp-<nonce>/``; after all ranks are done and have
 hashed their share of the files, rank 0 writes the manifest and commits with one ``os.rename``.
@@ -55,6 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -147,6 +150,41 @@ def _to_json(obj: Any, what: str) -> bytes:
     return blob
 
 
+def frozen_fingerprint(model: nn.Module) -> dict[str, list[float]]:
+    """{name: [sum, sum of squares]} in float64 over the full tensor of every frozen parameter.
+
+    Sharded parameters (DTensors) reduce over their mesh, so every rank gets the same numbers
+    whatever the layout; a collective then, called by all ranks in the same order.
+    """
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            continue
+        with torch.no_grad():
+            x = p.detach().to(torch.float64)
+            sums = [x.sum(), x.square().sum()]
+        out[name] = [float(v.full_tensor() if isinstance(v, DTensor) else v) for v in sums]
+    return out
+
+
+def _check_frozen(uri: str, saved: dict[str, list[float]], now: dict[str, list[float]]) -> None:
+    """Refuse a resume whose rebuilt frozen parameters are not those the checkpoint trained with."""
+    hint = ("the run rebuilds frozen parameters (a LoRA base, a distillation teacher) from "
+            "their source instead of saving them; was the base checkpoint replaced or the "
+            "config changed since this run started?")
+    if saved.keys() != now.keys():
+        missing, extra = sorted(saved.keys() - now.keys()), sorted(now.keys() - saved.keys())
+        raise CheckpointError(f"{uri}: the model's frozen parameters differ from the ones this "
+                              f"checkpoint was trained with (missing {missing[:3]}, new "
+                              f"{extra[:3]}); {hint}")
+    for name, got in now.items():   # the model's order (meta.json's keys are sorted)
+        want = saved[name]
+        if any(abs(g - w) > 1e-9 * max(1.0, abs(w)) for g, w in zip(got, want)):
+            raise CheckpointError(f"{uri}: frozen parameter {name} is not the one this "
+                                  f"checkpoint was trained with (sum, sum of squares: saved "
+                                  f"{want}, now {got}); {hint}")
+
+
 class CheckpointManager:
     """Saves, lists, verifies and loads the checkpoints under `cfg.dir`.
 
@@ -209,6 +247,8 @@ class CheckpointManager:
         self._check_group()
         if step < 0:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
+        # a collective on sharded models, so outside the per-rank checks below
+        frozen = None if self.cfg.save_frozen else frozen_fingerprint(model)
         try:
             rank_blob = _to_json({"rank": self.rank, "rng": capture_rng(), "extra": rank_extra},
                                  f"rank_extra (rank {self.rank})")
@@ -221,6 +261,7 @@ class CheckpointManager:
                                       "world_size": self.world_size,
                                       "has_optimizer": optimizer is not None,
                                       "has_frozen": self.cfg.save_frozen,
+                                      "frozen_fingerprint": frozen,
                                       "scheduler": sched_sd, "extra": extra}, "meta")
             problem = None
         except CheckpointError as e:
@@ -402,6 +443,8 @@ class CheckpointManager:
 
         # checkpoints from before `has_frozen` existed hold every parameter
         has_frozen = meta.get("has_frozen", True)
+        if not has_frozen and meta.get("frozen_fingerprint") is not None:
+            _check_frozen(uri, meta["frozen_fingerprint"], frozen_fingerprint(model))
         state = self._state_dict(model, optimizer, has_frozen)
         with self._quiet_single_process():
             dcp.load(state, storage_reader=self._store.dcp_reader(f"{root}/{_DCP}"),

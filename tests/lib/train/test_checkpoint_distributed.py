@@ -6,6 +6,8 @@ MASTER_PORT), once per rank and phase:
 - train (2 ranks): 2 steps, save, 2 more steps; records the losses and the full state after
   step 2 and step 4.
 - reshard (1 process, plain module): load the 2-rank checkpoint, save it as a 1-rank one.
+  (The frozen layer is not in the checkpoints; every load checks its fingerprint, computed
+  over 2 shards or 1 plain tensor.)
 - resume (2 fresh ranks, different init): load, rerun steps 3-4 from the saved loader cursor;
   then load the 1-rank checkpoint into fresh FSDP2 models (growing the world).
 """
@@ -34,8 +36,17 @@ class TinyNet(nn.Module):
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(DIM, DIM), nn.GELU(), nn.Dropout(0.2)) for _ in range(BLOCKS))
         self.head = nn.Linear(DIM, 4)
+        # a frozen "base" layer, rebuilt from its own seed by every phase (as a LoRA base is
+        # read from its checkpoint): checkpoints leave it out and check its fingerprint
+        self.frozen = nn.Linear(DIM, DIM)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(1234)
+            self.frozen.weight.copy_(torch.randn(DIM, DIM, generator=g) / DIM ** 0.5)
+            self.frozen.bias.copy_(torch.randn(DIM, generator=g))
+        self.frozen.requires_grad_(False)
 
     def forward(self, x):
+        x = x + self.frozen(x)
         for block in self.blocks:
             x = x + block(x)
         return self.head(x)
@@ -49,7 +60,8 @@ def _build(init_seed: int, shard: bool):
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2,
+                            weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     return model, opt, sched
 
@@ -172,6 +184,10 @@ def _assert_same(a, b, where="state"):
 def test_fsdp2_resume_and_reshard(tmp_path):
     trained = _launch("train", tmp_path, world=2)
     train_state = _load_states(tmp_path, "train")
+    from torch.distributed.checkpoint import FileSystemReader
+    saved = FileSystemReader(str(tmp_path / "ckpt-2rank" / f"step-{SAVE_STEP:08d}" / "dcp"))
+    keys = set(saved.read_metadata().state_dict_metadata)
+    assert "model.head.weight" in keys and not any(k.startswith("model.frozen.") for k in keys)
 
     # 2 ranks -> 1 plain process: DCP reshards; rank 0's loader state comes along.
     (single,) = _launch("reshard", tmp_path, world=1)
