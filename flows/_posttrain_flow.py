@@ -14,7 +14,8 @@ Kept out of the flow files so that they read as a table of contents:
   `@metaflow_ray` step when the config asks for several nodes, and a plain one-node `@parallel`
   step otherwise (that one starts its own local Ray, so it also runs on the local datastore).
 - `storage_root`, `scratch_dir`, `publish`, `fetch`: where a run's datasets, checkpoints and
-  weights go (local directory or the S3 data root), keyed by the run, never by the attempt.
+  weights go (local directory or the S3 data root), keyed by the run, never by the attempt;
+  `run_recipe` runs a training driver of `steps/` with that layout.
 - `ray_cluster`: joins the Ray cluster `@metaflow_ray` formed and stops, by PID, the Ray
   processes of that cluster on this machine when the step ends (metaflow-ray leaves them
   running, and the next run on the machine then cannot start Ray).
@@ -265,6 +266,17 @@ def scratch_dir(root: str, name: str) -> str:
         return join(root, name)
     key = hashlib.sha256(root.encode()).hexdigest()[:16]
     return os.path.join(tempfile.gettempdir(), "posttrain-runs", key, name)
+
+
+def run_recipe(step: Any, cfg: Any, prepared_uri: str, root: str, name: str, **changes) -> dict:
+    """`step.run` (a training driver of `steps/`) on `cfg` with `changes` (top-level fields),
+    its working directory in local scratch and its checkpoints under `root/name`, so that a
+    retried attempt or `resume` continues from them."""
+    import dataclasses
+    run = dataclasses.replace(cfg.run, dir=scratch_dir(root, name))
+    cfg = dataclasses.replace(cfg, run=run, **changes)
+    return step.run(cfg, prepared_dir=prepared_uri, checkpoint_dir=join(root, name),
+                    show_progress=False)
 
 
 def publish(local_path: str, uri: str) -> str:

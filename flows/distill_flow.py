@@ -57,19 +57,14 @@ class DistillFlow(FlowSpec):
     def distill(self):
         """Distill the teacher into the student (continuing from the newest checkpoint);
         export the student. The control task drives the Ray trainer actors."""
-        import dataclasses
         import time
 
-        from _posttrain_flow import join, publish, ray_cluster, scratch_dir
+        from _posttrain_flow import join, publish, ray_cluster, run_recipe
         from steps import train_distill
         cfg = build_config(DISTILL_SCHEMA, self.config)
-        local_dir = scratch_dir(self.storage_root, "distill")
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=local_dir))
         started = time.time()
         with ray_cluster(self.num_nodes):
-            result = train_distill.run(cfg, prepared_dir=self.prepared_uri,
-                                       checkpoint_dir=join(self.storage_root, "distill"),
-                                       show_progress=False)
+            result = run_recipe(train_distill, cfg, self.prepared_uri, self.storage_root, "distill")
         out = join(self.storage_root, "distill")
         self.hf_uri = publish(result["hf_dir"], join(out, "hf"))
         self.base_student_uri = (cfg.model.hf_dir or

@@ -58,19 +58,14 @@ class DPOFlow(FlowSpec):
         Checkpoints and the reference log-probs live under the run's storage root, so a
         retried attempt and `resume train` find them.
         """
-        import dataclasses
         import time
 
-        from _posttrain_flow import join, publish, ray_cluster, scratch_dir
+        from _posttrain_flow import join, publish, ray_cluster, run_recipe
         from steps import train_dpo
         cfg = build_config(DPO_SCHEMA, self.config)
-        local_dir = scratch_dir(self.storage_root, "train")
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=local_dir))
         started = time.time()
         with ray_cluster(self.num_nodes):
-            result = train_dpo.run(cfg, prepared_dir=self.prepared_uri,
-                                   checkpoint_dir=join(self.storage_root, "train"),
-                                   show_progress=False)
+            result = run_recipe(train_dpo, cfg, self.prepared_uri, self.storage_root, "train")
         self.hf_uri = publish(result["hf_dir"], join(self.storage_root, "train", "hf"))
         self.base_uri = publish(result["base_model_dir"],
                                 join(self.storage_root, "train", "base_model"))

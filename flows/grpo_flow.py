@@ -82,21 +82,17 @@ class GRPOFlow(FlowSpec):
         import dataclasses
         import time
 
-        from _posttrain_flow import (fetch, grpo_card, join, publish, ray_cluster,
-                                     scratch_dir)
+        from _posttrain_flow import fetch, grpo_card, join, publish, ray_cluster, run_recipe
         from posttrain.train.metrics import read_metrics
         from steps import train_grpo
         cfg = build_config(GRPO_SCHEMA, self.config)
         model = cfg.model
         if self.base_model_uri:
             model = dataclasses.replace(model, hf_dir=fetch(self.base_model_uri), init=None)
-        local_dir = scratch_dir(self.storage_root, "grpo")
-        cfg = dataclasses.replace(cfg, model=model, run=dataclasses.replace(cfg.run, dir=local_dir))
         started = time.time()
         with ray_cluster(self.num_nodes):
-            result = train_grpo.run(cfg, prepared_dir=self.prepared_uri,
-                                    checkpoint_dir=join(self.storage_root, "grpo"),
-                                    show_progress=False)
+            result = run_recipe(train_grpo, cfg, self.prepared_uri, self.storage_root, "grpo",
+                                model=model)
         self.hf_uri = publish(result["hf_dir"], join(self.storage_root, "grpo", "hf"))
         if not self.base_model_uri:             # a random start: keep it for the comparison
             self.base_model_uri = publish(result["base_model_dir"],

@@ -58,16 +58,10 @@ class RetrainFlow(FlowSpec):
     @step
     def train(self):
         """Train the candidate (continuing from the newest checkpoint on a retry); export HF."""
-        import dataclasses
-
-        from _posttrain_flow import build_config, join, publish, scratch_dir
+        from _posttrain_flow import build_config, join, publish, run_recipe
         from steps import train_sft
-        cfg = build_config(SFT_SCHEMA, self.recipe)
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(
-            cfg.run, dir=scratch_dir(self.storage_root, "train")))
-        result = train_sft.run(cfg, prepared_dir=self.prepared_uri,
-                               checkpoint_dir=join(self.storage_root, "train"),
-                               show_progress=False)
+        result = run_recipe(train_sft, build_config(SFT_SCHEMA, self.recipe), self.prepared_uri,
+                            self.storage_root, "train")
         self.hf_uri = publish(result["hf_dir"], join(self.storage_root, "train", "hf"))
         self.train_result = {k: result.get(k) for k in ("steps", "final_loss", "eval")}
         self.next(self.evaluate)

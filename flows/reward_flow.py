@@ -48,19 +48,14 @@ class RewardFlow(FlowSpec):
     @step
     def train(self):
         """Bradley-Terry training (continuing from the newest checkpoint); export the model."""
-        import dataclasses
         import time
 
-        from _posttrain_flow import join, publish, ray_cluster, scratch_dir
+        from _posttrain_flow import join, publish, ray_cluster, run_recipe
         from steps import train_dpo, train_reward
         cfg = build_config(REWARD_SCHEMA, self.config)
-        local_dir = scratch_dir(self.storage_root, "train")
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=local_dir))
         started = time.time()
         with ray_cluster(self.num_nodes):
-            result = train_reward.run(cfg, prepared_dir=self.prepared_uri,
-                                      checkpoint_dir=join(self.storage_root, "train"),
-                                      show_progress=False)
+            result = run_recipe(train_reward, cfg, self.prepared_uri, self.storage_root, "train")
         self.model_uri = publish(result["hf_dir"], join(self.storage_root, "train", "hf"))
         self.checkpoint_uri = result["checkpoint_dir"]
         self.train_result = {k: result.get(k) for k in (

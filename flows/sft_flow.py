@@ -62,20 +62,15 @@ class SFTFlow(FlowSpec):
         hold their share of the cluster. Checkpoints live under the run's storage root, so a
         retried attempt and `resume train` find them.
         """
-        import dataclasses
         import time
 
-        from _posttrain_flow import join, publish, ray_cluster, scratch_dir, training_card
+        from _posttrain_flow import join, publish, ray_cluster, run_recipe, training_card
         from posttrain.train.metrics import read_metrics
         from steps import train_sft
         cfg = build_config(SFT_SCHEMA, self.config)
-        local_dir = scratch_dir(self.storage_root, "train")
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=local_dir))
         started = time.time()
         with ray_cluster(self.num_nodes):
-            result = train_sft.run(cfg, prepared_dir=self.prepared_uri,
-                                   checkpoint_dir=join(self.storage_root, "train"),
-                                   show_progress=False)
+            result = run_recipe(train_sft, cfg, self.prepared_uri, self.storage_root, "train")
         self.hf_uri = publish(result["hf_dir"], join(self.storage_root, "train", "hf"))
         self.metrics_uri = publish(result["metrics_path"],
                                    join(self.storage_root, "train", "metrics.jsonl"))
