@@ -34,8 +34,15 @@ run: setup
 cards: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" python flows/sft_flow.py card server
 
+# The suite runs on one pytest worker per core (pytest-xdist), each test file whole on one worker
+# (its module fixtures are built once), in collection order, which puts the longest files first
+# (tests/conftest.py), and one torch thread per worker: two 2-thread OpenMP teams on two cores
+# spin against each other.
+# `make test TEST_WORKERS=0` runs everything in this one process.
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
 test: setup
-	$(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
+		--dist loadfile --no-loadscope-reorder --durations=25 tests
 
 assets: setup
 	$(BIN)/python tools/make_assets.py

@@ -97,3 +97,33 @@ def s3() -> Iterator[S3Server]:
             proc.wait()
         log.close()
         os.unlink(log.name)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files with a test marked `slow` run first, the recipe tests (tests/steps: each file
+    trains its reference runs in a module fixture, GRPO's for minutes) before the flows:
+    `make test` hands whole files to parallel workers in this order, and a long file started
+    last would end the run alone."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (item.path not in slow, "steps" not in item.path.parts))
+
+
+# Test files that share a session fixture too slow to build twice (tests/flows/conftest.py's
+# `arithmetic_chain`: an SFT run and a GRPO run through Metaflow): one worker runs them all.
+_SHARED_SCOPES = {f"tests/flows/test_{name}_flow.py": "tests/flows: arithmetic_chain"
+                  for name in ("eval", "grpo", "lineage")}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile`, except that the files of `_SHARED_SCOPES` go to one worker."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedFixtureScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return _SHARED_SCOPES.get(path, path)
+
+    return SharedFixtureScheduling(config, log)

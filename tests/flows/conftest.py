@@ -38,6 +38,9 @@ _keep_typing_patch_of_the_real_typing_extensions()
 REPO = Path(__file__).resolve().parents[2]
 SFT_FLOW = REPO / "flows" / "sft_flow.py"
 TINY_SFT = REPO / "configs" / "sft" / "tiny.yaml"
+GRPO_FLOW = REPO / "flows" / "grpo_flow.py"
+TINY_GRPO = REPO / "configs" / "grpo" / "tiny.yaml"
+ARITHMETIC_SFT = REPO / "configs" / "sft" / "arithmetic_tiny.yaml"
 
 
 @dataclass
@@ -111,14 +114,13 @@ def ray_processes_under(path: str) -> list[str]:
     return found
 
 
-@pytest.fixture
-def sandbox(tmp_path: Path) -> FlowSandbox:
+def new_sandbox(root: Path) -> FlowSandbox:
     ray_tmpdir = tempfile.mkdtemp(prefix="rt", dir="/tmp")
     env = {
         "USER": os.environ.get("USER") or "posttrain-test",
-        "METAFLOW_HOME": str(tmp_path / "mfhome"),
-        "METAFLOW_DATASTORE_SYSROOT_LOCAL": str(tmp_path / "mfroot"),
-        "METAFLOW_CARD_LOCALROOT": str(tmp_path / "mfroot" / "cards"),
+        "METAFLOW_HOME": str(root / "mfhome"),
+        "METAFLOW_DATASTORE_SYSROOT_LOCAL": str(root / "mfroot"),
+        "METAFLOW_CARD_LOCALROOT": str(root / "mfroot" / "cards"),
         "METAFLOW_DEFAULT_DATASTORE": "local",
         "METAFLOW_DEFAULT_METADATA": "local",
         "RAY_TMPDIR": ray_tmpdir,
@@ -127,6 +129,51 @@ def sandbox(tmp_path: Path) -> FlowSandbox:
         "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
     }
     for d in ("mfhome", "mfroot"):
-        (tmp_path / d).mkdir()
-    yield FlowSandbox(root=tmp_path, env=env, ray_tmpdir=ray_tmpdir)
-    shutil.rmtree(ray_tmpdir, ignore_errors=True)
+        (root / d).mkdir()
+    return FlowSandbox(root=root, env=env, ray_tmpdir=ray_tmpdir)
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> FlowSandbox:
+    box = new_sandbox(tmp_path)
+    yield box
+    shutil.rmtree(box.ray_tmpdir, ignore_errors=True)
+
+
+@dataclass
+class Chain:
+    """SFTFlow on the worked arithmetic chats, then GRPOFlow started from its export by
+    pathspec (`--sft-run`): real runs in one sandbox, with the configs they ran."""
+
+    sandbox: FlowSandbox
+    sft: Any                 # metaflow.Run
+    sft_config: Path
+    grpo: Any                # metaflow.Run
+    grpo_config: Path
+
+
+@pytest.fixture(scope="session")
+def arithmetic_chain(tmp_path_factory) -> Chain:
+    """One SFT -> GRPO chain that the GRPO, evaluation and lineage flow tests all inspect:
+    the Metaflow runs are what makes a flow test slow, and each of those tests needs a trained
+    SFT run (the evaluation test compares it with its starting model) or the chain itself.
+    `make test` keeps those files on one worker (tests/conftest.py)."""
+    from metaflow import Runner
+    box = new_sandbox(tmp_path_factory.mktemp("chain"))
+    sft_config = box.config(ARITHMETIC_SFT, name="sft.yaml", **{
+        "train.max_steps": 20, "eval.max_batches": 1, "eval.generate.num_samples": 1})
+    grpo_config = box.config(TINY_GRPO, name="grpo.yaml", **{
+        "train.max_steps": 3, "train.prompts_per_step": 8, "train.checkpoint_every_steps": 2,
+        "eval.max_prompts": 16, "eval.num_records": 4})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("USER", box.env["USER"])
+        with Runner(str(SFT_FLOW), cwd=str(REPO), env=box.env, show_output=False,
+                    config=[("config", str(sft_config))], pylint=False) as runner:
+            sft = runner.run().run
+            assert sft.successful, sft
+        with Runner(str(GRPO_FLOW), cwd=str(REPO), env=box.env, show_output=False,
+                    config=[("config", str(grpo_config))], pylint=False) as runner:
+            grpo = runner.run(sft_run=sft.pathspec).run
+            assert grpo.successful, grpo
+    yield Chain(box, sft, sft_config, grpo, grpo_config)
+    shutil.rmtree(box.ray_tmpdir, ignore_errors=True)

@@ -40,6 +40,7 @@ def test_offline_teacher_with_mixer_weights_fails_in_the_parser():
         _parse()(yaml.safe_dump(data))
 
 
+@pytest.mark.slow
 def test_distill_flow_end_to_end(sandbox, monkeypatch):
     """start -> prepare -> distill (local Ray, 2 workers) -> join -> evaluate -> end."""
     from metaflow import Runner

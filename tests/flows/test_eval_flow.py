@@ -17,9 +17,7 @@ import yaml
 from .conftest import REPO, get_card
 
 EVAL_FLOW = REPO / "flows" / "eval_flow.py"
-SFT_FLOW = REPO / "flows" / "sft_flow.py"
 TINY_SUITE = REPO / "configs" / "eval" / "tiny.yaml"
-ARITHMETIC_SFT = REPO / "configs" / "sft" / "arithmetic_tiny.yaml"
 SUITE_SCHEMA = "posttrain.eval.suites.SuiteConfig"
 
 
@@ -58,18 +56,15 @@ def _small_suite(path) -> None:
 
 
 @pytest.mark.slow
-def test_eval_flow_compares_an_sft_run_with_its_starting_model(sandbox, monkeypatch):
+def test_eval_flow_compares_an_sft_run_with_its_starting_model(arithmetic_chain, monkeypatch):
+    """EvalFlow on the chain's SFT run (tests/flows/conftest.py: 20 steps on worked
+    arithmetic) against the random model that run started from."""
     from metaflow import Runner
+    sandbox, sft = arithmetic_chain.sandbox, arithmetic_chain.sft
     monkeypatch.setenv("USER", sandbox.env["USER"])
-    sft_config = sandbox.config(ARITHMETIC_SFT, name="sft.yaml", **{
-        "train.max_steps": 20, "eval.max_batches": 1, "eval.generate.num_samples": 1})
-    with Runner(str(SFT_FLOW), cwd=str(REPO), env=sandbox.env, show_output=False,
-                config=[("config", str(sft_config))], pylint=False) as runner:
-        sft = runner.run().run
-        assert sft.successful, sft
-        sft_pathspec, sft_hf = sft.pathspec, sft.data.hf_uri
-        # the random model the SFT run started from (model.init), kept in its run directory
-        base_model = f"{sft['start'].task.data.storage_root}/train/base_model"
+    sft_pathspec, sft_hf = sft.pathspec, sft.data.hf_uri
+    # the random model the SFT run started from (model.init), kept in its run directory
+    base_model = f"{sft['start'].task.data.storage_root}/train/base_model"
     suite = sandbox.root / "suite.yaml"
     _small_suite(suite)
     with Runner(str(EVAL_FLOW), cwd=str(REPO), env=sandbox.env, show_output=False,

@@ -13,12 +13,7 @@ import sys
 import pytest
 import yaml
 
-from .conftest import REPO, get_card, ray_processes_under
-
-GRPO_FLOW = REPO / "flows" / "grpo_flow.py"
-SFT_FLOW = REPO / "flows" / "sft_flow.py"
-TINY_GRPO = REPO / "configs" / "grpo" / "tiny.yaml"
-ARITHMETIC_SFT = REPO / "configs" / "sft" / "arithmetic_tiny.yaml"
+from .conftest import GRPO_FLOW, REPO, TINY_GRPO, get_card, ray_processes_under
 
 
 def test_grpo_configs_pass_the_schema():
@@ -53,46 +48,34 @@ def test_unknown_key_fails_in_the_parser():
 
 
 @pytest.mark.slow
-def test_sft_then_grpo_flow_chained_by_pathspec(sandbox, monkeypatch):
-    from metaflow import Runner
-    monkeypatch.setenv("USER", sandbox.env["USER"])
-    sft_config = sandbox.config(ARITHMETIC_SFT, name="sft.yaml", **{
-        "train.max_steps": 30, "eval.max_batches": 2, "eval.generate.num_samples": 1})
-    with Runner(str(SFT_FLOW), cwd=str(REPO), env=sandbox.env, show_output=False,
-                config=[("config", str(sft_config))], pylint=False) as runner:
-        sft = runner.run().run
-        assert sft.successful, sft
-        sft_pathspec, sft_hf = sft.pathspec, sft.data.hf_uri
-    grpo_config = sandbox.config(TINY_GRPO, name="grpo.yaml", **{
-        "train.max_steps": 3, "train.prompts_per_step": 8, "train.checkpoint_every_steps": 2,
-        "eval.max_prompts": 16, "eval.num_records": 4})
-    with Runner(str(GRPO_FLOW), cwd=str(REPO), env=sandbox.env, show_output=False,
-                config=[("config", str(grpo_config))], pylint=False) as runner:
-        run = runner.run(sft_run=sft_pathspec).run
-        assert run.successful, run
-        start, train, evaluate = run["start"].task, run["join"].task, run["evaluate"].task
-        assert start.data.parent_run == sft_pathspec
-        assert start.data.base_model_uri == sft_hf
-        assert run["prepare"].task.data.manifest_summary["format"] == "prompt"
-        result = train.data.train_result
-        assert result["steps"] == 3
-        assert result["max_sync_diff"] <= 1e-5
-        assert result["baseline_eval"]["eval/num_prompts"] == 16
-        table = {r["metric"]: r for r in evaluate.data.eval_table}
-        assert {"accuracy", "reward_mean", "exact_match_number_mean"} <= set(table)
-        acc = table["accuracy"]
-        assert acc["delta"] == pytest.approx(acc["trained"] - acc["baseline"], abs=1e-3)
-        # the baseline is the SFT run's export: its accuracy is the grpo step's start eval
-        assert acc["baseline"] == pytest.approx(result["baseline_eval"]["eval/accuracy"],
-                                                abs=1e-4)
-        prov = evaluate.data.eval_provenance
-        assert prov["parent_run"] == sft_pathspec and prov["baseline_uri"] == sft_hf
-        assert prov["content_hash"] == run["prepare"].task.data.content_hash
-        titles = json.dumps(get_card(sandbox, GRPO_FLOW, f"{run.id}/grpo", "training"))
-        for title in ("train reward", "held-out accuracy", "rollout tokens/s",
-                      "weight sync check", "time per GRPO step"):
-            assert title in titles, title
-        tables = [c for c in get_card(sandbox, GRPO_FLOW, f"{run.id}/evaluate", "evaluation")
-                  if c["type"] == "table"]
-        assert len(tables) == 2                         # start vs trained, completions
+def test_sft_then_grpo_flow_chained_by_pathspec(arithmetic_chain):
+    """The chain's GRPO run (tests/flows/conftest.py: SFT 20 steps, then GRPO 3 steps of 8
+    prompts with a checkpoint every 2) started from the SFT run's export."""
+    sandbox, sft, run = arithmetic_chain.sandbox, arithmetic_chain.sft, arithmetic_chain.grpo
+    sft_pathspec, sft_hf = sft.pathspec, sft.data.hf_uri
+    start, train, evaluate = run["start"].task, run["join"].task, run["evaluate"].task
+    assert start.data.parent_run == sft_pathspec
+    assert start.data.base_model_uri == sft_hf
+    assert run["prepare"].task.data.manifest_summary["format"] == "prompt"
+    result = train.data.train_result
+    assert result["steps"] == 3
+    assert result["max_sync_diff"] <= 1e-5
+    assert result["baseline_eval"]["eval/num_prompts"] == 16
+    table = {r["metric"]: r for r in evaluate.data.eval_table}
+    assert {"accuracy", "reward_mean", "exact_match_number_mean"} <= set(table)
+    acc = table["accuracy"]
+    assert acc["delta"] == pytest.approx(acc["trained"] - acc["baseline"], abs=1e-3)
+    # the baseline is the SFT run's export: its accuracy is the grpo step's start eval
+    assert acc["baseline"] == pytest.approx(result["baseline_eval"]["eval/accuracy"],
+                                            abs=1e-4)
+    prov = evaluate.data.eval_provenance
+    assert prov["parent_run"] == sft_pathspec and prov["baseline_uri"] == sft_hf
+    assert prov["content_hash"] == run["prepare"].task.data.content_hash
+    titles = json.dumps(get_card(sandbox, GRPO_FLOW, f"{run.id}/grpo", "training"))
+    for title in ("train reward", "held-out accuracy", "rollout tokens/s",
+                  "weight sync check", "time per GRPO step"):
+        assert title in titles, title
+    tables = [c for c in get_card(sandbox, GRPO_FLOW, f"{run.id}/evaluate", "evaluation")
+              if c["type"] == "table"]
+    assert len(tables) == 2                         # start vs trained, completions
     assert not ray_processes_under(sandbox.ray_tmpdir)

@@ -19,14 +19,10 @@ import sys
 
 import pytest
 
-from .conftest import REPO, card_components
+from .conftest import GRPO_FLOW, REPO, card_components
 
 EVAL_FLOW = REPO / "flows" / "eval_flow.py"
 TINY_SUITE = REPO / "configs" / "eval" / "tiny.yaml"
-GRPO_FLOW = REPO / "flows" / "grpo_flow.py"
-SFT_FLOW = REPO / "flows" / "sft_flow.py"
-TINY_GRPO = REPO / "configs" / "grpo" / "tiny.yaml"
-ARITHMETIC_SFT = REPO / "configs" / "sft" / "arithmetic_tiny.yaml"
 
 NO_LINEAGE_FLOW = '''
 from metaflow import FlowSpec, step
@@ -89,57 +85,49 @@ def _check_run_lineage(run, schema: str, config_path) -> dict:
 
 
 @pytest.mark.slow
-def test_lineage_of_an_sft_then_grpo_chain(sandbox, monkeypatch, tmp_path):
+def test_lineage_of_an_sft_then_grpo_chain(arithmetic_chain, monkeypatch, tmp_path):
+    """The lineage of the chain's runs (tests/flows/conftest.py), then of an EvalFlow run of
+    the GRPO export against the SFT export."""
     from metaflow import Flow, Runner, namespace
+    sandbox, sft, grpo = arithmetic_chain.sandbox, arithmetic_chain.sft, arithmetic_chain.grpo
     monkeypatch.setenv("USER", sandbox.env["USER"])
     for key, value in sandbox.env.items():      # the client in this process reads them
         monkeypatch.setenv(key, value)
-    sft_config = sandbox.config(ARITHMETIC_SFT, name="sft.yaml", **{
-        "train.max_steps": 10, "eval.max_batches": 1, "eval.generate.num_samples": 1})
-    with Runner(str(SFT_FLOW), cwd=str(REPO), env=sandbox.env, show_output=False,
-                config=[("config", str(sft_config))], pylint=False) as runner:
-        sft = runner.run().run
-        assert sft.successful, sft
-        sft_lin = _check_run_lineage(sft, "posttrain.train.sft.SFTConfig", sft_config)
-        assert sft_lin["parents"] == [] and sft_lin["started_from"] == {}
-    grpo_config = sandbox.config(TINY_GRPO, name="grpo.yaml", **{
-        "train.max_steps": 2, "train.prompts_per_step": 4, "eval.max_prompts": 8,
-        "eval.num_records": 2})
-    with Runner(str(GRPO_FLOW), cwd=str(REPO), env=sandbox.env, show_output=False,
-                config=[("config", str(grpo_config))], pylint=False) as runner:
-        grpo = runner.run(sft_run=sft.pathspec).run
-        assert grpo.successful, grpo
-        lin = _check_run_lineage(grpo, "posttrain.train.grpo.GRPOConfig", grpo_config)
-        assert lin["parents"] == [sft.pathspec]
-        assert lin["started_from"] == {"base_model_uri": sft.data.hf_uri,
-                                       "parent_run": sft.pathspec}
-        assert f"parent:{sft.pathspec}" in grpo.tags
-        # the tags are what the Metaflow UI and client filter on
-        namespace(None)
-        assert [r.pathspec for r in Flow("GRPOFlow").runs(f"parent:{sft.pathspec}")] == \
-            [grpo.pathspec]
-        assert [r.pathspec for r in Flow("SFTFlow").runs(
-            f"dataset:{sft_lin['datasets'][0]['content_hash'][:12]}")] == [sft.pathspec]
+    sft_lin = _check_run_lineage(sft, "posttrain.train.sft.SFTConfig",
+                                 arithmetic_chain.sft_config)
+    assert sft_lin["parents"] == [] and sft_lin["started_from"] == {}
+    lin = _check_run_lineage(grpo, "posttrain.train.grpo.GRPOConfig",
+                             arithmetic_chain.grpo_config)
+    assert lin["parents"] == [sft.pathspec]
+    assert lin["started_from"] == {"base_model_uri": sft.data.hf_uri,
+                                   "parent_run": sft.pathspec}
+    assert f"parent:{sft.pathspec}" in grpo.tags
+    # the tags are what the Metaflow UI and client filter on
+    namespace(None)
+    assert [r.pathspec for r in Flow("GRPOFlow").runs(f"parent:{sft.pathspec}")] == \
+        [grpo.pathspec]
+    assert [r.pathspec for r in Flow("SFTFlow").runs(
+        f"dataset:{sft_lin['datasets'][0]['content_hash'][:12]}")] == [sft.pathspec]
 
-        # the lineage card of the GRPO run's end step draws both runs
-        # read the way the README says: the card CLI (this process's Metaflow config was
-        # fixed at import, before the sandbox's card root was set)
-        html_path = tmp_path / "lineage-card.html"
-        got = subprocess.run(
-            [sys.executable, str(GRPO_FLOW), "card", "get", f"{grpo.id}/end", "--id",
-             "lineage", str(html_path)], cwd=REPO, env={**os.environ, **sandbox.env},
-            capture_output=True, text=True, timeout=300)
-        assert got.returncode == 0, got.stderr
-        components = card_components(html_path.read_text())
-        text = json.dumps(components)
-        tree = next(c for c in components if c["type"] == "markdown" and "└─" in c["source"])
-        assert f"```\n{grpo.pathspec} (dataset " in tree["source"]
-        assert f"└─ {sft.pathspec} (dataset {sft_lin['datasets'][0]['content_hash'][:12]}" \
-            in tree["source"]
-        table = next(c for c in components if c["type"] == "table")
-        assert [row[0] for row in table["data"]] == [grpo.pathspec, sft.pathspec]
-        assert any(c["type"] == "vegaChart" for c in components)
-        assert lin["config_hash"][:12] in text and sft_lin["config_hash"][:12] in text
+    # the lineage card of the GRPO run's end step draws both runs
+    # read the way the README says: the card CLI (this process's Metaflow config was
+    # fixed at import, before the sandbox's card root was set)
+    html_path = tmp_path / "lineage-card.html"
+    got = subprocess.run(
+        [sys.executable, str(GRPO_FLOW), "card", "get", f"{grpo.id}/end", "--id",
+         "lineage", str(html_path)], cwd=REPO, env={**os.environ, **sandbox.env},
+        capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    components = card_components(html_path.read_text())
+    text = json.dumps(components)
+    tree = next(c for c in components if c["type"] == "markdown" and "└─" in c["source"])
+    assert f"```\n{grpo.pathspec} (dataset " in tree["source"]
+    assert f"└─ {sft.pathspec} (dataset {sft_lin['datasets'][0]['content_hash'][:12]}" \
+        in tree["source"]
+    table = next(c for c in components if c["type"] == "table")
+    assert [row[0] for row in table["data"]] == [grpo.pathspec, sft.pathspec]
+    assert any(c["type"] == "vegaChart" for c in components)
+    assert lin["config_hash"][:12] in text and sft_lin["config_hash"][:12] in text
 
     # `posttrain lineage` walks the chain through the Metaflow client
     out = _lineage_cli(sandbox, grpo.pathspec)

@@ -21,6 +21,7 @@ from posttrain.train.reward import RewardConfig, last_response_index, load_rewar
 from steps import train_reward
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow          # a module fixture trains the reference runs
 TRAIN_PAIRS, EVAL_PAIRS = 300, 60
 
 CONFIG = {
@@ -61,6 +62,8 @@ def trained(tmp_path_factory):
 def test_reward_model_beats_chance_on_held_out_pairs(trained):
     tmp, result = trained
     ev = result["eval"]
+    print(f"reward model: held-out accuracy {ev['eval_accuracy']:.3f}, margin "
+          f"{ev['eval_margins']:.4f}, loss {ev['eval_loss']:.4f}")
     assert ev["eval_pairs"] == EVAL_PAIRS
     assert ev["eval_accuracy"] > 0.7 and ev["eval_margins"] > 0
     assert ev["eval_loss"] < math.log(2)
@@ -82,6 +85,7 @@ def test_exported_model_loads_as_a_reward_callable(trained):
         rejected = score(r["prompt"], r["rejected"][0]["content"])
         assert isinstance(chosen, float)
         wins += chosen > rejected
+    print(f"reward callable: {wins} of {len(rows)} held-out pairs ranked right")
     assert wins / len(rows) > 0.7
 
 

@@ -38,6 +38,7 @@ _run_to_end = partial(run_to_end, "steps.train_sft")
 _run_and_kill = partial(run_and_kill, "steps.train_sft")
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow          # a module fixture trains the reference runs
 TRAIN_ROWS, EVAL_ROWS = 160, 24
 MAX_STEPS = 24
 MID_EPOCH_STEP = 5

@@ -31,7 +31,8 @@ def reward_eval(generate: Callable[[list[list[int]]], list[list[Rollout]]], rows
                                                                       list[dict[str, Any]]]:
     """(metrics, records): the mean total reward, each function's mean, accuracy, response
     lengths, over all completions (`generate` returns k per prompt); records hold the first
-    completion of the first `num_records` prompts with its scores."""
+    completion of the first `num_records` prompts with its scores, and that prompt's accuracy
+    over all k completions (`accuracy`), for paired comparisons of two models per prompt."""
     groups = generate([r.prompt_ids for r in rows])
     if len(groups) != len(rows) or len({len(g) for g in groups}) != 1:
         raise RuntimeError(f"the engine returned {len(groups)} groups of completions for "
@@ -63,6 +64,8 @@ def reward_eval(generate: Callable[[list[list[int]]], list[list[Rollout]]], rows
         j = i * k
         records.append({"prompt": user[-1] if user else "", "completion": texts[j],
                         "reward": out.total[j],
+                        **({"accuracy": sum(out.components[accuracy_reward][j:j + k]) / k}
+                           if accuracy_reward is not None else {}),
                         **{name: values[j] for name, values in out.components.items()},
                         **{k: v for k, v in rows[i].extras.items()
                            if isinstance(v, (str, int, float, bool))}})
