@@ -127,3 +127,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return _SHARED_SCOPES.get(path, path)
 
     return SharedFixtureScheduling(config, log)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_left_behind() -> Iterator[None]:
+    """Code that builds an engine in this process joins a process group of one; the next test
+    module on the same pytest worker must not inherit it (it would see that group's world size
+    instead of its own WORLD_SIZE)."""
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

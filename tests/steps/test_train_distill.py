@@ -105,15 +105,6 @@ def tiny(tmp_path_factory) -> Tiny:
     return t
 
 
-@pytest.fixture(scope="module", autouse=True)
-def no_leftover_process_group():
-    import torch.distributed as dist
-    before = dist.is_initialized()
-    yield
-    if dist.is_initialized() and not before:
-        dist.destroy_process_group()
-
-
 # ---------------------------------------------------------------------------- 1. learning
 @pytest.mark.parametrize("signal_", ["online", "offline"])
 def test_distillation_lowers_heldout_kl(tiny, signal_):

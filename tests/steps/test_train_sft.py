@@ -121,16 +121,6 @@ def tiny(tmp_path_factory) -> Tiny:
     return t
 
 
-@pytest.fixture(scope="module", autouse=True)
-def no_leftover_process_group():
-    """In-process inline runs join a process group of one; leave none to later test modules."""
-    import torch.distributed as dist
-    before = dist.is_initialized()
-    yield
-    if dist.is_initialized() and not before:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def local_ray():
     import ray
