@@ -94,14 +94,21 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, blocks_attr: str = "layers")
     with the local head count.
     """
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+                                                   SequenceParallel, parallelize_module)
     tp_mesh = mesh["tp"]
     tp = tp_mesh.size()
     plan = {name: ColwiseParallel() for name in _COLWISE}
     plan.update({name: RowwiseParallel() for name in _ROWWISE})
     for i, block in enumerate(_blocks(model, blocks_attr)):
         _check_tp_block(block, i, tp)
-        parallelize_module(block, tp_mesh, plan)
+        block_plan = dict(plan)
+        if getattr(block.get_submodule("attn"), "q_norm", None) is not None:
+            # per-head q/k norms (Qwen3, Gemma 3) see this rank's heads only ([B, T, H/tp, D]):
+            # their weights are replicated DTensors and the input is sharded on the head dim,
+            # so each rank's weight gradient (its heads' part) is summed over "tp"
+            for name in ("attn.q_norm", "attn.k_norm"):
+                block_plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(block, tp_mesh, block_plan)
 
 
 def _check_tp_block(block: nn.Module, index: int, tp: int) -> None:

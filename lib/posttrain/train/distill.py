@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from posttrain.config.loader import build
@@ -42,7 +41,7 @@ from posttrain.models.transformer import Transformer
 from posttrain.train.engine import Engine, ModelConfig, ModelInitConfig
 from posttrain.train.metrics import device_peak_flops
 from posttrain.train.sft import (EvalConfig, ExportConfig, RunConfig, SFTTrainConfig, SFTWorker,
-                                 _tokenizer_vocab)
+                                 _tokenizer_vocab, check_step_split)
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +113,7 @@ class DistillConfig:
             if loader.mode != "packed":
                 raise ValueError("train.loader.mode: the offline teacher's loader packs rows; "
                                  "use mode: packed")
-        g = self.train.micro_batches_per_step
-        if g % self.run.num_workers:
-            raise ValueError(f"{g} micro-batches per step do not split over run.num_workers="
-                             f"{self.run.num_workers}")
+        check_step_split(self.train.micro_batches_per_step, self.run, self.train.parallel)
 
 
 # --------------------------------------------------------------------------- teacher check
@@ -229,8 +225,6 @@ class DistillWorker(SFTWorker):
     def __init__(self, cfg: dict[str, Any], hf_dir: str, teacher_dir: str, prepared_dir: str,
                  run_dir: str):
         self.cfg = build(DistillConfig, cfg, where="distill config")
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.prepared_dir = local_view(prepared_dir)
         self.teacher_dir = teacher_dir
         online = self.cfg.teacher.signal == "online"
@@ -238,6 +232,7 @@ class DistillWorker(SFTWorker):
         self.engine = Engine(self.cfg.model, self.cfg.train, hf_dir, run_dir,
                              vocab_size=_tokenizer_vocab(prepared_dir),
                              loss_factory=self._make_root)
+        self.rank, self.world = self.engine.rank, self.engine.world   # the engine joined the group
         if online:
             self._fill_teacher()
             self.loader = TrainLoader(sources_from_manifest(prepared_dir, "train"),

@@ -34,7 +34,7 @@ from posttrain.losses.dpo import LossType, dpo_loss, dpo_pair_logps
 from posttrain.models.transformer import Transformer
 from posttrain.train.engine import ModelConfig
 from posttrain.train.preference import PairWorker
-from posttrain.train.sft import ExportConfig, RunConfig, SFTTrainConfig
+from posttrain.train.sft import ExportConfig, RunConfig, SFTTrainConfig, check_step_split
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +113,7 @@ def check_pair_recipe(cfg: Any, name: str) -> None:
     if cfg.export.format == "full" and cfg.model.lora is not None:
         raise ValueError("export.format: full cannot write a LoRA model; set export.format "
                          "to merged or peft")
-    g = cfg.train.micro_batches_per_step
-    if g % cfg.run.num_workers:
-        raise ValueError(f"{g} micro-batches per step do not split over run.num_workers="
-                         f"{cfg.run.num_workers}")
+    check_step_split(cfg.train.micro_batches_per_step, cfg.run, cfg.train.parallel)
 
 
 class DPOLoss(nn.Module):
@@ -224,19 +221,16 @@ class DPOWorker(PairWorker):
     def _compute_reference(self, split: str, path: str) -> None:
         batches = (self.eval_batches("eval") if split == "eval"
                    else self._all_batches("train"))
-        mine = batches[self.rank::self.world]
-        rounds = -(-len(batches) // self.world) if batches else 0
+        dp = self.engine.dp
+        mine = dp.share(batches)
         rows: list[tuple[int, float, float]] = []
         self.engine.root.eval()
-        for i in range(rounds):
+        for i in range(dp.rounds(len(batches))):
             b = mine[i] if i < len(mine) else batches[0]      # equal forwards on every rank
             c, r = self._logps(b)
             if i < len(mine):
                 rows += zip(b["pair_keys"], c.tolist(), r.tolist())
-        if dist.is_initialized() and self.world > 1:
-            gathered: list = [None] * self.world
-            dist.all_gather_object(gathered, rows)
-            rows = [x for part in gathered for x in part]
+        rows = [x for part in dp.gather(rows) for x in part]
         if self.rank == 0:
             _write_ref(rows, path)
         if dist.is_initialized() and self.world > 1:

@@ -6,12 +6,19 @@ optimizer step over the micro-batches it is given:
 
     build:  meta model (HF config) -> LoRA -> parallelize (TP, AC, compile, FSDP2) over the
             loss module -> to_empty -> stream the HF tensors, each rank keeping its shard
-    step:   for each micro-batch: loss_sum(batch) * world / N_global -> backward
+    step:   for each micro-batch: loss_sum(batch) * dp_size / N_global -> backward
             clip grad norm -> optimizer.step -> scheduler.step -> zero_grad
 
-`N_global` is the number of loss units in the whole step across ranks (loss tokens for SFT,
-pairs for DPO and reward models), so the gradient is the one of a single big batch however the
-step is split (FSDP averages gradients over ranks, hence the `* world`).
+`N_global` is the number of loss units in the whole step across data-parallel ranks (loss
+tokens for SFT, pairs for DPO and reward models), so the gradient is the one of a single big
+batch however the step is split (FSDP averages gradients over the "dp_shard" ranks, hence the
+`* dp_size`).
+
+Data goes by *data-parallel* rank (`Engine.dp`): the ranks of one tensor-parallel group hold
+different slices of the same weights, so they must see the same micro-batches; a step's
+micro-batches are dealt out over the "dp_shard" dim of the mesh (`dp.share`), and sums over
+the data (losses, stats, eval) are taken over that dim only (`dp.sum`). With `tp=1` the
+data-parallel rank is the global rank.
 
 The loss module (the FSDP root, made by `loss_factory`) is called with the batch fields named
 in its `input_keys`, in that order (default: those of `CausalLMLoss`), and returns the loss
@@ -28,7 +35,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,7 +55,48 @@ from posttrain.train.optim import (OptimizerConfig, SchedulerConfig, build_optim
                                    build_scheduler)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This rank's place on the data-parallel ("dp_shard") dim of the device mesh: which share
+    of a step's data it takes, and the group over which sums of that data are taken. The ranks
+    of one tensor-parallel group have the same `rank` and see the same data."""
+
+    rank: int
+    size: int
+    group: Any = None             # the process group of the "dp_shard" dim (None: no group)
+
+    @classmethod
+    def of_mesh(cls, mesh: Any) -> "DataParallel":
+        dim = mesh["dp_shard"]
+        return cls(dim.get_local_rank(), dim.size(), dim.get_group() if dim.size() > 1 else None)
+
+    def share(self, items: Sequence[T]) -> list[T]:
+        """This rank's items: r, r + size, r + 2 size, ..."""
+        return list(items[self.rank::self.size])
+
+    def rounds(self, n: int) -> int:
+        """Forwards every rank runs over n items dealt out by `share` (the most any rank gets):
+        under FSDP the all-gathers are collective, so a rank with fewer repeats one."""
+        return -(-n // self.size)
+
+    def sum(self, value: float) -> float:
+        """`value` summed over the data-parallel ranks (each data item counted once)."""
+        if self.group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return float(t.item())
+
+    def gather(self, obj: Any) -> list[Any]:
+        """The `obj` of every data-parallel rank, in rank order (a collective)."""
+        if self.group is None:
+            return [obj]
+        out: list = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
 
 @dataclass(frozen=True)
@@ -144,11 +192,13 @@ class Engine:
         init_process_group()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = get_device()
+        self.mesh = build_mesh(cfg.parallel.dp_shard, cfg.parallel.tp)
+        self.dp = DataParallel.of_mesh(self.mesh)
         torch.manual_seed(cfg.seed)
         self.model, self.root = build_sharded(
             model_cfg, cfg.parallel, hf_dir, self.device,
             loss_factory or (lambda m: CausalLMLoss(m, model_cfg.loss_chunk_tokens)),
-            vocab_size=vocab_size, init_missing=self._init_missing)
+            vocab_size=vocab_size, init_missing=self._init_missing, mesh=self.mesh)
         self.args: ModelArgs = self.model.args
         self.optimizer = build_optimizer(self.root, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.max_steps, cfg.scheduler)
@@ -175,13 +225,15 @@ class Engine:
     def train_step(self, micro_batches: list[dict], global_loss_tokens: int) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches; returns global metrics.
 
-        `global_loss_tokens` is N_global, the step's loss units over all ranks (module doc).
+        `micro_batches` are this rank's share (`self.dp.share`) of the step's; the ranks of a
+        tensor-parallel group get the same. `global_loss_tokens` is N_global, the step's loss
+        units over all data-parallel ranks (module doc).
         """
         self.root.train()
         t0 = time.perf_counter()
         local_loss = torch.zeros((), dtype=torch.float64)
         local_stats: dict[str, float] = {}
-        scale = self.world / max(global_loss_tokens, 1)
+        scale = self.dp.size / max(global_loss_tokens, 1)
         for batch in micro_batches:
             loss_sum, stats = self._forward(batch)
             (loss_sum * scale).backward()
@@ -196,8 +248,8 @@ class Engine:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        loss_total = all_reduce_sum(local_loss.item())
-        stats = {k: all_reduce_sum(v) / max(global_loss_tokens, 1)
+        loss_total = self.dp.sum(local_loss.item())
+        stats = {k: self.dp.sum(v) / max(global_loss_tokens, 1)
                  for k, v in sorted(local_stats.items())}
         return {"step": self.step, "loss": loss_total / max(global_loss_tokens, 1), **stats,
                 "grad_norm": grad_norm, "lr": lr, "step_time_s": time.perf_counter() - t0}
@@ -215,10 +267,25 @@ class Engine:
     def _clip(self) -> float:
         params = [p for p in self.root.parameters() if p.grad is not None]
         max_norm = self.cfg.grad_clip_norm or math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
+        by_mesh: dict[Any, list[torch.Tensor]] = {}
+        for p in params:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+        if len(by_mesh) <= 1:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()
+            return float(norm)
+        # TP + FSDP: tensor-parallel weights live on the 2-D mesh, the rest (embedding, norms,
+        # head) on its "dp_shard" dim; DTensor cannot stack norms of different meshes, so each
+        # mesh's norm is reduced on its own and the total is combined here
+        parts = []
+        for group in by_mesh.values():
+            n = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)
+            parts.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+        total = torch.linalg.vector_norm(torch.stack(parts))
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+        return float(total)
 
     @torch.no_grad()
     def eval_loss_sum(self, batch: dict) -> float:
@@ -257,7 +324,7 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
                   device: torch.device, loss_factory: Callable[[Transformer], nn.Module], *,
                   vocab_size: int | None = None, frozen: bool = False,
                   init_missing: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
-                  ) -> tuple[Transformer, nn.Module]:
+                  mesh: Any = None) -> tuple[Transformer, nn.Module]:
     """The model of `hf_dir` inside `loss_factory(model)`, laid out on the device mesh and
     filled from the checkpoint, each rank reading only its shards (see the module docstring).
 
@@ -266,6 +333,7 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
     forward without gradients (a KL reference): sharded the same way, no activation
     checkpointing, everything resharded after each forward. `init_missing(name, param)` fills
     parameters the checkpoint lacks (LoRA adapters, a custom head); without it they are an error.
+    `mesh` is the device mesh to lay it out on (default: a new one from `parallel`).
     """
     model = load_hf(hf_dir, on_meta=True, param_filter=lambda name: False,
                     vocab_multiple=model_cfg.vocab_multiple)
@@ -280,7 +348,7 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
                                dropout=model_cfg.lora.dropout, targets=model_cfg.lora.targets)
         lora.apply_lora(model, lcfg)
     root = loss_factory(model)
-    mesh = build_mesh(parallel.dp_shard, parallel.tp)
+    mesh = mesh if mesh is not None else build_mesh(parallel.dp_shard, parallel.tp)
     root = (parallelize_frozen if frozen else parallelize)(model, mesh, parallel, root=root)
     dtype = DTYPES[model_cfg.dtype]
     # a custom head (a reward model's scalar projection) replaces the LM head: it is

@@ -27,7 +27,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from posttrain.config.loader import build
@@ -258,8 +257,6 @@ class GRPOWorker:
 
     def __init__(self, cfg: dict[str, Any], hf_dir: str, prepared_dir: str, run_dir: str):
         self.cfg = build(GRPOConfig, cfg, where="grpo config")
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.prepared_dir = local_view(prepared_dir)
         self.hf_dir = hf_dir
         train = self.cfg.train
@@ -269,6 +266,7 @@ class GRPOWorker:
             self.cfg.model, engine_cfg, hf_dir, run_dir, vocab_size=_tokenizer_vocab(prepared_dir),
             loss_factory=lambda m: GRPOLoss(m, self.cfg.algorithm, self._temperature, constant,
                                             self.cfg.model.loss_chunk_tokens))
+        self.rank, self.world = self.engine.rank, self.engine.world   # the engine joined the group
         self.reference: GRPOLoss | None = None
         if self.cfg.algorithm.reference == "copy":
             self.reference = self._frozen_copy().eval()
@@ -379,10 +377,10 @@ class GRPOWorker:
     # ------------------------------------------------------------------ update
     def train_rollouts(self, mini_batches: list[list[dict]]) -> dict[str, float]:
         """The policy update of one GRPO step: for each mini-batch (a list of micro-batches,
-        this rank taking r, r + W, ...) one optimizer step. Old-policy log-probs are computed
+        this data-parallel rank taking r, r + D, ...) one optimizer step. Old-policy log-probs are computed
         first when there is more than one mini-batch, reference log-probs when configured."""
         device = self.engine.device
-        mine = [mb[self.rank::self.world] for mb in mini_batches]
+        mine = [self.engine.dp.share(mb) for mb in mini_batches]
         t0 = time.perf_counter()
         with torch.no_grad():
             self.engine.root.eval()

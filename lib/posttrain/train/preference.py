@@ -17,14 +17,13 @@ import logging
 import time
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 
 from posttrain.data.loader import LoaderConfig, TrainLoader, sources_from_manifest
 from posttrain.data.prepared import local_view
 from posttrain.errors import DataError
 from posttrain.models.transformer import Transformer
-from posttrain.train.engine import Engine, all_reduce_sum
+from posttrain.train.engine import Engine
 from posttrain.train.metrics import peak_memory_bytes
 from posttrain.train.sft import _tokenizer_vocab
 
@@ -41,14 +40,13 @@ class PairWorker:
 
     def __init__(self, cfg: Any, hf_dir: str, prepared_dir: str, run_dir: str):
         self.cfg = cfg
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.prepared_uri = prepared_dir
         self.prepared_dir = local_view(prepared_dir)
         self.run_dir = run_dir
         self.engine = Engine(cfg.model, cfg.train, hf_dir, run_dir,
                              loss_factory=self.loss_module,
                              vocab_size=_tokenizer_vocab(prepared_dir))
+        self.rank, self.world = self.engine.rank, self.engine.world   # the engine joined the group
         self.loader = TrainLoader(sources_from_manifest(prepared_dir, "train"), cfg.train.loader)
         self._batches = None
         self.pairs_seen = 0
@@ -86,7 +84,7 @@ class PairWorker:
             return None
         data_s = time.perf_counter() - t0
         pairs = sum(b["num_pairs"] for b in batches)
-        mine = [self.add_inputs(b, "train") for b in batches[self.rank::self.world]]
+        mine = [self.add_inputs(b, "train") for b in self.engine.dp.share(batches)]
         metrics = self.engine.train_step(mine, pairs)
         self.pairs_seen += pairs
         real = sum(b["num_real_tokens"] for b in batches)
@@ -128,15 +126,15 @@ class PairWorker:
                 "eval_pairs": pairs, "eval_batches": len(batches)}
 
     def sum_over_ranks(self, batches: list[dict], split: str) -> dict[str, float]:
-        mine = batches[self.rank::self.world]
-        rounds = -(-len(batches) // self.world)
+        dp = self.engine.dp
+        mine = dp.share(batches)
         sums: dict[str, float] = {}
         for b in mine:
             for k, v in self.engine.eval_sums(self.add_inputs(b, split)).items():
                 sums[k] = sums.get(k, 0.0) + v
-        for _ in range(rounds - len(mine)):
+        for _ in range(dp.rounds(len(batches)) - len(mine)):
             self.engine.eval_sums(self.add_inputs(batches[0], split))
-        return {k: all_reduce_sum(v) for k, v in sorted(sums.items())}
+        return {k: dp.sum(v) for k, v in sorted(sums.items())}
 
     def close(self) -> None:
         self.loader.close()

@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch.distributed as dist
 
 from posttrain.config.loader import build
 from posttrain.config.recipes import DataConfig
@@ -25,7 +24,7 @@ from posttrain.data.loader import LoaderConfig, TrainLoader, sources_from_manife
 from posttrain.data.prepared import local_view
 from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.errors import DataError
-from posttrain.train.engine import Engine, EngineConfig, ModelConfig, all_reduce_sum
+from posttrain.train.engine import Engine, EngineConfig, ModelConfig
 from posttrain.train.metrics import device_peak_flops, peak_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -111,11 +110,20 @@ class SFTConfig:
                              "to merged (full weights, adapters folded in) or peft (the adapter)")
         if self.data.format not in ("chat", "sequence"):
             raise ValueError(f"SFT trains on chat or sequence data, not {self.data.format!r}")
-        g = self.train.micro_batches_per_step
-        if g % self.run.num_workers:
-            raise ValueError(f"{g} micro-batches per step (tokens_per_step / (rows_per_batch x "
-                             f"max_tokens_per_pack)) do not split over run.num_workers="
-                             f"{self.run.num_workers}")
+        check_step_split(self.train.micro_batches_per_step, self.run, self.train.parallel)
+
+
+def check_step_split(micro_batches: int, run: RunConfig, parallel: Any) -> None:
+    """A step's micro-batches must deal out evenly over the data-parallel ranks: run.num_workers
+    processes over `parallel.tp`-wide tensor-parallel groups (ranks of a group share data)."""
+    from posttrain.distributed.env import resolve_mesh_shape
+    dp, tp = resolve_mesh_shape(run.num_workers, parallel.dp_shard, parallel.tp)
+    if micro_batches % dp:
+        ranks = (f"run.num_workers={run.num_workers}" if tp == 1 else
+                 f"{dp} data-parallel ranks (run.num_workers={run.num_workers} / "
+                 f"parallel.tp={tp})")
+        raise ValueError(f"{micro_batches} micro-batches per step (tokens_per_step / "
+                         f"(rows_per_batch x max_tokens_per_pack)) do not split over {ranks}")
 
 
 class SFTWorker:
@@ -123,12 +131,11 @@ class SFTWorker:
 
     def __init__(self, cfg: dict[str, Any], hf_dir: str, prepared_dir: str, run_dir: str):
         self.cfg = build(SFTConfig, cfg, where="sft config")
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.prepared_dir = local_view(prepared_dir)   # shards stay remote; metadata local
         manifest_vocab = _tokenizer_vocab(prepared_dir)
         self.engine = Engine(self.cfg.model, self.cfg.train, hf_dir, run_dir,
                              vocab_size=manifest_vocab)
+        self.rank, self.world = self.engine.rank, self.engine.world   # the engine joined the group
         self.loader = TrainLoader(sources_from_manifest(prepared_dir, "train"),
                                   self.cfg.train.loader)
         self._batches = None
@@ -159,7 +166,7 @@ class SFTWorker:
         if len(batches) < self.cfg.train.micro_batches_per_step:
             return None
         data_s = time.perf_counter() - t0
-        mine = batches[self.rank::self.world]
+        mine = self.engine.dp.share(batches)
         loss_tokens = sum(b["num_loss_tokens"] for b in batches)
         metrics = self.engine.train_step(mine, loss_tokens)
         real = sum(b["num_real_tokens"] for b in batches)
@@ -195,9 +202,9 @@ class SFTWorker:
     def evaluate(self) -> dict[str, float]:
         """Held-out loss and perplexity over at most eval.max_batches micro-batches.
 
-        Batches are split over ranks; under FSDP every rank must run the same number of
-        forwards (the all-gathers are collective), so a rank with one batch fewer repeats its
-        first batch without counting it.
+        Batches are split over the data-parallel ranks; under FSDP every rank must run the same
+        number of forwards (the all-gathers are collective), so a rank with one batch fewer
+        repeats its first batch without counting it.
         """
         try:
             sources = sources_from_manifest(self.prepared_dir, "eval")
@@ -211,12 +218,12 @@ class SFTWorker:
             batches = [b for _, b in zip(range(self.cfg.eval.max_batches), loader)]
         if not batches:
             return {}
-        mine = batches[self.rank::self.world]
-        rounds = -(-len(batches) // self.world)
+        dp = self.engine.dp
+        mine = dp.share(batches)
         loss_sum = sum(self.engine.eval_loss_sum(b) for b in mine)
-        for _ in range(rounds - len(mine)):
+        for _ in range(dp.rounds(len(batches)) - len(mine)):
             self.engine.eval_loss_sum(batches[0])
-        total = all_reduce_sum(loss_sum)
+        total = dp.sum(loss_sum)
         tokens = sum(b["num_loss_tokens"] for b in batches)
         loss = total / max(tokens, 1)
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)),

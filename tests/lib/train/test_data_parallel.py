@@ -1,0 +1,201 @@
+"""Data goes by data-parallel rank, not by global rank: tensor parallelism does not change a run.
+
+The ranks of one tensor-parallel group hold slices of the same weights, so they must see the
+same micro-batches, and sums over the data (the loss, the gradient scale) are taken over the
+data-parallel ranks only. Three layouts of the same run, on real gloo process groups:
+
+    1 rank                 the reference
+    dp_shard=2, tp=1       2 ranks, each its half of the step's micro-batches
+    dp_shard=2, tp=2       4 ranks; ranks {0,1} and {2,3} are tensor-parallel pairs
+
+must give the same per-step losses (1e-5, fp32) and the same exported weights (1e-5), for SFT
+(chunked cross-entropy over packed documents) and DPO (packed pairs, precomputed reference),
+on the native Qwen3 and Llama definitions. Before the data rule used the DP rank, the 4-rank
+layout fed the two ranks of a TP pair different micro-batches and scaled the gradient by the
+world size (4) instead of the data-parallel size (2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from posttrain.config.loader import build, to_dict
+from posttrain.distributed.env import free_port
+
+ROOT = Path(__file__).resolve().parents[3]
+STEPS = 3
+LAYOUTS = {"1": (1, 1, 1), "dp2": (2, 2, 1), "dp2_tp2": (4, 2, 2)}   # world, dp_shard, tp
+FAMILIES = ("qwen3", "llama")
+RECIPES = ("sft", "dpo")
+ATOL = 1e-5
+
+_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+          "tie_word_embeddings": False}
+# Adam turns float noise in near-zero gradient elements into updates of up to lr each step, so
+# the weights of two layouts (whose sums run in another order) drift apart in proportion to lr:
+# at lr 3e-3, dp2 x tp2 ended 3e-5 from 1 rank after 3 steps while the losses agreed to 4e-7.
+_OPTIM = {"optimizer": {"lr": 5e-4, "weight_decay": 0.0, "betas": [0.9, 0.95]},
+          "scheduler": {"kind": "constant", "warmup_steps": 0}, "grad_clip_norm": 1.0,
+          "seed": 0, "checkpoint_every_steps": 100, "keep_checkpoints": 1}
+_LOADER = {"rows_per_batch": 1, "shuffle_buffer_samples": 16, "seed": 0, "epochs": 1}
+
+
+def _config(recipe: str, family: str, world: int, dp_shard: int, tp: int,
+            data: Path = ROOT / "assets" / "data") -> dict:
+    """The recipe's config: 4 micro-batches of 1 x 128 tokens per step, data under `data`."""
+    common = {
+        "run": {"num_workers": world, "launcher": "ray" if world > 1 else "inline"},
+        "tokenizer": {"path": str(ROOT / "assets" / "tokenizer")},
+        "model": {"init": {"family": family, "seed": 0, "overrides": _MODEL},
+                  "dtype": "float32", "loss_chunk_tokens": 64},
+        "eval": {"max_batches": 3},
+    }
+    parallel = {"dp_shard": dp_shard, "tp": tp, "activation_checkpointing": "none"}
+    if recipe == "sft":
+        return {**common,
+                "data": {"format": "chat", "max_tokens_per_sample": 128,
+                         "train": [{"name": "chat", "path": str(data / "chat/train.jsonl")}],
+                         "eval": [{"name": "chat", "path": str(data / "chat/eval.jsonl")}]},
+                "train": {"max_steps": STEPS, "tokens_per_step": 512, "parallel": parallel,
+                          "loader": {**_LOADER, "packing": {"max_tokens_per_pack": 128,
+                                                            "buffer_samples": 16}},
+                          **_OPTIM}}
+    return {**common,
+            "data": {"format": "preference", "max_tokens_per_sample": 64, "on_bad_row": "skip",
+                     "train": [{"name": "pref", "path": str(data / "preference/train.jsonl")}],
+                     "eval": [{"name": "pref", "path": str(data / "preference/eval.jsonl")}]},
+            "train": {"max_steps": STEPS, "tokens_per_step": 512, "parallel": parallel,
+                      "loader": {**_LOADER, "format": "preference",
+                                 "packing": {"max_tokens_per_pack": 128, "buffer_samples": 16}},
+                      "dpo": {"beta": 0.1, "loss_type": "sigmoid"},
+                      "reference": {"kind": "precomputed"}, **_OPTIM}}
+
+
+def _schema(recipe: str) -> tuple[type, type]:
+    if recipe == "sft":
+        from posttrain.train.sft import SFTConfig, SFTWorker
+        return SFTConfig, SFTWorker
+    from posttrain.train.dpo import DPOConfig, DPOWorker
+    return DPOConfig, DPOWorker
+
+
+def _prepare(root: Path) -> dict[tuple[str, str], tuple[str, str]]:
+    """(recipe, family) -> (prepared dir, base HF checkpoint), made once in this process from
+    the first rows of the bundled chat and preference data (DPO's reference pass reads all)."""
+    from steps.common import base_model_dir, ensure_prepared
+    for kind in ("chat", "preference"):
+        for split, rows in (("train", 96), ("eval", 24)):
+            lines = (ROOT / "assets/data" / kind / f"{split}.jsonl").read_text().splitlines()
+            (root / "data" / kind).mkdir(parents=True, exist_ok=True)
+            (root / "data" / kind / f"{split}.jsonl").write_text("\n".join(lines[:rows]) + "\n")
+    out = {}
+    for recipe in RECIPES:
+        schema, _ = _schema(recipe)
+        for family in FAMILIES:
+            cfg = build(schema, _config(recipe, family, 1, 1, 1, root / "data"), where="config")
+            prepared = ensure_prepared(cfg, str(root / f"prepared_{recipe}"), show_progress=False)
+            out[recipe, family] = prepared, base_model_dir(cfg, prepared, root / f"{recipe}_{family}")
+    return out
+
+
+def _rank(rank: int, world: int, port: int, layout: str, root: str, inputs: dict) -> None:
+    """One rank of `layout`: every (recipe, family) run in turn, losses and weights to disk."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from posttrain.models.hf_io import iter_hf_tensors, load_hf
+    _, dp_shard, tp = LAYOUTS[layout]
+    for (recipe, family), (prepared, hf_dir) in sorted(inputs.items()):
+        _, worker_cls = _schema(recipe)
+        run_dir = Path(root) / layout / f"{recipe}_{family}"
+        cfg = _config(recipe, family, world, dp_shard, tp, Path(root) / "data")
+        worker = worker_cls(cfg, hf_dir, prepared, str(run_dir))
+        if recipe == "dpo":
+            worker.prepare_reference()
+        steps = [worker.train_step() for _ in range(STEPS)]
+        evaluation = worker.evaluate()
+        hf = worker.export(str(run_dir / "hf"))
+        worker.close()
+        if rank == 0:
+            args = load_hf(hf, on_meta=True, param_filter=lambda name: False).args
+            torch.save({name: t.clone() for name, t in iter_hf_tensors(hf, args)},
+                       run_dir / "weights.pt")
+            (run_dir / "result.json").write_text(json.dumps(
+                {"losses": [m["loss"] for m in steps],
+                 "grad_norms": [m["grad_norm"] for m in steps], "eval": evaluation,
+                 "dp": [worker.engine.dp.rank, worker.engine.dp.size]}))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dp")
+    inputs = _prepare(root)
+    for layout, (world, _, _) in LAYOUTS.items():
+        mp.spawn(_rank, args=(world, free_port(), layout, str(root), inputs), nprocs=world,
+                 join=True)
+    return root
+
+
+def _result(root: Path, layout: str, recipe: str, family: str) -> tuple[dict, dict]:
+    run = root / layout / f"{recipe}_{family}"
+    return (json.loads((run / "result.json").read_text()),
+            torch.load(run / "weights.pt", weights_only=True))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("layout", ["dp2", "dp2_tp2"])
+def test_layout_trains_like_one_rank(layouts, recipe, family, layout):
+    ref, ref_w = _result(layouts, "1", recipe, family)
+    got, got_w = _result(layouts, layout, recipe, family)
+    print(f"{recipe}/{family}/{layout}: losses {got['losses']} (1 rank: {ref['losses']}); "
+          f"grad norms {got['grad_norms']} ({ref['grad_norms']})")
+    assert len(got["losses"]) == STEPS
+    assert got["losses"] == pytest.approx(ref["losses"], abs=ATOL, rel=0)
+    assert ref["losses"][0] != ref["losses"][-1]                 # it trained
+    # Adam is blind to a gradient's scale (and clipping hides it too): the norm is not
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-4)
+    for key, value in ref["eval"].items():
+        assert got["eval"][key] == pytest.approx(value, abs=ATOL, rel=1e-6), key
+    assert got_w.keys() == ref_w.keys()
+    worst = max((got_w[k] - ref_w[k]).abs().max().item() for k in ref_w)
+    assert worst <= ATOL, worst
+    moved = max((ref_w[k] - w).abs().max().item()
+                for k, w in _base_weights(layouts, recipe, family).items())
+    assert moved > 30 * ATOL                                     # the weights did change
+
+
+def _base_weights(root: Path, recipe: str, family: str) -> dict[str, torch.Tensor]:
+    from posttrain.models.hf_io import iter_hf_tensors, load_hf
+    hf = root / f"{recipe}_{family}" / "base_model"
+    args = load_hf(str(hf), on_meta=True, param_filter=lambda name: False).args
+    return dict(iter_hf_tensors(str(hf), args))
+
+
+def test_rank0_of_a_tensor_parallel_layout_is_data_parallel_rank0(layouts):
+    got, _ = _result(layouts, "dp2_tp2", "sft", "qwen3")
+    assert got["dp"] == [0, 2]
+
+
+def test_a_step_that_does_not_split_over_the_data_parallel_ranks_is_refused():
+    from posttrain.train.sft import SFTConfig
+    cfg = _config("sft", "qwen3", 4, 2, 2)
+    cfg["train"]["tokens_per_step"] = 384                   # 3 micro-batches over 2 DP ranks
+    with pytest.raises(ValueError, match=r"do not split over 2 data-parallel ranks "
+                                         r"\(run.num_workers=4 / parallel.tp=2\)"):
+        build(SFTConfig, cfg, where="config")
+    cfg["train"]["tokens_per_step"] = 512
+    cfg["train"]["parallel"]["dp_shard"] = 3
+    with pytest.raises(ValueError, match="dp_shard=3 x parallel.tp=2"):
+        build(SFTConfig, cfg, where="config")
+    assert to_dict(build(SFTConfig, _config("sft", "qwen3", 4, 2, 2), where="config"))
