@@ -273,6 +273,9 @@ def run_recipe(step: Any, cfg: Any, prepared_uri: str, root: str, name: str, **c
     its working directory in local scratch and its checkpoints under `root/name`, so that a
     retried attempt or `resume` continues from them."""
     import dataclasses
+
+    from steps.cli import configure_logging
+    configure_logging()                          # the driver's step lines in the task's log
     run = dataclasses.replace(cfg.run, dir=scratch_dir(root, name))
     cfg = dataclasses.replace(cfg, run=run, **changes)
     return step.run(cfg, prepared_dir=prepared_uri, checkpoint_dir=join(root, name),

@@ -97,9 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging() -> None:
+    """INFO lines with a time stamp on stderr, for the entry points (this CLI, a flow's task);
+    library and step code only log, so that importing them configures nothing."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    configure_logging()
     if argv and argv[0] == "verify-model":
         from posttrain.models.verify import main as verify_main
         return verify_main(argv[1:])

@@ -142,9 +142,6 @@ def step_loop(group: Any, *, name: str, start: int, max_steps: int, checkpoint_e
     data is exhausted). Without a progress bar (a Metaflow task log, CI) a plain line is logged
     every max_steps/20 steps, so a person can follow the run.
     """
-    if not show_progress and not logging.getLogger().handlers:
-        # called from a flow or a notebook: make the progress lines visible
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     step_fn = step_fn or (lambda step: group.call("train_step")[0])
     save_fn = save_fn or (lambda step: group.call("save_checkpoint"))
     history: list[dict] = []

@@ -251,8 +251,6 @@ def run(config: GRPOConfig | str | Path, *, overrides: dict | None = None,
     cfg = config if isinstance(config, GRPOConfig) else load_recipe(config, GRPOConfig, overrides)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not show_progress and not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     prepared_dir = prepared_dir or ensure_prepared(cfg, str(run_dir / "prepared"), show_progress)
     local = local_view(prepared_dir)
     hf_dir = base_model_dir(cfg, local, run_dir)

@@ -1,7 +1,7 @@
 """The scheduled retraining flow, run twice locally through Metaflow's Runner:
 
 1. nothing is promoted yet: the candidate trained on the newest snapshot is promoted (tagged);
-2. a new snapshot arrives and the recipe is made worse (2 steps instead of 40): the candidate
+2. a new snapshot arrives and the recipe is made worse (2 steps instead of 12): the candidate
    loses to the promoted model on the held-out split, is refused with the reason, and the tag
    stays where it was.
 
@@ -64,7 +64,7 @@ def test_gate_promotes_a_better_model_and_refuses_a_worse_one(sandbox, monkeypat
             assert run.successful, run
             return Run(run.pathspec)
 
-    first = launch(40)
+    first = launch(12)
     d1 = first.data.decision
     assert d1["promote"] and d1["baseline_run"] is None
     assert d1["reason"].startswith("no promoted model yet")
@@ -76,6 +76,8 @@ def test_gate_promotes_a_better_model_and_refuses_a_worse_one(sandbox, monkeypat
     shutil.copytree(SNAPSHOTS / "2026-11-30", snapshots / "2026-11-30")   # new data arrives
     second = launch(2)
     d2 = second.data.decision
+    print(f"gate: 12-step baseline eval loss {d2['baseline']:.4f}, 2-step candidate "
+          f"{d2['candidate']:.4f} (margin {0.01})")
     assert second.data.snapshot["name"] == "2026-11-30"
     assert d2["baseline_run"] == first.pathspec
     assert not d2["promote"] and d2["candidate"] > d2["baseline"]

@@ -27,6 +27,7 @@ from steps import evaluate_distill, train_distill, train_sft
 from functools import partial
 
 from .conftest import run_and_kill, run_to_end, safetensors as _safetensors
+from .golden import check_golden
 
 _run_to_end = partial(run_to_end, "steps.train_distill")
 _run_and_kill = partial(run_and_kill, "steps.train_distill")
@@ -106,6 +107,12 @@ def tiny(tmp_path_factory) -> Tiny:
 
 
 # ---------------------------------------------------------------------------- 1. learning
+@pytest.mark.parametrize("signal_", ["online", "offline"])
+def test_first_losses_match_the_golden_values(tiny, signal_):
+    metrics = tiny.metrics(tiny.refs[signal_])
+    check_golden(f"distill_{signal_}", [metrics[s]["loss"] for s in sorted(metrics)])
+
+
 @pytest.mark.parametrize("signal_", ["online", "offline"])
 def test_distillation_lowers_heldout_kl(tiny, signal_):
     ref = tiny.refs[signal_]

@@ -31,6 +31,7 @@ from posttrain.train.dpo import DPOConfig
 from functools import partial
 
 from .conftest import run_and_kill, run_to_end
+from .golden import check_golden
 
 _run_to_end = partial(run_to_end, "steps.train_dpo")
 _run_and_kill = partial(run_and_kill, "steps.train_dpo")
@@ -91,6 +92,11 @@ def tiny(tmp_path_factory):
     ref_dir = tmp / "reference"
     _run_to_end(config, ref_dir)
     return tmp, config, ref_dir
+
+
+def test_first_losses_match_the_golden_values(tiny):
+    metrics = _metrics(tiny[2])
+    check_golden("dpo", [metrics[s]["loss"] for s in sorted(metrics)])
 
 
 def test_first_step_is_log_2_and_accuracy_rises(tiny):

@@ -20,6 +20,8 @@ from posttrain.config.loader import build
 from posttrain.train.reward import RewardConfig, last_response_index, load_reward_model
 from steps import train_reward
 
+from .golden import check_golden
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow          # a module fixture trains the reference runs
 TRAIN_PAIRS, EVAL_PAIRS = 300, 60
@@ -57,6 +59,12 @@ def trained(tmp_path_factory):
     cfg["data"]["train"] = [{"name": "pairs", "path": str(tmp / "train.jsonl")}]
     cfg["data"]["eval"] = [{"name": "pairs", "path": str(tmp / "eval.jsonl")}]
     return tmp, train_reward.run(build(RewardConfig, cfg), show_progress=False)
+
+
+def test_first_losses_match_the_golden_values(trained):
+    tmp, _ = trained
+    rows = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    check_golden("reward", [r["loss"] for r in rows if "loss" in r])
 
 
 def test_reward_model_beats_chance_on_held_out_pairs(trained):

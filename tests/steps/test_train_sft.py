@@ -33,6 +33,7 @@ from steps import train_sft
 from functools import partial
 
 from .conftest import run_and_kill, run_to_end, safetensors as _safetensors
+from .golden import check_golden
 
 _run_to_end = partial(run_to_end, "steps.train_sft")
 _run_and_kill = partial(run_and_kill, "steps.train_sft")
@@ -119,6 +120,10 @@ def tiny(tmp_path_factory) -> Tiny:
     t.boundary_step = epochs.index(1) + 1
     assert MID_EPOCH_STEP + 2 < t.boundary_step < MAX_STEPS - 2, epochs
     return t
+
+
+def test_first_losses_match_the_golden_values(tiny):
+    check_golden("sft", [m["loss"] for m in tiny.ref_metrics])
 
 
 @pytest.fixture(scope="module")
