@@ -84,11 +84,7 @@ class DataParallel:
 
     def sum(self, value: float) -> float:
         """`value` summed over the data-parallel ranks (each data item counted once)."""
-        if self.group is None:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        return float(t.item())
+        return value if self.group is None else _all_reduce(value, dist.ReduceOp.SUM, self.group)
 
     def gather(self, obj: Any) -> list[Any]:
         """The `obj` of every data-parallel rank, in rank order (a collective)."""
@@ -267,22 +263,17 @@ class Engine:
     def _clip(self) -> float:
         params = [p for p in self.root.parameters() if p.grad is not None]
         max_norm = self.cfg.grad_clip_norm or math.inf
+        # clip_grad_norm_ in steps: under TP + FSDP the tensor-parallel weights live on the 2-D
+        # mesh and the rest (embedding, norms, head) on its "dp_shard" dim, and DTensor cannot
+        # stack norms of different meshes, so each mesh's norm is reduced on its own first
         by_mesh: dict[Any, list[torch.Tensor]] = {}
         for p in params:
             by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-        if len(by_mesh) <= 1:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-            if hasattr(norm, "full_tensor"):
-                norm = norm.full_tensor()
-            return float(norm)
-        # TP + FSDP: tensor-parallel weights live on the 2-D mesh, the rest (embedding, norms,
-        # head) on its "dp_shard" dim; DTensor cannot stack norms of different meshes, so each
-        # mesh's norm is reduced on its own and the total is combined here
         parts = []
         for group in by_mesh.values():
             n = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)
             parts.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
-        total = torch.linalg.vector_norm(torch.stack(parts))
+        total = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
         return float(total)
@@ -376,11 +367,12 @@ def all_reduce_max(value: float) -> float:
     return _all_reduce(value, dist.ReduceOp.MAX)
 
 
-def _all_reduce(value: float, op) -> float:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _all_reduce(value: float, op, group: Any = None) -> float:
+    """`value` reduced over `group` (default: every rank)."""
+    if group is None and (not dist.is_initialized() or dist.get_world_size() == 1):
         return value
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=op, group=group)
     return float(t.item())
 
 

@@ -377,8 +377,9 @@ class GRPOWorker:
     # ------------------------------------------------------------------ update
     def train_rollouts(self, mini_batches: list[list[dict]]) -> dict[str, float]:
         """The policy update of one GRPO step: for each mini-batch (a list of micro-batches,
-        this data-parallel rank taking r, r + D, ...) one optimizer step. Old-policy log-probs are computed
-        first when there is more than one mini-batch, reference log-probs when configured."""
+        this data-parallel rank taking r, r + D, ...) one optimizer step. Old-policy log-probs
+        are computed first when there is more than one mini-batch, reference log-probs when
+        configured."""
         device = self.engine.device
         mine = [self.engine.dp.share(mb) for mb in mini_batches]
         t0 = time.perf_counter()

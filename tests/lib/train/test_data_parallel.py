@@ -112,7 +112,6 @@ def _rank(rank: int, world: int, port: int, layout: str, root: str, inputs: dict
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from posttrain.models.hf_io import iter_hf_tensors, load_hf
     _, dp_shard, tp = LAYOUTS[layout]
     for (recipe, family), (prepared, hf_dir) in sorted(inputs.items()):
         _, worker_cls = _schema(recipe)
@@ -126,9 +125,7 @@ def _rank(rank: int, world: int, port: int, layout: str, root: str, inputs: dict
         hf = worker.export(str(run_dir / "hf"))
         worker.close()
         if rank == 0:
-            args = load_hf(hf, on_meta=True, param_filter=lambda name: False).args
-            torch.save({name: t.clone() for name, t in iter_hf_tensors(hf, args)},
-                       run_dir / "weights.pt")
+            torch.save(_hf_tensors(hf), run_dir / "weights.pt")
             (run_dir / "result.json").write_text(json.dumps(
                 {"losses": [m["loss"] for m in steps],
                  "grad_norms": [m["grad_norm"] for m in steps], "eval": evaluation,
@@ -176,10 +173,14 @@ def test_layout_trains_like_one_rank(layouts, recipe, family, layout):
 
 
 def _base_weights(root: Path, recipe: str, family: str) -> dict[str, torch.Tensor]:
+    return _hf_tensors(str(root / f"{recipe}_{family}" / "base_model"))
+
+
+def _hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
+    """The native-named tensors of an HF checkpoint."""
     from posttrain.models.hf_io import iter_hf_tensors, load_hf
-    hf = root / f"{recipe}_{family}" / "base_model"
-    args = load_hf(str(hf), on_meta=True, param_filter=lambda name: False).args
-    return dict(iter_hf_tensors(str(hf), args))
+    args = load_hf(hf_dir, on_meta=True, param_filter=lambda name: False).args
+    return {name: t.clone() for name, t in iter_hf_tensors(hf_dir, args)}
 
 
 def test_rank0_of_a_tensor_parallel_layout_is_data_parallel_rank0(layouts):
