@@ -57,6 +57,8 @@ def main() -> None:
     cfg = EngineConfig(max_steps=a.steps, optimizer=OptimizerConfig(lr=1e-5),
                        parallel=ParallelConfig(mixed_precision="fp32" if a.cpu_smoke else "bf16",
                                                activation_checkpointing=a.ac))
+    from posttrain.distributed.env import init_process_group
+    init_process_group()
     engine = Engine(ModelConfig(init=init), cfg, hf_dir, f"{tmp}/run")
 
     rng = np.random.default_rng(0)

@@ -75,7 +75,6 @@ def main() -> None:
     from posttrain.config.recipes import load_recipe
     from posttrain.config.loader import to_dict
     from posttrain.train.grpo import GRPOConfig, GRPOWorker
-    from posttrain.train.metrics import MetricsWriter
     from steps.common import _Inline, base_model_dir, ensure_prepared
     from steps.train_grpo import ColocatedRollouts, GRPOController
     from posttrain.rl.prompts import read_prompt_rows
@@ -94,8 +93,7 @@ def main() -> None:
     group = _Inline(worker)
     tokenizer = AutoTokenizer.from_pretrained(f"{prepared}/tokenizer")
     ctl = GRPOController(cfg, group, ColocatedRollouts(group), tokenizer,
-                         read_prompt_rows(prepared, "train"), [], MetricsWriter(tmp / "m.jsonl"),
-                         1)
+                         read_prompt_rows(prepared, "train"), [], 1)
     worker.sync_rollout()
     ctl.step(0)                                      # warm-up
     records = [ctl.step(s) for s in range(1, args.steps + 1)]

@@ -15,7 +15,8 @@ Kept out of the flow files so that they read as a table of contents:
   step otherwise (that one starts its own local Ray, so it also runs on the local datastore).
 - `storage_root`, `scratch_dir`, `publish`, `fetch`: where a run's datasets, checkpoints and
   weights go (local directory or the S3 data root), keyed by the run, never by the attempt;
-  `run_recipe` runs a training driver of `steps/` with that layout.
+  `train_recipe` runs a training driver of `steps/` with that layout and draws its training
+  card; `storage_and_nodes` is a recipe flow's start step.
 - `ray_cluster`: joins the Ray cluster `@metaflow_ray` formed and stops, by PID, the Ray
   processes of that cluster on this machine when the step ends (metaflow-ray leaves them
   running, and the next run on the machine then cannot start Ray).
@@ -32,7 +33,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 REPO_DIRS = ("lib", "steps", "configs", "assets")
 _SUFFIXES = (".py", ".yaml", ".yml", ".json", ".jsonl", ".jinja", ".txt", ".model")
@@ -233,11 +234,19 @@ def join(root: str, *parts: str) -> str:
     return "/".join([root.rstrip("/"), *parts])
 
 
-def prepare_data(schema: str, config: Any, storage_root: str) -> dict[str, Any]:
+class Prepared(NamedTuple):
+    """The small artifacts a flow keeps of its prepare step (the shards stay in storage)."""
+
+    prepared_uri: str
+    content_hash: str
+    manifest_summary: dict
+    shard_uris: list[str]
+
+
+def prepare_data(schema: str, config: Any, storage_root: str) -> Prepared:
     """The prepare step of every recipe flow: tokenize `config`'s data into <root>/prepared.
 
-    Returns the small artifacts a flow keeps: the prepared URI, the dataset content hash, a
-    manifest summary and the shard URIs (the shards themselves stay in storage).
+    Returns the prepared URI, the dataset content hash, a manifest summary and the shard URIs.
     """
     from posttrain.config.recipes import OutputConfig, PrepareConfig
     from steps import prepare
@@ -252,12 +261,11 @@ def prepare_data(schema: str, config: Any, storage_root: str) -> dict[str, Any]:
     sources = [{"split": s["split"], "name": s["name"], "path": paths.get((s["split"], s["name"])),
                 "files": len(s["files"]), "rows": s["rows_written"],
                 "content_hash": s["content_hash"]} for s in manifest["sources"]]
-    return {"prepared_uri": uri, "content_hash": manifest["content_hash"],
-            "manifest_summary": {"totals": manifest["totals"], "format": manifest["format"],
-                                 "config_hash": manifest["config_hash"],
-                                 "vocab_size": manifest["tokenizer"].get("vocab_size"),
-                                 "sources": sources},
-            "shard_uris": [sh["uri"] for src in manifest["sources"] for sh in src["shards"]]}
+    return Prepared(uri, manifest["content_hash"],
+                    {"totals": manifest["totals"], "format": manifest["format"],
+                     "config_hash": manifest["config_hash"],
+                     "vocab_size": manifest["tokenizer"].get("vocab_size"), "sources": sources},
+                    [sh["uri"] for src in manifest["sources"] for sh in src["shards"]])
 
 
 def scratch_dir(root: str, name: str) -> str:
@@ -268,18 +276,57 @@ def scratch_dir(root: str, name: str) -> str:
     return os.path.join(tempfile.gettempdir(), "posttrain-runs", key, name)
 
 
-def run_recipe(step: Any, cfg: Any, prepared_uri: str, root: str, name: str, **changes) -> dict:
-    """`step.run` (a training driver of `steps/`) on `cfg` with `changes` (top-level fields),
-    its working directory in local scratch and its checkpoints under `root/name`, so that a
-    retried attempt or `resume` continues from them."""
-    import dataclasses
+def storage_and_nodes(flow: Any) -> tuple[str, int]:
+    """A recipe flow's start step: this run's storage root (retries and `resume` read it back
+    from the artifact) and how many nodes its train step spans."""
+    root = storage_root(flow, flow.config.run.dir)
+    nodes = int(flow.config.run.num_nodes)
+    print(f"storage: {root}; {nodes} node(s), {flow.config.run.num_workers} worker(s)")
+    return root, nodes
 
+
+def train_recipe(step_module: str, schema: str, config: Any, prepared_uri: str, root: str,
+                 name: str, num_nodes: int = 1, card: Any = None,
+                 start_from: str | None = None) -> dict[str, Any]:
+    """A recipe flow's train step: the driver of `steps.<step_module>` on the validated config
+    (starting from the checkpoint at `start_from`, a local or s3:// directory, instead of the
+    config's model when given), inside the Ray cluster of the step's nodes, its working
+    directory in local scratch and its checkpoints under `root/name` (so a retried attempt or
+    `resume` continues from them). Publishes the export and the metrics under `root/name`,
+    draws the training card on `card`, prints the summary. Returns the driver's result with
+    `hf_uri`, `metrics_uri` and `checkpoint_uri` added."""
+    import dataclasses
+    import importlib
+    import time
+
+    from posttrain.train.metrics import read_metrics
     from steps.cli import configure_logging
+    from steps.common import summarize
     configure_logging()                          # the driver's step lines in the task's log
-    run = dataclasses.replace(cfg.run, dir=scratch_dir(root, name))
-    cfg = dataclasses.replace(cfg, run=run, **changes)
-    return step.run(cfg, prepared_dir=prepared_uri, checkpoint_dir=join(root, name),
-                    show_progress=False)
+    module = importlib.import_module(f"steps.{step_module}")
+    cfg = build_config(schema, config)
+    changes = {"run": dataclasses.replace(cfg.run, dir=scratch_dir(root, name))}
+    if start_from:
+        changes["model"] = dataclasses.replace(cfg.model, hf_dir=fetch(start_from), init=None)
+    cfg = dataclasses.replace(cfg, **changes)
+    started = time.time()
+    with ray_cluster(num_nodes):
+        result = module.run(cfg, prepared_dir=prepared_uri, checkpoint_dir=join(root, name),
+                            show_progress=False)
+    result["hf_uri"] = publish(result["hf_dir"], join(root, name, "hf"))
+    result["metrics_uri"] = publish(result["metrics_path"], join(root, name, "metrics.jsonl"))
+    result["checkpoint_uri"] = result["checkpoint_dir"]
+    if card is not None:
+        training_card(card, module.RECIPE.name, read_metrics(result["metrics_path"]), result)
+    print(summarize(module.RECIPE, result, time.time() - started))
+    return result
+
+
+def train_summary(result: dict, *extra: str) -> dict[str, Any]:
+    """The small `train_result` artifact of a driver's result: steps, throughput, evaluation."""
+    keys = ("steps", "started_at_step", "final_loss", "mean_real_tokens_per_s", "mean_mfu",
+            "eval", "model", *extra)
+    return {k: result.get(k) for k in keys}
 
 
 def publish(local_path: str, uri: str) -> str:
@@ -323,17 +370,26 @@ def publish_json(obj: Any, uri: str) -> str:
 
 
 # --------------------------------------------------------------------------- cards
-def training_card(card: Any, records: list[dict], result: dict) -> None:
-    """Loss, real tokens/s and MFU over steps, and a summary table."""
+def training_card(card: Any, recipe: str, records: list[dict], result: dict) -> None:
+    """The training report of any recipe: its summary table and curves (loss, tokens/s, MFU,
+    memory for the recipes of the kernel; reward, KL, lengths, sync and phases for GRPO)."""
     from metaflow import current
     from metaflow.cards import Markdown, Table, VegaChart
 
-    from posttrain.train.card import training_charts, training_summary
-    card.append(Markdown(f"# SFT training: {current.flow_name}/{current.run_id}"))
-    card.append(Table(training_summary(records), headers=["", "value"]))
-    for spec in training_charts(records):
+    from posttrain.train.card import grpo_charts, grpo_summary, training_charts, training_summary
+    card.append(Markdown(f"# {recipe.upper()} training: {current.flow_name}/{current.run_id}"))
+    grpo = recipe == "grpo"
+    card.append(Table((grpo_summary if grpo else training_summary)(records),
+                      headers=["", "value"]))
+    for spec in (grpo_charts if grpo else training_charts)(records):
         card.append(VegaChart(spec))
-    if result.get("eval"):
+    samples = result.get("eval_records") or []
+    if grpo and samples:
+        card.append(Markdown("## Held-out completions at the end (greedy)"))
+        keys = [k for k in samples[0] if k != "prompt"]
+        card.append(Table([[s["prompt"], *[s[k] for k in keys]] for s in samples],
+                          headers=["prompt", *keys]))
+    if result.get("eval") and not grpo:
         card.append(Markdown("In-training held-out evaluation: " + ", ".join(
             f"{k}={v:.4g}" for k, v in result["eval"].items() if isinstance(v, float))))
 
@@ -347,23 +403,6 @@ def evaluation_card(card: Any, table: list[dict], samples: list[dict]) -> None:
         card.append(Markdown("## Generated samples (greedy)"))
         card.append(Table([[s["prompt"], s["reference"], s["generated"]] for s in samples],
                           headers=["prompt", "reference", "generated"]))
-
-
-def grpo_card(card: Any, records: list[dict], samples: list[dict]) -> None:
-    """Reward, held-out accuracy, KL, entropy, lengths, throughput, sync check, phase times."""
-    from metaflow import current
-    from metaflow.cards import Markdown, Table, VegaChart
-
-    from posttrain.train.card import grpo_charts, grpo_summary
-    card.append(Markdown(f"# GRPO training: {current.flow_name}/{current.run_id}"))
-    card.append(Table(grpo_summary(records), headers=["", "value"]))
-    for spec in grpo_charts(records):
-        card.append(VegaChart(spec))
-    if samples:
-        card.append(Markdown("## Held-out completions at the end (greedy)"))
-        keys = [k for k in samples[0] if k != "prompt"]
-        card.append(Table([[s["prompt"], *[s[k] for k in keys]] for s in samples],
-                          headers=["prompt", *keys]))
 
 
 def evaluation_comparison_card(card: Any, table: list[dict], samples: list[dict]) -> None:

@@ -34,48 +34,36 @@ class DistillFlow(FlowSpec):
     @step
     def start(self):
         """Fix this run's storage root; retries and `resume` read it back from here."""
-        from _posttrain_flow import storage_root
-        self.storage_root = storage_root(self, self.config.run.dir)
-        self.num_nodes = int(self.config.run.num_nodes)
-        print(f"storage: {self.storage_root}; {self.num_nodes} node(s), "
-              f"{self.config.run.num_workers} worker(s); teacher signal "
-              f"{self.config.teacher.signal}")
+        from _posttrain_flow import storage_and_nodes
+        self.storage_root, self.num_nodes = storage_and_nodes(self)
         self.next(self.prepare)
 
     @step
     def prepare(self):
         """Stream, validate and tokenize the data into shards; keep the manifest's summary."""
         from _posttrain_flow import prepare_data
-        out = prepare_data(DISTILL_SCHEMA, self.config, self.storage_root)
-        self.prepared_uri, self.content_hash = out["prepared_uri"], out["content_hash"]
-        self.manifest_summary, self.shard_uris = out["manifest_summary"], out["shard_uris"]
+        (self.prepared_uri, self.content_hash, self.manifest_summary,
+         self.shard_uris) = prepare_data(DISTILL_SCHEMA, self.config, self.storage_root)
         self.next(self.distill, num_parallel=self.num_nodes)
 
+    @card(type="blank", id="training")
     @retry(times=1)
     @ray_nodes("config")
     @step
     def distill(self):
         """Distill the teacher into the student (continuing from the newest checkpoint);
         export the student. The control task drives the Ray trainer actors."""
-        import time
-
-        from _posttrain_flow import join, publish, ray_cluster, run_recipe
-        from steps import train_distill
-        cfg = build_config(DISTILL_SCHEMA, self.config)
-        started = time.time()
-        with ray_cluster(self.num_nodes):
-            result = run_recipe(train_distill, cfg, self.prepared_uri, self.storage_root, "distill")
+        from _posttrain_flow import join, publish, train_recipe, train_summary
+        result = train_recipe("train_distill", DISTILL_SCHEMA, self.config, self.prepared_uri,
+                              self.storage_root, "distill", self.num_nodes,
+                              current.card["training"])
         out = join(self.storage_root, "distill")
-        self.hf_uri = publish(result["hf_dir"], join(out, "hf"))
-        self.base_student_uri = (cfg.model.hf_dir or
+        self.hf_uri, self.metrics_uri = result["hf_uri"], result["metrics_uri"]
+        self.base_student_uri = (self.config.model.hf_dir or
                                  publish(result["base_model_dir"], join(out, "base_model")))
-        self.teacher_uri = (cfg.teacher.hf_dir or
+        self.teacher_uri = (self.config.teacher.hf_dir or
                             publish(result["teacher_dir"], join(out, "teacher_model")))
-        self.metrics_uri = publish(result["metrics_path"], join(out, "metrics.jsonl"))
-        self.checkpoint_uri = result["checkpoint_dir"]
-        self.distill_result = {k: result.get(k) for k in (
-            "steps", "started_at_step", "final_loss", "mean_real_tokens_per_s", "eval", "model")}
-        print(train_distill.summarize(result, time.time() - started))
+        self.checkpoint_uri, self.distill_result = result["checkpoint_uri"], train_summary(result)
         self.next(self.join)
 
     @step

@@ -33,22 +33,19 @@ class DPOFlow(FlowSpec):
     @step
     def start(self):
         """Fix this run's storage root; retries and `resume` read it back from here."""
-        from _posttrain_flow import storage_root
-        self.storage_root = storage_root(self, self.config.run.dir)
-        self.num_nodes = int(self.config.run.num_nodes)
-        print(f"storage: {self.storage_root}; {self.num_nodes} node(s), "
-              f"{self.config.run.num_workers} worker(s)")
+        from _posttrain_flow import storage_and_nodes
+        self.storage_root, self.num_nodes = storage_and_nodes(self)
         self.next(self.prepare)
 
     @step
     def prepare(self):
         """Stream, validate and tokenize the pairs into shards; keep the manifest's summary."""
         from _posttrain_flow import prepare_data
-        out = prepare_data(DPO_SCHEMA, self.config, self.storage_root)
-        self.prepared_uri, self.content_hash = out["prepared_uri"], out["content_hash"]
-        self.manifest_summary, self.shard_uris = out["manifest_summary"], out["shard_uris"]
+        (self.prepared_uri, self.content_hash, self.manifest_summary,
+         self.shard_uris) = prepare_data(DPO_SCHEMA, self.config, self.storage_root)
         self.next(self.train, num_parallel=self.num_nodes)
 
+    @card(type="blank", id="training")
     @retry(times=1)
     @ray_nodes("config")
     @step
@@ -58,24 +55,15 @@ class DPOFlow(FlowSpec):
         Checkpoints and the reference log-probs live under the run's storage root, so a
         retried attempt and `resume train` find them.
         """
-        import time
-
-        from _posttrain_flow import join, publish, ray_cluster, run_recipe
-        from steps import train_dpo
-        cfg = build_config(DPO_SCHEMA, self.config)
-        started = time.time()
-        with ray_cluster(self.num_nodes):
-            result = run_recipe(train_dpo, cfg, self.prepared_uri, self.storage_root, "train")
-        self.hf_uri = publish(result["hf_dir"], join(self.storage_root, "train", "hf"))
+        from _posttrain_flow import join, publish, train_recipe, train_summary
+        result = train_recipe("train_dpo", DPO_SCHEMA, self.config, self.prepared_uri,
+                              self.storage_root, "train", self.num_nodes, current.card["training"])
+        self.hf_uri, self.metrics_uri = result["hf_uri"], result["metrics_uri"]
         self.base_uri = publish(result["base_model_dir"],
                                 join(self.storage_root, "train", "base_model"))
-        self.metrics_uri = publish(result["metrics_path"],
-                                   join(self.storage_root, "train", "metrics.jsonl"))
-        self.checkpoint_uri = result["checkpoint_dir"]
-        self.train_result = {k: result.get(k) for k in (
-            "steps", "started_at_step", "final_loss", "final_accuracy", "mean_pairs_per_s",
-            "eval", "model", "reference_pairs")}
-        print(train_dpo.summarize(result, time.time() - started))
+        self.checkpoint_uri = result["checkpoint_uri"]
+        self.train_result = train_summary(result, "final_accuracy", "mean_pairs_per_s",
+                                          "reference_pairs")
         self.next(self.join)
 
     @step
@@ -94,8 +82,8 @@ class DPOFlow(FlowSpec):
         cfg = build_config(DPO_SCHEMA, self.config)
         result = evaluate_preference.run(
             fetch(self.hf_uri), fetch(self.base_uri), local_view(self.prepared_uri),
-            loader=cfg.train.loader, beta=cfg.train.dpo.beta, max_batches=cfg.eval.max_batches,
-            logp_reduction=cfg.train.dpo.logp_reduction)
+            loader=cfg.train.loader, beta=cfg.loss.beta, max_batches=cfg.eval.max_batches,
+            logp_reduction=cfg.loss.logp_reduction)
         self.eval_table = evaluate_preference.table(result)
         self.heldout = result["heldout"]
         self.eval_provenance = {"hf_uri": self.hf_uri, "reference_uri": self.base_uri,

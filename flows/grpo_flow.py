@@ -64,9 +64,8 @@ class GRPOFlow(FlowSpec):
     def prepare(self):
         """Tokenize the prompts into shards; keep the manifest's summary."""
         from _posttrain_flow import prepare_data
-        out = prepare_data(GRPO_SCHEMA, self.config, self.storage_root)
-        self.prepared_uri, self.content_hash = out["prepared_uri"], out["content_hash"]
-        self.manifest_summary, self.shard_uris = out["manifest_summary"], out["shard_uris"]
+        (self.prepared_uri, self.content_hash, self.manifest_summary,
+         self.shard_uris) = prepare_data(GRPO_SCHEMA, self.config, self.storage_root)
         self.next(self.grpo, num_parallel=self.num_nodes)
 
     @card(type="blank", id="training")
@@ -79,33 +78,18 @@ class GRPOFlow(FlowSpec):
         Checkpoints (weights, optimizer, prompt stream position) live under the run's storage
         root, so a retried attempt and `resume grpo` continue where the last one stopped.
         """
-        import dataclasses
-        import time
-
-        from _posttrain_flow import fetch, grpo_card, join, publish, ray_cluster, run_recipe
-        from posttrain.train.metrics import read_metrics
-        from steps import train_grpo
-        cfg = build_config(GRPO_SCHEMA, self.config)
-        model = cfg.model
-        if self.base_model_uri:
-            model = dataclasses.replace(model, hf_dir=fetch(self.base_model_uri), init=None)
-        started = time.time()
-        with ray_cluster(self.num_nodes):
-            result = run_recipe(train_grpo, cfg, self.prepared_uri, self.storage_root, "grpo",
-                                model=model)
-        self.hf_uri = publish(result["hf_dir"], join(self.storage_root, "grpo", "hf"))
+        from _posttrain_flow import join, publish, train_recipe, train_summary
+        result = train_recipe("train_grpo", GRPO_SCHEMA, self.config, self.prepared_uri,
+                              self.storage_root, "grpo", self.num_nodes,
+                              current.card["training"], start_from=self.base_model_uri)
+        self.hf_uri, self.metrics_uri = result["hf_uri"], result["metrics_uri"]
         if not self.base_model_uri:             # a random start: keep it for the comparison
             self.base_model_uri = publish(result["base_model_dir"],
                                           join(self.storage_root, "base_model"))
-        self.metrics_uri = publish(result["metrics_path"],
-                                   join(self.storage_root, "grpo", "metrics.jsonl"))
-        self.checkpoint_uri = result["checkpoint_dir"]
-        self.train_result = {k: result.get(k) for k in (
-            "steps", "started_at_step", "final_reward_mean", "mean_rollout_tokens_per_s",
-            "max_sync_diff", "baseline_eval", "eval", "model")}
-        grpo_card(current.card["training"], read_metrics(result["metrics_path"]),
-                  result.get("eval_records") or [])
-        print(train_grpo.summarize(result, time.time() - started))
+        self.checkpoint_uri = result["checkpoint_uri"]
+        self.train_result = train_summary(result, "final_reward_mean",
+                                          "mean_rollout_tokens_per_s", "max_sync_diff",
+                                          "baseline_eval")
         self.next(self.join)
 
     @step

@@ -40,15 +40,14 @@ class PipelineFlow(FlowSpec):
     @step
     def train_sft(self):
         """Prepare and train the SFT recipe; export HF."""
-        from _posttrain_flow import join, prepare_data, publish, run_recipe
-        from steps import train_sft
+        from _posttrain_flow import join, prepare_data, train_recipe
         root = join(self.storage_root, "sft")
         data = prepare_data(SFT_SCHEMA, self.sft, root)
-        self.sft_prepared_uri, self.sft_content_hash = data["prepared_uri"], data["content_hash"]
-        self.sft_manifest_summary = data["manifest_summary"]
-        result = run_recipe(train_sft, build_config(SFT_SCHEMA, self.sft), self.sft_prepared_uri,
-                            root, "train")
-        self.sft_hf_uri = publish(result["hf_dir"], join(root, "hf"))
+        self.sft_prepared_uri, self.sft_content_hash = data.prepared_uri, data.content_hash
+        self.sft_manifest_summary = data.manifest_summary
+        result = train_recipe("train_sft", SFT_SCHEMA, self.sft, self.sft_prepared_uri, root,
+                              "train")
+        self.sft_hf_uri = result["hf_uri"]
         self.sft_result = {k: result.get(k) for k in ("steps", "final_loss", "eval")}
         self.next(self.train_grpo)
 
@@ -56,19 +55,14 @@ class PipelineFlow(FlowSpec):
     @step
     def train_grpo(self):
         """Prepare the prompts and run GRPO from the SFT export; export HF."""
-        import dataclasses
-
-        from _posttrain_flow import fetch, join, prepare_data, publish, run_recipe
-        from steps import train_grpo
+        from _posttrain_flow import join, prepare_data, train_recipe
         root = join(self.storage_root, "grpo")
         data = prepare_data(GRPO_SCHEMA, self.grpo, root)
-        self.grpo_prepared_uri = data["prepared_uri"]
-        self.grpo_content_hash = data["content_hash"]
-        self.grpo_manifest_summary = data["manifest_summary"]
-        cfg = build_config(GRPO_SCHEMA, self.grpo)
-        model = dataclasses.replace(cfg.model, hf_dir=fetch(self.sft_hf_uri), init=None)
-        result = run_recipe(train_grpo, cfg, self.grpo_prepared_uri, root, "train", model=model)
-        self.hf_uri = publish(result["hf_dir"], join(root, "hf"))
+        self.grpo_prepared_uri, self.grpo_content_hash = data.prepared_uri, data.content_hash
+        self.grpo_manifest_summary = data.manifest_summary
+        result = train_recipe("train_grpo", GRPO_SCHEMA, self.grpo, self.grpo_prepared_uri,
+                              root, "train", start_from=self.sft_hf_uri)
+        self.hf_uri = result["hf_uri"]
         self.grpo_result = {k: result.get(k) for k in (
             "steps", "final_reward_mean", "max_sync_diff", "baseline_eval", "eval")}
         self.next(self.evaluate)

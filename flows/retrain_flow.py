@@ -50,19 +50,18 @@ class RetrainFlow(FlowSpec):
         """Tokenize the snapshot into shards."""
         from _posttrain_flow import prepare_data
         out = prepare_data(SFT_SCHEMA, self.recipe, self.storage_root)
-        self.prepared_uri, self.content_hash = out["prepared_uri"], out["content_hash"]
-        self.manifest_summary = out["manifest_summary"]
+        self.prepared_uri, self.content_hash = out.prepared_uri, out.content_hash
+        self.manifest_summary = out.manifest_summary
         self.next(self.train)
 
     @retry(times=1)
     @step
     def train(self):
         """Train the candidate (continuing from the newest checkpoint on a retry); export HF."""
-        from _posttrain_flow import build_config, join, publish, run_recipe
-        from steps import train_sft
-        result = run_recipe(train_sft, build_config(SFT_SCHEMA, self.recipe), self.prepared_uri,
-                            self.storage_root, "train")
-        self.hf_uri = publish(result["hf_dir"], join(self.storage_root, "train", "hf"))
+        from _posttrain_flow import train_recipe
+        result = train_recipe("train_sft", SFT_SCHEMA, self.recipe, self.prepared_uri,
+                              self.storage_root, "train")
+        self.hf_uri = result["hf_uri"]
         self.train_result = {k: result.get(k) for k in ("steps", "final_loss", "eval")}
         self.next(self.evaluate)
 

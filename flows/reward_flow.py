@@ -29,38 +29,30 @@ class RewardFlow(FlowSpec):
     @step
     def start(self):
         """Fix this run's storage root; retries and `resume` read it back from here."""
-        from _posttrain_flow import storage_root
-        self.storage_root = storage_root(self, self.config.run.dir)
-        self.num_nodes = int(self.config.run.num_nodes)
+        from _posttrain_flow import storage_and_nodes
+        self.storage_root, self.num_nodes = storage_and_nodes(self)
         self.next(self.prepare)
 
     @step
     def prepare(self):
         """Stream, validate and tokenize the pairs into shards; keep the manifest's summary."""
         from _posttrain_flow import prepare_data
-        out = prepare_data(REWARD_SCHEMA, self.config, self.storage_root)
-        self.prepared_uri, self.content_hash = out["prepared_uri"], out["content_hash"]
-        self.manifest_summary, self.shard_uris = out["manifest_summary"], out["shard_uris"]
+        (self.prepared_uri, self.content_hash, self.manifest_summary,
+         self.shard_uris) = prepare_data(REWARD_SCHEMA, self.config, self.storage_root)
         self.next(self.train, num_parallel=self.num_nodes)
 
+    @card(type="blank", id="training")
     @retry(times=1)
     @ray_nodes("config")
     @step
     def train(self):
         """Bradley-Terry training (continuing from the newest checkpoint); export the model."""
-        import time
-
-        from _posttrain_flow import join, publish, ray_cluster, run_recipe
-        from steps import train_dpo, train_reward
-        cfg = build_config(REWARD_SCHEMA, self.config)
-        started = time.time()
-        with ray_cluster(self.num_nodes):
-            result = run_recipe(train_reward, cfg, self.prepared_uri, self.storage_root, "train")
-        self.model_uri = publish(result["hf_dir"], join(self.storage_root, "train", "hf"))
-        self.checkpoint_uri = result["checkpoint_dir"]
-        self.train_result = {k: result.get(k) for k in (
-            "steps", "started_at_step", "final_loss", "final_accuracy", "eval", "model")}
-        print(train_dpo.summarize(result, time.time() - started))
+        from _posttrain_flow import train_recipe, train_summary
+        result = train_recipe("train_reward", REWARD_SCHEMA, self.config, self.prepared_uri,
+                              self.storage_root, "train", self.num_nodes, current.card["training"])
+        self.model_uri, self.metrics_uri = result["hf_uri"], result["metrics_uri"]
+        self.checkpoint_uri = result["checkpoint_uri"]
+        self.train_result = train_summary(result, "final_accuracy", "mean_pairs_per_s")
         self.next(self.join)
 
     @step

@@ -35,20 +35,16 @@ class SFTFlow(FlowSpec):
     @step
     def start(self):
         """Fix this run's storage root; retries and `resume` read it back from here."""
-        from _posttrain_flow import storage_root
-        self.storage_root = storage_root(self, self.config.run.dir)
-        self.num_nodes = int(self.config.run.num_nodes)
-        print(f"storage: {self.storage_root}; {self.num_nodes} node(s), "
-              f"{self.config.run.num_workers} worker(s)")
+        from _posttrain_flow import storage_and_nodes
+        self.storage_root, self.num_nodes = storage_and_nodes(self)
         self.next(self.prepare)
 
     @step
     def prepare(self):
         """Stream, validate and tokenize the data into shards; keep the manifest's summary."""
         from _posttrain_flow import prepare_data
-        out = prepare_data(SFT_SCHEMA, self.config, self.storage_root)
-        self.prepared_uri, self.content_hash = out["prepared_uri"], out["content_hash"]
-        self.manifest_summary, self.shard_uris = out["manifest_summary"], out["shard_uris"]
+        (self.prepared_uri, self.content_hash, self.manifest_summary,
+         self.shard_uris) = prepare_data(SFT_SCHEMA, self.config, self.storage_root)
         self.next(self.train, num_parallel=self.num_nodes)
 
     @card(type="blank", id="training")
@@ -62,25 +58,11 @@ class SFTFlow(FlowSpec):
         hold their share of the cluster. Checkpoints live under the run's storage root, so a
         retried attempt and `resume train` find them.
         """
-        import time
-
-        from _posttrain_flow import join, publish, ray_cluster, run_recipe, training_card
-        from posttrain.train.metrics import read_metrics
-        from steps import train_sft
-        cfg = build_config(SFT_SCHEMA, self.config)
-        started = time.time()
-        with ray_cluster(self.num_nodes):
-            result = run_recipe(train_sft, cfg, self.prepared_uri, self.storage_root, "train")
-        self.hf_uri = publish(result["hf_dir"], join(self.storage_root, "train", "hf"))
-        self.metrics_uri = publish(result["metrics_path"],
-                                   join(self.storage_root, "train", "metrics.jsonl"))
-        self.checkpoint_uri = result["checkpoint_dir"]
-        self.train_result = {k: result.get(k) for k in (
-            "steps", "started_at_step", "final_loss", "mean_real_tokens_per_s", "mean_mfu",
-            "eval", "model")}
-        training_card(current.card["training"], read_metrics(result["metrics_path"]),
-                      self.train_result)
-        print(train_sft.summarize(result, time.time() - started))
+        from _posttrain_flow import train_recipe, train_summary
+        result = train_recipe("train_sft", SFT_SCHEMA, self.config, self.prepared_uri,
+                              self.storage_root, "train", self.num_nodes, current.card["training"])
+        self.hf_uri, self.metrics_uri = result["hf_uri"], result["metrics_uri"]
+        self.checkpoint_uri, self.train_result = result["checkpoint_uri"], train_summary(result)
         self.next(self.join)
 
     @step

@@ -1,8 +1,18 @@
-"""What the training drivers share: the command line, launching workers, prepared data.
+"""The one training driver: a single controller over the rank workers of any recipe.
 
-Each recipe driver (`train_sft`, `train_dpo`, `train_reward`, `train_distill`) is a single
-controller over rank workers that train through `posttrain.train.engine.Engine`; these are the
-pieces that are the same for all of them.
+    prepare (if needed) -> base HF checkpoint (and a recipe's other models, e.g. a teacher) ->
+    launch workers (Ray actors, or one inline) -> before training (DPO's reference pass) ->
+    resume from the newest valid checkpoint -> after resume (GRPO: first weight sync, baseline
+    evaluation) -> step loop: one step on every rank, log, checkpoint every K steps ->
+    evaluate -> export a Hugging Face checkpoint -> result.json
+
+`run_recipe(recipe, config, ...)` is that function; `steps/train_<recipe>.py` only names its
+recipe (`posttrain.train.<recipe>`) and what it prints. A step is the workers' `train_step`
+(`posttrain.train.recipe.RecipeWorker`) or a recipe controller's (`GRPOController`), which plugs
+into the same loop through the `Controller` methods. The driver holds no weights, decides when
+to checkpoint, logs and shows progress. A killed run continues from its last complete
+checkpoint when started again with the same run directory, and ends with the same weights as
+a run that never stopped.
 """
 
 from __future__ import annotations
@@ -12,14 +22,18 @@ import contextlib
 import json
 import logging
 import os
+
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from tqdm.auto import tqdm
 
 from posttrain.config.loader import to_dict
-from posttrain.config.recipes import OutputConfig, PrepareConfig
+from posttrain.config.recipes import OutputConfig, PrepareConfig, load_recipe
+from posttrain.data.prepared import local_view
 from posttrain.train.engine import write_random_hf_model
+from posttrain.train.metrics import MetricsWriter
 
 log = logging.getLogger("posttrain.driver")
 
@@ -94,7 +108,7 @@ class _Inline:
 def launch_workers(run_cfg: Any, worker_cls: type, args: tuple) -> Iterator[Any]:
     """`run_cfg.num_workers` ranks of `worker_cls(*args)`: Ray actors, or one inline worker.
 
-    Shared by the recipes that train through `Engine` (SFT, distillation)."""
+    `args` are the worker's constructor arguments."""
     if run_cfg.launcher == "inline":
         worker = worker_cls(*args)
         try:
@@ -164,3 +178,131 @@ def step_loop(group: Any, *, name: str, start: int, max_steps: int, checkpoint_e
             save_fn(metrics["step"])
     bar.close()
     return history
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+class Controller:
+    """The step loop's view of a run: by default every rank's worker does each part; a recipe
+    with a controller of its own (GRPO: rollouts, rewards, weight sync) overrides the parts."""
+
+    def __init__(self, cfg: Any, group: Any, context: dict[str, Any]):
+        self.cfg, self.group, self.context = cfg, group, context
+
+    def before_training(self) -> dict[str, Any]:
+        """With the starting weights, before resume (DPO's reference pass)."""
+        return self.group.call("before_training")[0]
+
+    def resume(self) -> int:
+        return self.group.call("resume")[0]
+
+    def after_resume(self, start: int) -> dict[str, Any]:
+        """Once the weights are the ones to continue from (GRPO: sync, baseline eval)."""
+        return {}
+
+    def step(self, step: int) -> dict | None:
+        return self.group.call("train_step")[0]
+
+    def save(self, step: int) -> None:
+        self.group.call("save_checkpoint")
+
+    def evaluate(self) -> dict[str, Any]:
+        return self.group.call("evaluate")[0]
+
+    def result(self) -> dict[str, Any]:
+        """What the controller adds to the run's result (GRPO: sample completions)."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
+               prepared_dir: str | None = None, checkpoint_dir: str | None = None,
+               show_progress: bool = True, worker: type | None = None,
+               controller: type[Controller] = Controller,
+               models: Callable[[Any, str, Path], dict[str, str]] | None = None
+               ) -> dict[str, Any]:
+    """Train `recipe` (a `posttrain.train.recipe.Recipe` class) with `config` (its config, or a
+    YAML path with dotted `overrides`), evaluate and export; returns paths and metrics.
+
+    `prepared_dir` (local or ``s3://``) skips the prepare step; `checkpoint_dir` (local or
+    ``s3://``, default `run.dir`) is where `checkpoints/` (and state such as DPO's reference
+    log-probs) live, so a retried or resumed orchestrator task that passes the same value
+    continues from the last checkpoint. `worker` is the rank worker class (default the kernel's
+    `RecipeWorker`), `controller` the step loop's view of the run, `models(cfg, prepared_dir,
+    run_dir)` the recipe's other model directories (a teacher), handed to every worker.
+    """
+    from posttrain.train.recipe import RecipeWorker
+    cfg = (config if isinstance(config, recipe.config_cls)
+           else load_recipe(config, recipe.config_cls, overrides))
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prepared_dir = prepared_dir or ensure_prepared(cfg, str(run_dir / "prepared"), show_progress)
+    local = local_view(prepared_dir)
+    hf_dir = base_model_dir(cfg, local, run_dir)
+    model_dirs = models(cfg, local, run_dir) if models else {}
+    state_dir = checkpoint_dir or str(run_dir)
+    metrics_path = run_dir / "metrics.jsonl"
+    writer = MetricsWriter(metrics_path, tensorboard_dir=cfg.run.tensorboard_dir)
+    args = (to_dict(cfg), hf_dir, prepared_dir, state_dir, model_dirs)
+    if worker is None:                  # the kernel's worker runs the recipe it is given
+        worker, args = RecipeWorker, (recipe, *args)
+    with launch_workers(cfg.run, worker, args) as group:
+        info = group.call("describe")[0]
+        ctl = controller(cfg, group, {"hf_dir": hf_dir, "prepared_dir": prepared_dir,
+                                      "writer": writer, "info": info})
+        try:
+            before = ctl.before_training()
+            start = ctl.resume()
+            drop_metrics_after(metrics_path, start)
+            log.info("%s: %s params (%s trainable) on %d worker(s), from step %d", recipe.name,
+                     f"{info['params']:,}", f"{info['trainable_params']:,}", info["world_size"],
+                     start)
+            before.update(ctl.after_resume(start))
+            history = step_loop(group, name=recipe.name, start=start,
+                                max_steps=cfg.train.engine.max_steps,
+                                checkpoint_every=cfg.train.engine.checkpoint_every_steps,
+                                writer=writer, show_progress=show_progress,
+                                postfix=recipe.postfix, step_fn=ctl.step, save_fn=ctl.save)
+            evaluation = ctl.evaluate()
+            if evaluation:
+                writer.write({"step": start + len(history), **evaluation})
+            export_dir = str(run_dir / "hf")
+            group.call("export", export_dir)
+        finally:
+            ctl.close()
+    writer.close()
+    result = {"recipe": recipe.name, "run_dir": str(run_dir), "hf_dir": export_dir,
+              "prepared_dir": prepared_dir, "base_model_dir": hf_dir,
+              **{f"{k}_dir": v for k, v in model_dirs.items()},
+              "metrics_path": str(metrics_path),
+              "checkpoint_dir": f"{state_dir.rstrip('/')}/checkpoints",
+              "started_at_step": start, "steps": start + len(history), "eval": evaluation,
+              "model": info, "config": to_dict(cfg), **before, **ctl.result(),
+              **recipe.result(history)}
+    (run_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+def summarize(recipe: Any, result: dict, seconds: float) -> str:
+    """The console lines after a run: steps and time, the recipe's lines, where things are."""
+    resumed = result["started_at_step"]
+    lines = [f"{recipe.name}: trained {result['steps']} steps in {seconds:.0f} s"
+             + (f" (resumed at step {resumed})" if resumed else "")]
+    lines += recipe.summary(result)
+    lines += [f"Hugging Face checkpoint: {result['hf_dir']}",
+              f"metrics: {result['metrics_path']}"]
+    return "\n".join(lines)
+
+
+def main_for(recipe: Any, run: Callable[..., dict]) -> Callable[[argparse.Namespace], int]:
+    """The `posttrain train-<recipe>` entry point of a recipe's `run`."""
+    def main(args: argparse.Namespace) -> int:
+        t0 = time.time()
+        result = run(args.config, overrides=overrides_from(args),
+                     show_progress=not args.no_progress)
+        print(summarize(recipe, result, time.time() - t0))
+        return 0
+    return main

@@ -29,7 +29,7 @@ from posttrain.train.grpo import GRPOConfig
 
 def load_engine(cfg: GRPOConfig, hf_dir: str) -> Any:
     """A rollout engine serving the weights of `hf_dir` (`posttrain.rl.factory.load_engine`)."""
-    return factory.load_engine(cfg.rollout, hf_dir, dtype=cfg.model.dtype, seed=cfg.train.seed)
+    return factory.load_engine(cfg.rollout, hf_dir, dtype=cfg.model.dtype, seed=cfg.train.engine.seed)
 
 
 def run(cfg: GRPOConfig, trained_dir: str, baseline_dir: str, prepared_dir: str

@@ -27,8 +27,6 @@ stopped (with the same number of ranks and engines: a sample depends on its batc
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import sys
 import time
@@ -38,7 +36,6 @@ from typing import Any
 import torch
 
 from posttrain.config.loader import to_dict
-from posttrain.config.recipes import load_recipe
 from posttrain.data.prepared import local_view
 from posttrain.eval.rl import prompt_columns, reward_eval
 from posttrain.losses.grpo import group_advantages
@@ -46,10 +43,9 @@ from posttrain.rl.batch import Sample, pack_micro_batches, split_mini_batches
 from posttrain.rl.engine import Rollout, SamplingConfig, stop_token_ids
 from posttrain.rl.prompts import PromptRow, PromptStream, read_prompt_rows
 from posttrain.rl.rewards import combine
-from posttrain.train.grpo import GRPOConfig, GRPOWorker, RolloutWorker
+from posttrain.train.grpo import GRPO, GRPOConfig, GRPOWorker, RolloutWorker
 from posttrain.train.metrics import MetricsWriter
-from steps.common import (base_model_dir, drop_metrics_after, ensure_prepared, launch_workers,
-                          overrides_from, step_loop)
+from steps.common import Controller, main_for, run_recipe
 
 log = logging.getLogger("posttrain.train_grpo")
 
@@ -127,13 +123,17 @@ def _interleave(shares: list[list[Any]], n: int) -> list[Any]:
 # --------------------------------------------------------------------------- the controller
 
 
-class GRPOController:
+class GRPOController(Controller):
+    """GRPO's step loop parts for the one driver (`steps.common.run_recipe`)."""
+
     def __init__(self, cfg: GRPOConfig, group: Any, rollouts: Any, tokenizer: Any,
-                 train_rows: list[PromptRow], eval_rows: list[PromptRow], writer: MetricsWriter,
-                 num_ranks: int):
-        self.cfg, self.group, self.rollouts = cfg, group, rollouts
-        self.tokenizer, self.writer, self.num_ranks = tokenizer, writer, num_ranks
-        self.stream = PromptStream(train_rows, seed=cfg.train.seed)
+                 train_rows: list[PromptRow], eval_rows: list[PromptRow], num_ranks: int):
+        super().__init__(cfg, group, {})
+        self.rollouts = rollouts
+        self.tokenizer, self.num_ranks = tokenizer, num_ranks
+        self.writer: MetricsWriter | None = None
+        self.records: dict[str, list[dict]] = {}
+        self.stream = PromptStream(train_rows, seed=cfg.train.engine.seed)
         self.eval_rows = eval_rows
         self.reward = combine(cfg.rewards.functions)
         self.stop_ids = stop_token_ids(tokenizer, cfg.sampling.stop_tokens)
@@ -142,6 +142,22 @@ class GRPOController:
         self.probe_sequence, self.probe_prompt_len = first + first, len(first)
         self.temperature = cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0
 
+    @classmethod
+    def for_run(cls, cfg: GRPOConfig, group: Any, context: dict[str, Any]) -> "GRPOController":
+        """The controller of a driver's run: tokenizer, prompt rows and rollout engines."""
+        from transformers import AutoTokenizer
+        prepared_dir = context["prepared_dir"]
+        tokenizer = AutoTokenizer.from_pretrained(f"{local_view(prepared_dir)}/tokenizer")
+        rollouts = (ColocatedRollouts(group) if cfg.rollout.placement == "colocated"
+                    else SeparateRollouts(cfg, group, context["hf_dir"]))
+        ctl = cls(cfg, group, rollouts, tokenizer, read_prompt_rows(prepared_dir, "train"),
+                  _eval_rows(prepared_dir)[:cfg.eval.max_prompts], context["info"]["world_size"])
+        ctl.writer = context["writer"]
+        return ctl
+
+    def before_training(self) -> dict[str, Any]:
+        return {}
+
     def resume(self) -> int:
         state = self.group.call("resume")[0]
         if state is None:
@@ -149,13 +165,35 @@ class GRPOController:
         self.stream.load_state_dict(state["prompts"])
         return int(state["step"])
 
+    def after_resume(self, start: int) -> dict[str, Any]:
+        """The engines get the weights to continue from; a fresh run's baseline evaluation."""
+        self.rollouts.sync()
+        log.info("GRPO: %s rollouts (%s)", self.cfg.rollout.kind, self.cfg.rollout.placement)
+        baseline, self.records["baseline_records"] = ({}, []) if start else self._evaluate()
+        if baseline and self.writer is not None:
+            self.writer.write({"step": 0, **baseline})
+        return {"baseline_eval": baseline}
+
+    def evaluate(self) -> dict[str, Any]:
+        final, self.records["eval_records"] = self._evaluate()
+        return final
+
+    def save(self, step: int) -> None:
+        self.save_checkpoint(step)
+
+    def result(self) -> dict[str, Any]:
+        return dict(self.records)
+
+    def close(self) -> None:
+        self.rollouts.close()
+
     def step(self, step: int) -> dict[str, Any]:
         cfg, t_start = self.cfg, time.perf_counter()
         n = cfg.train.samples_per_prompt
         # prompts
         prompts = self.stream.next_batch(cfg.train.prompts_per_step)
         # rollouts
-        sampling = cfg.sampling.sampling(self.stop_ids, seed=cfg.train.seed * 1_000_003 + step)
+        sampling = cfg.sampling.sampling(self.stop_ids, seed=cfg.train.engine.seed * 1_000_003 + step)
         groups = self.rollouts.generate([p.prompt_ids for p in prompts], sampling, n)
         rollouts = [r for g in groups for r in g]
         t_generated = time.perf_counter()
@@ -200,7 +238,7 @@ class GRPOController:
             "time/step_s": t_synced - t_start,
         }
         if cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
-            metrics.update(self.evaluate()[0])
+            metrics.update(self._evaluate()[0])
         return metrics
 
     def check_sync(self) -> float:
@@ -217,7 +255,8 @@ class GRPOController:
             log.warning(message)
         return diff
 
-    def evaluate(self) -> tuple[dict[str, float], list[dict]]:
+    def _evaluate(self) -> tuple[dict[str, float], list[dict]]:
+        """Held-out reward metrics and sample records (none without eval prompts)."""
         if not self.eval_rows:
             return {}, []
         ev = self.cfg.eval
@@ -238,73 +277,11 @@ class GRPOController:
 # --------------------------------------------------------------------------- the run
 
 
-def run(config: GRPOConfig | str | Path, *, overrides: dict | None = None,
-        prepared_dir: str | None = None, checkpoint_dir: str | None = None,
-        show_progress: bool = True) -> dict[str, Any]:
-    """Train, evaluate (held-out reward at the start and the end) and export.
-
-    `prepared_dir` (local or ``s3://``) skips the prepare step; `checkpoint_dir` is where
-    `checkpoints/` live (default `run.dir`), so a retried task continues from the last one.
-    """
-    from transformers import AutoTokenizer
-
-    cfg = config if isinstance(config, GRPOConfig) else load_recipe(config, GRPOConfig, overrides)
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    prepared_dir = prepared_dir or ensure_prepared(cfg, str(run_dir / "prepared"), show_progress)
-    local = local_view(prepared_dir)
-    hf_dir = base_model_dir(cfg, local, run_dir)
-    tokenizer = AutoTokenizer.from_pretrained(f"{local}/tokenizer")
-    train_rows = read_prompt_rows(prepared_dir, "train")
-    eval_rows = _eval_rows(prepared_dir)[:cfg.eval.max_prompts]
-    metrics_path = run_dir / "metrics.jsonl"
-    writer = MetricsWriter(metrics_path, tensorboard_dir=cfg.run.tensorboard_dir)
-    args = (to_dict(cfg), hf_dir, prepared_dir, checkpoint_dir or str(run_dir))
-    with launch_workers(cfg.run, GRPOWorker, args) as group:
-        info = group.call("describe")[0]
-        rollouts = (ColocatedRollouts(group) if cfg.rollout.placement == "colocated"
-                    else SeparateRollouts(cfg, group, hf_dir))
-        try:
-            ctl = GRPOController(cfg, group, rollouts, tokenizer, train_rows, eval_rows, writer,
-                                 info["world_size"])
-            start = ctl.resume()
-            drop_metrics_after(metrics_path, start)
-            rollouts.sync()
-            log.info("GRPO: %s params (%s trainable) on %d trainer rank(s), %s rollouts "
-                     "(%s), from step %d", f"{info['params']:,}",
-                     f"{info['trainable_params']:,}", info["world_size"], cfg.rollout.kind,
-                     cfg.rollout.placement, start)
-            baseline, baseline_records = ({}, []) if start else ctl.evaluate()
-            if baseline:
-                writer.write({"step": 0, **baseline})
-            history = step_loop(group, name="grpo", start=start,
-                                max_steps=cfg.train.max_steps,
-                                checkpoint_every=cfg.train.checkpoint_every_steps,
-                                writer=writer, show_progress=show_progress, postfix=_postfix,
-                                step_fn=ctl.step, save_fn=ctl.save_checkpoint)
-            final, records = ctl.evaluate()
-            if final:
-                writer.write({"step": cfg.train.max_steps, **final})
-            export_dir = str(run_dir / "hf")
-            group.call("export", export_dir)
-        finally:
-            rollouts.close()
-    writer.close()
-    result = {"run_dir": str(run_dir), "hf_dir": export_dir, "prepared_dir": prepared_dir,
-              "base_model_dir": hf_dir, "metrics_path": str(metrics_path),
-              "checkpoint_dir": f"{(checkpoint_dir or str(run_dir)).rstrip('/')}/checkpoints",
-              "started_at_step": start, "steps": start + len(history), "model": info,
-              "baseline_eval": baseline, "eval": final, "eval_records": records,
-              "baseline_records": baseline_records,
-              "config": to_dict(cfg)}
-    if history:
-        last = history[-min(len(history), 5):]
-        result["final_reward_mean"] = sum(m["reward/total/mean"] for m in last) / len(last)
-        result["mean_rollout_tokens_per_s"] = (sum(m["rollout_tokens_per_s"] for m in history)
-                                               / len(history))
-        result["max_sync_diff"] = max(m["sync/max_abs_logprob_diff"] for m in history)
-    (run_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
-    return result
+def run(config: GRPOConfig | str | Path, **kwargs: Any) -> dict[str, Any]:
+    """Train, evaluate (held-out reward at the start and the end) and export; arguments as
+    `steps.common.run_recipe`."""
+    return run_recipe(GRPO, config, worker=GRPOWorker, controller=GRPOController.for_run,
+                      **kwargs)
 
 
 def _eval_rows(prepared_dir: str) -> list[PromptRow]:
@@ -316,36 +293,8 @@ def _eval_rows(prepared_dir: str) -> list[PromptRow]:
         return []
 
 
-def _postfix(m: dict) -> dict[str, str]:
-    return {"reward": f"{m['reward/total/mean']:.3f}", "kl": f"{m.get('kl', 0.0):.4f}",
-            "len": f"{m['response_length/mean']:.1f}",
-            "tok/s": f"{m['rollout_tokens_per_s']:.0f}",
-            "sync": f"{m['sync/max_abs_logprob_diff']:.1e}"}
-
-
-def main(args: argparse.Namespace) -> int:
-    t0 = time.time()
-    result = run(args.config, overrides=overrides_from(args), show_progress=not args.no_progress)
-    print(summarize(result, time.time() - t0))
-    return 0
-
-
-def summarize(result: dict, seconds: float) -> str:
-    lines = [f"trained {result['steps']} GRPO steps in {seconds:.0f} s"
-             + (f" (resumed at step {result['started_at_step']})"
-                if result["started_at_step"] else "")]
-    if "final_reward_mean" in result:
-        lines.append(f"train reward (last steps) {result['final_reward_mean']:.3f}; "
-                     f"{result['mean_rollout_tokens_per_s']:.0f} rollout tokens/s; "
-                     f"weight sync max |diff| {result['max_sync_diff']:.2e}")
-    base, final = result.get("baseline_eval") or {}, result.get("eval") or {}
-    for key in ("eval/accuracy", "eval/reward_mean"):
-        if key in final:
-            before = f"{base[key]:.3f} -> " if key in base else ""
-            lines.append(f"held-out {key.split('/')[1]}: {before}{final[key]:.3f}")
-    lines += [f"Hugging Face checkpoint: {result['hf_dir']}",
-              f"metrics: {result['metrics_path']}"]
-    return "\n".join(lines)
+RECIPE = GRPO
+main = main_for(RECIPE, run)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Train a reward model: the LM body with a scalar head, Bradley-Terry loss on preference pairs.
 
-    prepare (if needed) -> base HF checkpoint -> WorkerGroup(RewardWorker) -> resume ->
-    steps (loss, pair accuracy, reward margin) with checkpoints -> held-out accuracy ->
+    prepare (if needed) -> base HF checkpoint -> workers -> resume -> steps (loss, pair
+    accuracy, reward margin) with checkpoints -> held-out accuracy ->
     export: HF body + reward_head.safetensors + reward_head.json
 
-The driver loop is the DPO one (`steps.train_dpo.run`) with the reward worker; the parts are in
-`posttrain.train.reward`. Load the result as a GRPO reward with
+The driver is the one of every recipe (`steps.common.run_recipe`); the recipe is
+`posttrain.train.reward.Reward`. Load the result as a GRPO reward with
 `posttrain.train.reward.load_reward_model(dir)`.
 
     posttrain train-reward --config configs/reward/tiny.yaml
@@ -14,30 +14,21 @@ The driver loop is the DPO one (`steps.train_dpo.run`) with the reward worker; t
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from posttrain.train.reward import RewardConfig, RewardWorker
-from steps import train_dpo
-from steps.common import overrides_from
+from posttrain.train.reward import Reward, RewardConfig
+from steps.common import main_for, run_recipe
 
 
 def run(config: RewardConfig | str | Path, **kwargs: Any) -> dict[str, Any]:
-    """Train, evaluate and export a reward model; arguments as `steps.train_dpo.run`."""
-    return train_dpo.run(config, worker_cls=RewardWorker, config_cls=RewardConfig,
-                         name="reward", **kwargs)
+    """Train, evaluate and export a reward model; arguments as `steps.common.run_recipe`."""
+    return run_recipe(Reward, config, **kwargs)
 
 
-def main(args: argparse.Namespace) -> int:
-    t0 = time.time()
-    result = run(args.config, overrides=overrides_from(args),
-                 show_progress=not args.no_progress)
-    print(train_dpo.summarize(result, time.time() - t0))
-    return 0
-
+RECIPE = Reward
+main = main_for(RECIPE, run)
 
 if __name__ == "__main__":
     from steps.cli import main as cli_main

@@ -19,7 +19,7 @@ def test_config_files_pass_the_schema():
     from _posttrain_flow import parse_config
     parse = parse_config("posttrain.train.dpo.DPOConfig")
     resolved = parse(TINY_DPO.read_text())
-    assert resolved["train"]["reference"]["kind"] == "precomputed"
+    assert resolved["reference"]["kind"] == "precomputed"
     reward = parse_config("posttrain.train.reward.RewardConfig")
     assert reward((REPO / "configs/reward/tiny.yaml").read_text())["data"]["format"] == \
         "preference"
@@ -30,7 +30,7 @@ def test_unknown_key_fails_in_the_parser():
     sys.path.insert(0, str(REPO / "flows"))
     from _posttrain_flow import parse_config
     data = yaml.safe_load(TINY_DPO.read_text())
-    data["train"]["dpo"]["betta"] = 0.2
+    data["loss"]["betta"] = 0.2
     with pytest.raises(MetaflowException, match="betta"):
         parse_config("posttrain.train.dpo.DPOConfig")(yaml.safe_dump(data))
 

@@ -57,11 +57,11 @@ CONFIG = {
                          "packing": {"max_tokens_per_pack": 256, "buffer_samples": 16},
                          "rows_per_batch": 1, "shuffle_buffer_samples": 32, "seed": 0,
                          "epochs": 2},
-              "dpo": {"beta": 0.1, "loss_type": "sigmoid"},
               "optimizer": {"lr": 0.003, "weight_decay": 0.0, "betas": [0.9, 0.95]},
               "scheduler": {"kind": "constant", "warmup_steps": 0},
               "grad_clip_norm": 1.0, "seed": 0,
               "checkpoint_every_steps": 1, "keep_checkpoints": 100},
+    "loss": {"beta": 0.1, "loss_type": "sigmoid"},
     "eval": {"max_batches": 100},
 }
 
@@ -147,9 +147,10 @@ def test_sigkill_and_resume_give_identical_weights(tiny):
 
 
 def _worker(tiny, name: str, **overrides):
-    """An inline DPOWorker over the reference run's data, with `overrides` on the config."""
+    """An inline DPO worker over the reference run's data, with `overrides` on the config."""
     from posttrain.config.loader import to_dict
-    from posttrain.train.dpo import DPOWorker
+    from posttrain.train.dpo import DPO
+    from posttrain.train.recipe import RecipeWorker
     tmp, config, ref_dir = tiny
     cfg = yaml.safe_load(config.read_text())
     for dotted, value in overrides.items():
@@ -161,7 +162,7 @@ def _worker(tiny, name: str, **overrides):
     cfg = to_dict(build(DPOConfig, cfg))
     run_dir = tmp / name
     run_dir.mkdir(exist_ok=True)
-    return DPOWorker(cfg, cfg["model"]["hf_dir"] or str(ref_dir / "base_model"),
+    return RecipeWorker(DPO, cfg, cfg["model"]["hf_dir"] or str(ref_dir / "base_model"),
                      str(ref_dir / "prepared"), str(run_dir)), run_dir
 
 
@@ -176,7 +177,7 @@ def test_packed_pairs_give_the_loss_of_padded_pairs(tiny):
             "model.hf_dir": str(ref_dir / "hf"), "model.init": None,
             "train.loader.mode": mode, "train.loader.rows_per_batch": 2 if mode == "padded" else 1,
             "train.tokens_per_step": 2048 if mode == "padded" else 1024})
-        worker.prepare_reference()
+        worker.before_training()
         results[mode] = worker.evaluate()
         worker.close()
     packed, padded = results["packed"], results["padded"]
@@ -191,9 +192,9 @@ def test_packed_pairs_give_the_loss_of_padded_pairs(tiny):
 def test_lora_reference_is_the_base_model_with_adapters_disabled(tiny):
     worker, _ = _worker(tiny, "lora", **{
         "model.lora": {"rank": 4, "alpha": 8.0}, "export.format": "peft",
-        "train.reference": {"kind": "lora_base"}})
+        "reference": {"kind": "lora_base"}})
     try:
-        assert worker.prepare_reference() == {}
+        assert worker.before_training() == {}
         assert worker.engine.num_trainable < worker.engine.num_params / 5
         first, second = worker.train_step(), worker.train_step()
     finally:
@@ -205,9 +206,9 @@ def test_lora_reference_is_the_base_model_with_adapters_disabled(tiny):
 @pytest.mark.parametrize("change, message", [
     ({"data.format": "chat"}, "DPO trains on preference data"),
     ({"train.loader.format": "sequence"}, "train.loader.format: preference"),
-    ({"train.reference": {"kind": "lora_base"}}, "lora_base needs model.lora"),
+    ({"reference": {"kind": "lora_base"}}, "lora_base needs model.lora"),
     ({"train.loader.packing.max_tokens_per_pack": 128}, "must hold a whole pair"),
-    ({"train.dpo.loss_type": "ipo", "train.dpo.label_smoothing": 0.1}, "sigmoid and robust"),
+    ({"loss.loss_type": "ipo", "loss.label_smoothing": 0.1}, "sigmoid and robust"),
 ])
 def test_bad_configs_name_the_key(tiny, change, message):
     _, config, _ = tiny

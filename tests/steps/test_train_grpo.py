@@ -184,7 +184,7 @@ def test_weight_sync_check_detects_an_unsynced_engine(workdir, sft_model, tmp_pa
     group = _inline(worker)
     ctl = train_grpo.GRPOController(
         cfg, group, train_grpo.ColocatedRollouts(group), _tokenizer(prepared),
-        train_grpo.read_prompt_rows(prepared, "train"), [], _NullWriter(), 1)
+        train_grpo.read_prompt_rows(prepared, "train"), [], 1)
     assert ctl.check_sync() <= SYNC_ATOL
     ctl.rollouts.sync = lambda: 0.0          # an update whose weights never reach the engine
     ctl.step(0)

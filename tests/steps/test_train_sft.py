@@ -236,10 +236,12 @@ def test_corrupt_newest_checkpoint_is_refused_and_the_previous_used(tiny, caplog
 # ---------------------------------------------------------------------------- 4. export
 def _native(cfg: SFTConfig, run_dir: Path):
     """The run's last checkpoint, loaded by the engine: a plain native model, its state, args."""
+    from posttrain.distributed.env import init_process_group
     from posttrain.train.engine import Engine
     from posttrain.train.export import model_from_state
-    engine = Engine(cfg.model, cfg.train, str(run_dir / "base_model"), str(run_dir))
-    assert engine.load_checkpoint() is not None and engine.step == cfg.train.max_steps
+    init_process_group()
+    engine = Engine(cfg.model, cfg.train.engine, str(run_dir / "base_model"), str(run_dir))
+    assert engine.load_checkpoint() is not None and engine.step == cfg.train.engine.max_steps
     state = engine.full_state_dict()
     return model_from_state(state, engine.args, cfg.model.lora), state, engine.args
 

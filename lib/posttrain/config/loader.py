@@ -5,6 +5,12 @@ Each part of the library owns a small frozen dataclass for its own slice of the 
 dataclass recursively and rejects unknown keys and wrong types with a message that names the
 file and the dotted key path, e.g. ``configs/x.yaml: data.sources[0].pathh: unknown key (did you
 mean 'path'?)``. YAML is read with `yaml.safe_load` only.
+
+Configs compose: a recipe's config holds the parts' configs as fields. A field declared with
+`inline()` is a part whose keys sit in the enclosing mapping rather than under its own name
+(e.g. the engine's ``max_steps``, ``optimizer``, ... directly under a recipe's ``train:``), so
+a part can be handed on whole (the Engine receives only its `EngineConfig`) while the YAML keeps
+one flat section.
 """
 
 from __future__ import annotations
@@ -12,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import types
-import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -39,6 +44,27 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
+def inline(**kwargs: Any) -> Any:
+    """A dataclass field whose dataclass's keys are read from (and written to) the enclosing
+    mapping; see the module docstring."""
+    metadata = {**kwargs.pop("metadata", {}), "inline": True}
+    return dataclasses.field(metadata=metadata, **kwargs)
+
+
+def _is_inline(f: dataclasses.Field) -> bool:
+    return bool(f.metadata.get("inline"))
+
+
+def _keys(cls: Any) -> set[str]:
+    """The mapping keys of dataclass `cls`, inline parts' keys included."""
+    hints = get_type_hints(cls)
+    out: set[str] = set()
+    for f in dataclasses.fields(cls):
+        if f.init:
+            out |= _keys(hints[f.name]) if _is_inline(f) else {f.name}
+    return out
+
+
 def build(cls: type[T], data: Any, where: str = "") -> T:
     """Construct dataclass `cls` from `data`, checking keys and types; `where` prefixes errors."""
     return _convert(cls, data, where or cls.__name__)
@@ -47,7 +73,14 @@ def build(cls: type[T], data: Any, where: str = "") -> T:
 def to_dict(obj: Any) -> Any:
     """The inverse of `build`: plain dicts/lists for YAML/JSON (e.g. a resolved-config artifact)."""
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        out: dict = {}
+        for f in dataclasses.fields(obj):
+            value = to_dict(getattr(obj, f.name))
+            if _is_inline(f):
+                out.update(value)
+            else:
+                out[f.name] = value
+        return out
     if isinstance(obj, (list, tuple)):
         return [to_dict(x) for x in obj]
     if isinstance(obj, dict):
@@ -124,15 +157,20 @@ def _build_dataclass(cls: Any, value: Any, where: str) -> Any:
                           f"got {type(value).__name__} ({value!r})")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = get_type_hints(cls)
+    known = _keys(cls)
     for key in value:
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else \
-                f" (known keys: {', '.join(sorted(fields))})"
+                f" (known keys: {', '.join(sorted(known))})"
             raise ConfigError(f"{where}.{key}: unknown key{hint}")
     kwargs = {}
     for name, f in fields.items():
-        if name in value:
+        if _is_inline(f):
+            part = _keys(hints[name])
+            kwargs[name] = _build_dataclass(hints[name],
+                                            {k: v for k, v in value.items() if k in part}, where)
+        elif name in value:
             kwargs[name] = _convert(hints[name], value[name], f"{where}.{name}")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{where}.{name}: required key is missing")

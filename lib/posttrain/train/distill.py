@@ -15,8 +15,9 @@ optionally mixed with cross-entropy on the labels). The teacher signal is either
   (its own loader: the packed batches carry the top-k as extra tensors) and no teacher is
   built.
 
-The data rule, checkpoints and export are SFT's (`SFTWorker`, which this worker extends):
-every rank reads the same global stream of micro-batches and trains on its share.
+The data rule, steps, checkpoints and export are the recipe kernel's
+(`posttrain.train.recipe`): every rank reads the same global stream of micro-batches and trains
+on its share.
 """
 
 from __future__ import annotations
@@ -30,18 +31,15 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from posttrain.config.loader import build
 from posttrain.config.recipes import DataConfig
-from posttrain.data.loader import TrainLoader, sources_from_manifest
-from posttrain.data.prepared import local_view
 from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.errors import ConfigError
 from posttrain.losses.distill import KINDS, distill_loss
 from posttrain.models.transformer import Transformer
-from posttrain.train.engine import Engine, ModelConfig, ModelInitConfig
-from posttrain.train.metrics import device_peak_flops
-from posttrain.train.sft import (EvalConfig, ExportConfig, RunConfig, SFTTrainConfig, SFTWorker,
-                                 _tokenizer_vocab, check_step_split)
+from posttrain.train.engine import ModelConfig, ModelInitConfig
+from posttrain.train.recipe import (ExportConfig, Recipe, RunConfig, TrainConfig, check_export,
+                                    check_step_split, policy_flops)
+from posttrain.train.sft import EvalConfig
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +87,7 @@ class DistillConfig:
     data: DataConfig
     model: ModelConfig              # the student
     teacher: TeacherConfig
-    train: SFTTrainConfig
+    train: TrainConfig
     loss: DistillLossConfig = DistillLossConfig()
     run: RunConfig = RunConfig(dir="runs/distill")
     eval: EvalConfig = EvalConfig()
@@ -99,11 +97,7 @@ class DistillConfig:
         if self.data.format not in ("chat", "sequence"):
             raise ValueError(f"distillation trains on chat or sequence data, not "
                              f"{self.data.format!r}")
-        if self.export.format in ("merged", "peft") and self.model.lora is None:
-            raise ValueError(f"export.format: {self.export.format} needs model.lora")
-        if self.export.format == "full" and self.model.lora is not None:
-            raise ValueError("export.format: full cannot write a LoRA model; set export.format "
-                             "to merged or peft")
+        check_export(self.export, self.model.lora)
         if self.teacher.signal == "offline":
             loader = self.train.loader
             if loader.weights:
@@ -113,7 +107,7 @@ class DistillConfig:
             if loader.mode != "packed":
                 raise ValueError("train.loader.mode: the offline teacher's loader packs rows; "
                                  "use mode: packed")
-        check_step_split(self.train.micro_batches_per_step, self.run, self.train.parallel)
+        check_step_split(self.train.micro_batches_per_step, self.run, self.train.engine.parallel)
 
 
 # --------------------------------------------------------------------------- teacher check
@@ -217,72 +211,77 @@ class DistillLoss(nn.Module):
 # --------------------------------------------------------------------------- the worker
 
 
-class DistillWorker(SFTWorker):
-    """One rank of a distillation run: the student's `Engine` (with the online teacher inside
-    its root) and a view of the global data stream; stepping, checkpoints and export are
-    `SFTWorker`'s."""
+class Distill(Recipe):
+    """Knowledge distillation: the student is the engine's model; an online teacher sits in the
+    same FSDP root (`DistillLoss`), frozen; an offline teacher's top-k come with the batches.
+    The driver hands the teacher's directory in the worker's ``models["teacher"]``."""
 
-    def __init__(self, cfg: dict[str, Any], hf_dir: str, teacher_dir: str, prepared_dir: str,
-                 run_dir: str):
-        self.cfg = build(DistillConfig, cfg, where="distill config")
-        self.prepared_dir = local_view(prepared_dir)
-        self.teacher_dir = teacher_dir
-        online = self.cfg.teacher.signal == "online"
-        self._teacher: Transformer | None = None
-        self.engine = Engine(self.cfg.model, self.cfg.train, hf_dir, run_dir,
-                             vocab_size=_tokenizer_vocab(prepared_dir),
-                             loss_factory=self._make_root)
-        self.rank, self.world = self.engine.rank, self.engine.world   # the engine joined the group
-        if online:
-            self._fill_teacher()
-            self.loader = TrainLoader(sources_from_manifest(prepared_dir, "train"),
-                                      self.cfg.train.loader)
-        else:
-            from posttrain.data.topk import TopkLoader, topk_files
-            self.loader = TopkLoader(topk_files(prepared_dir), self.cfg.train.loader)
-        self._batches = None
-        self.tokens_seen = 0
-        self.peak_flops, self.peak_source = device_peak_flops(self.engine.device)
+    name = "distill"
+    transformers_fallback = False          # not verified through transformers yet
+    config_cls = DistillConfig
 
-    def _make_root(self, model: Transformer) -> nn.Module:
-        teacher = None
+    def __init__(self, worker: Any):
+        super().__init__(worker)
+        self.teacher: Transformer | None = None
+
+    def loss_root(self, model: Transformer) -> nn.Module:
         if self.cfg.teacher.signal == "online":
             from posttrain.distributed.env import build_mesh
             from posttrain.distributed.parallelize import shard_frozen
             from posttrain.models.hf_io import load_hf
-            teacher = load_hf(self.teacher_dir, on_meta=True, param_filter=lambda name: False,
-                              vocab_multiple=self.cfg.model.vocab_multiple)
-            parallel = self.cfg.train.parallel
-            shard_frozen(teacher, build_mesh(parallel.dp_shard, parallel.tp), parallel)
-            self._teacher = teacher
-        return DistillLoss(model, teacher, self.cfg.loss, self.cfg.model.loss_chunk_tokens)
+            self.teacher = load_hf(self.worker.models["teacher"], on_meta=True,
+                                   param_filter=lambda name: False,
+                                   vocab_multiple=self.cfg.model.vocab_multiple)
+            parallel = self.cfg.train.engine.parallel
+            shard_frozen(self.teacher, build_mesh(parallel.dp_shard, parallel.tp), parallel)
+        return DistillLoss(model, self.teacher, self.cfg.loss, self.cfg.model.loss_chunk_tokens)
 
-    def _fill_teacher(self) -> None:
+    def ready(self) -> None:
         """Stream the teacher's HF tensors into its shards (the root is already on the device)."""
+        if self.teacher is None:
+            return
         from posttrain.distributed.materialize import fill_parameters
-        from posttrain.models.hf_io import iter_hf_tensors
         from posttrain.models.args import DTYPES
-        teacher = self._teacher
-        assert teacher is not None
+        from posttrain.models.hf_io import iter_hf_tensors
         dtype = DTYPES[self.cfg.model.dtype]
-        fill_parameters(self.engine.root, ((n, t.to(dtype)) for n, t in
-                                           iter_hf_tensors(self.teacher_dir, teacher.args)),
+        tensors = iter_hf_tensors(self.worker.models["teacher"], self.teacher.args)
+        fill_parameters(self.worker.engine.root, ((n, t.to(dtype)) for n, t in tensors),
                         prefix="teacher.")
-        teacher.tie_weights()
+        self.teacher.tie_weights()
+
+    def train_loader(self) -> Any:
+        if self.teacher is not None:
+            return super().train_loader()
+        from posttrain.data.topk import TopkLoader, topk_files
+        return TopkLoader(topk_files(self.worker.prepared_uri), self.cfg.train.loader)
 
     def describe(self) -> dict[str, Any]:
-        info = super().describe()
-        if self._teacher is not None:
+        info: dict[str, Any] = {"teacher_signal": self.cfg.teacher.signal}
+        if self.teacher is not None:
             from posttrain.distributed.parallelize import count_params
-            info["teacher_params"] = count_params(self._teacher)
-        info["teacher_signal"] = self.cfg.teacher.signal
+            info["teacher_params"] = count_params(self.teacher)
         return info
 
-    def evaluate(self) -> dict[str, float]:
-        """Held-out distillation loss (online teacher); the offline run has no held-out top-k
-        and leaves the held-out numbers to the evaluate step, which runs the teacher."""
-        if self.cfg.teacher.signal == "offline":
-            return {}
-        out = super().evaluate()
-        out.pop("eval_perplexity", None)        # exp(divergence) means nothing
-        return out
+    def flops(self, batch: dict) -> float:
+        """The student's forward and backward, plus the online teacher's forward over the real
+        tokens and its head over the labelled positions."""
+        total = super().flops(batch)
+        if self.teacher is not None:
+            total += policy_flops(self.teacher, batch, training=False)
+        return total
+
+    def eval_batches(self) -> list[dict]:
+        """Held-out batches with the online teacher; the offline run has no held-out top-k and
+        leaves the held-out numbers to the evaluate step, which runs the teacher."""
+        return super().eval_batches() if self.teacher is not None else []
+
+    @staticmethod
+    def postfix(m: dict) -> dict[str, str]:
+        return Recipe.postfix(m)
+
+    @staticmethod
+    def summary(result: dict) -> list[str]:
+        ev = result.get("eval") or {}
+        return Recipe.summary(result) + ([
+            f"held-out distillation loss {ev['eval_loss']:.4f} over {ev['eval_tokens']} "
+            "tokens"] if ev else [])

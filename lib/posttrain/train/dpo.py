@@ -4,7 +4,7 @@
                   full logits; `posttrain.losses.dpo.dpo_pair_logps`) -> dpo_loss (sum over
                   pairs; the engine divides by the step's global pair count)
 
-Reference log-probs, `train.reference.kind`:
+Reference log-probs, `reference.kind`:
 
 * ``precomputed`` (default): before the first step the workers run the starting model once
   over every train and eval pair (each rank its share of the batches) and rank 0 writes
@@ -27,14 +27,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from posttrain.config.loader import build
 from posttrain.config.recipes import DataConfig
+from posttrain.data.loader import TrainLoader, sources_from_manifest
 from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.losses.dpo import LossType, dpo_loss, dpo_pair_logps
 from posttrain.models.transformer import Transformer
 from posttrain.train.engine import ModelConfig
-from posttrain.train.preference import PairWorker
-from posttrain.train.sft import ExportConfig, RunConfig, SFTTrainConfig, check_step_split
+from posttrain.train.recipe import (ExportConfig, Recipe, RunConfig, TrainConfig, check_export,
+                                    check_step_split, one_pass, policy_flops)
 
 log = logging.getLogger(__name__)
 
@@ -48,28 +48,22 @@ class DPOLossConfig:
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
-            raise ValueError(f"dpo.beta must be positive, got {self.beta}")
+            raise ValueError(f"loss.beta must be positive, got {self.beta}")
         if self.loss_type not in ("sigmoid", "ipo", "hinge", "robust"):
-            raise ValueError(f"dpo.loss_type must be sigmoid, ipo, hinge or robust, got "
+            raise ValueError(f"loss.loss_type must be sigmoid, ipo, hinge or robust, got "
                              f"{self.loss_type!r}")
         if self.loss_type in ("ipo", "hinge") and self.label_smoothing:
-            raise ValueError(f"dpo.label_smoothing applies to sigmoid and robust only, not "
+            raise ValueError(f"loss.label_smoothing applies to sigmoid and robust only, not "
                              f"{self.loss_type}")
         eps = self.label_smoothing
         if eps < 0 or eps > 0.5 or (self.loss_type == "robust" and eps == 0.5):
-            raise ValueError(f"dpo.label_smoothing={eps} is outside [0, 0.5] for sigmoid, "
+            raise ValueError(f"loss.label_smoothing={eps} is outside [0, 0.5] for sigmoid, "
                              f"[0, 0.5) for robust")
 
 
 @dataclass(frozen=True)
 class ReferenceConfig:
     kind: Literal["precomputed", "lora_base"] = "precomputed"
-
-
-@dataclass(frozen=True, kw_only=True)
-class DPOTrainConfig(SFTTrainConfig):
-    dpo: DPOLossConfig = DPOLossConfig()
-    reference: ReferenceConfig = ReferenceConfig()
 
 
 @dataclass(frozen=True)
@@ -82,15 +76,17 @@ class DPOConfig:
     tokenizer: TokenizerConfig
     data: DataConfig
     model: ModelConfig
-    train: DPOTrainConfig
+    train: TrainConfig
+    loss: DPOLossConfig = DPOLossConfig()
+    reference: ReferenceConfig = ReferenceConfig()
     run: RunConfig = RunConfig(dir="runs/dpo")
     eval: PairEvalConfig = PairEvalConfig()
     export: ExportConfig = ExportConfig()
 
     def __post_init__(self) -> None:
         check_pair_recipe(self, "DPO")
-        if self.train.reference.kind == "lora_base" and self.model.lora is None:
-            raise ValueError("train.reference.kind: lora_base needs model.lora (the reference "
+        if self.reference.kind == "lora_base" and self.model.lora is None:
+            raise ValueError("reference.kind: lora_base needs model.lora (the reference "
                              "is the base model with the adapters disabled); use precomputed")
 
 
@@ -108,12 +104,8 @@ def check_pair_recipe(cfg: Any, name: str) -> None:
         raise ValueError(f"train.loader.packing.max_tokens_per_pack={pack} must hold a whole "
                          f"pair: at least 2 x data.max_tokens_per_sample = "
                          f"{2 * cfg.data.max_tokens_per_sample}")
-    if cfg.export.format in ("merged", "peft") and cfg.model.lora is None:
-        raise ValueError(f"export.format: {cfg.export.format} needs model.lora")
-    if cfg.export.format == "full" and cfg.model.lora is not None:
-        raise ValueError("export.format: full cannot write a LoRA model; set export.format "
-                         "to merged or peft")
-    check_step_split(cfg.train.micro_batches_per_step, cfg.run, cfg.train.parallel)
+    check_export(cfg.export, cfg.model.lora)
+    check_step_split(cfg.train.micro_batches_per_step, cfg.run, cfg.train.engine.parallel)
 
 
 class DPOLoss(nn.Module):
@@ -166,20 +158,52 @@ class DPOLoss(nn.Module):
         return loss, stats
 
 
-class DPOWorker(PairWorker):
-    """One rank of a DPO run (see `PairWorker` for the data rule)."""
+def pair_postfix(m: dict) -> dict[str, str]:
+    return {"loss": f"{m['loss']:.3f}", "acc": f"{m['accuracy']:.2f}",
+            "pairs/s": f"{m['pairs_per_s']:.0f}", "mfu": f"{m['mfu']:.1%}"}
 
-    def __init__(self, cfg: dict[str, Any], hf_dir: str, prepared_dir: str, run_dir: str):
+
+def pair_result(history: list[dict]) -> dict[str, Any]:
+    if not history:
+        return {}
+    n = len(history)
+    return {"final_loss": history[-1]["loss"], "final_accuracy": history[-1]["accuracy"],
+            "mean_pairs_per_s": sum(m["pairs_per_s"] for m in history) / n,
+            "mean_real_tokens_per_s": sum(m["real_tokens_per_s"] for m in history) / n,
+            "mean_mfu": sum(m["mfu"] for m in history) / n}
+
+
+def pair_summary(result: dict) -> list[str]:
+    ev = result.get("eval") or {}
+    lines = []
+    if "final_loss" in result:
+        lines.append(f"final train loss {result['final_loss']:.4f}, reward accuracy "
+                     f"{result['final_accuracy']:.2f}; {result['mean_pairs_per_s']:.1f} pairs/s; "
+                     f"MFU {result['mean_mfu']:.1%}")
+    if ev:
+        lines.append(f"held-out: loss {ev['eval_loss']:.4f}, accuracy {ev['eval_accuracy']:.2f}"
+                     + (f", margin {ev['eval_margins']:.4f}" if "eval_margins" in ev else "")
+                     + f" over {ev['eval_pairs']} pairs")
+    return lines
+
+
+class DPO(Recipe):
+    """Direct preference optimization: the loss over pairs, the reference log-probs."""
+
+    name = "dpo"
+    config_cls = DPOConfig
+    unit_field, unit_name = "num_pairs", "pairs"
+
+    def __init__(self, worker: Any):
+        super().__init__(worker)
         self._ref: dict[str, dict[int, tuple[float, float]]] = {}
-        super().__init__(build(DPOConfig, cfg, where="dpo config"), hf_dir, prepared_dir,
-                         run_dir)
 
-    def loss_module(self, model: Transformer) -> nn.Module:
-        return DPOLoss(model, self.cfg.train.dpo, self.cfg.train.reference.kind,
+    def loss_root(self, model: Transformer) -> nn.Module:
+        return DPOLoss(model, self.cfg.loss, self.cfg.reference.kind,
                        self.cfg.model.loss_chunk_tokens)
 
-    def add_inputs(self, batch: dict, split: str) -> dict:
-        if self.cfg.train.reference.kind != "precomputed":
+    def inputs(self, batch: dict, split: str) -> dict:
+        if self.cfg.reference.kind != "precomputed":
             return {**batch, "ref_chosen": None, "ref_rejected": None}
         table = self._ref[split]
         try:
@@ -191,17 +215,26 @@ class DPOWorker(PairWorker):
         values = values.reshape(-1, 2)
         return {**batch, "ref_chosen": values[:, 0], "ref_rejected": values[:, 1]}
 
+    def flops(self, batch: dict) -> float:
+        """The policy's, plus the reference's forward inside the step (lora_base: the base
+        model with the adapters off; precomputed: none, the reference pass ran once)."""
+        model, lora = self.worker.engine.model, self.cfg.model.lora
+        total = policy_flops(model, batch, lora=lora)
+        if self.cfg.reference.kind == "lora_base":
+            total += policy_flops(model, batch, training=False)
+        return total
+
     # ------------------------------------------------------------------ reference
     def _ref_path(self, split: str) -> str:
-        return f"{self.run_dir.rstrip('/')}/reference/ref_logps_{split}.parquet"
+        return f"{self.worker.run_dir.rstrip('/')}/reference/ref_logps_{split}.parquet"
 
-    def prepare_reference(self) -> dict[str, int]:
+    def before_training(self) -> dict[str, Any]:
         """Compute (if missing) and load the reference log-probs of every train / eval pair.
 
-        Call it before `resume`: the weights are then still the starting model's. A run with
+        Runs before `resume`: the weights are then still the starting model's. A run with
         checkpoints but no reference file cannot recreate it and fails.
         """
-        if self.cfg.train.reference.kind != "precomputed":
+        if self.cfg.reference.kind != "precomputed":
             return {}
         import fsspec
         counts = {}
@@ -209,54 +242,52 @@ class DPOWorker(PairWorker):
             path = self._ref_path(split)
             fs, local = fsspec.core.url_to_fs(path)
             if not fs.exists(local):
-                if self.engine.checkpoints.list():
+                if self.worker.engine.checkpoints.list():
                     raise RuntimeError(f"{path} is missing but checkpoints exist: the "
                                        f"reference (the starting model) cannot be recomputed")
                 self._compute_reference(split, path)
             self._ref[split] = _read_ref(path)
             counts[split] = len(self._ref[split])
-        return counts
+        return {"reference_pairs": counts}
 
     @torch.no_grad()
     def _compute_reference(self, split: str, path: str) -> None:
-        batches = (self.eval_batches("eval") if split == "eval"
-                   else self._all_batches("train"))
-        dp = self.engine.dp
+        engine = self.worker.engine
+        batches = self.eval_batches() if split == "eval" else self._all_batches("train")
+        dp = engine.dp
         mine = dp.share(batches)
         rows: list[tuple[int, float, float]] = []
-        self.engine.root.eval()
+        engine.root.eval()
         for i in range(dp.rounds(len(batches))):
             b = mine[i] if i < len(mine) else batches[0]      # equal forwards on every rank
             c, r = self._logps(b)
             if i < len(mine):
                 rows += zip(b["pair_keys"], c.tolist(), r.tolist())
         rows = [x for part in dp.gather(rows) for x in part]
-        if self.rank == 0:
+        if engine.rank == 0:
             _write_ref(rows, path)
-        if dist.is_initialized() and self.world > 1:
+        if dist.is_initialized() and engine.world > 1:
             dist.barrier()
         log.info("reference log-probs of %d %s pairs -> %s", len(rows), split, path)
 
     def _all_batches(self, split: str) -> list[dict]:
         """One pass over a split (each pair once), however many epochs training takes."""
-        from posttrain.data.loader import TrainLoader, sources_from_manifest
-        from posttrain.train.preference import one_pass
-        with TrainLoader(sources_from_manifest(self.prepared_dir, split),
+        with TrainLoader(sources_from_manifest(self.worker.prepared_dir, split),
                          one_pass(self.cfg.train.loader)) as loader:
             return list(loader)
 
     def _logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        dev = self.engine.device
-        return self.engine.root(batch["input_ids"].to(dev), batch["labels"].to(dev),
-                                batch["position_ids"].to(dev), batch["document_lengths"],
-                                batch["sequence_ids"].to(dev), batch["pair_index"].to(dev),
-                                logps_only=True)
+        engine = self.worker.engine
+        dev = engine.device
+        return engine.root(batch["input_ids"].to(dev), batch["labels"].to(dev),
+                           batch["position_ids"].to(dev), batch["document_lengths"],
+                           batch["sequence_ids"].to(dev), batch["pair_index"].to(dev),
+                           logps_only=True)
 
-    # ------------------------------------------------------------------ export
-    def export(self, out_dir: str) -> str | None:
-        """Write the HF checkpoint (rank 0); a collective, every rank must call it."""
-        from posttrain.train.export import export_worker
-        return export_worker(self.engine, self.cfg, self.prepared_dir, out_dir)
+    # ------------------------------------------------------------------ driver side
+    postfix = staticmethod(pair_postfix)
+    result = staticmethod(pair_result)
+    summary = staticmethod(pair_summary)
 
 
 def _write_ref(rows: list[tuple[int, float, float]], path: str) -> None:

@@ -1,4 +1,4 @@
-"""The per-rank training engine shared by SFT, DPO and distillation.
+"""The per-rank training engine shared by every recipe (SFT, DPO, reward, distillation, GRPO).
 
 One `Engine` lives in each trainer process (a Ray actor, a spawned process, or inline). It
 builds the model the sharded way, owns the optimizer, scheduler and checkpoints, and runs one
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from posttrain.distributed.env import build_mesh, get_device, init_process_group
+from posttrain.distributed.env import build_mesh, get_device
 from posttrain.distributed.materialize import materialize
 from posttrain.distributed.parallelize import (ParallelConfig, count_params, parallelize,
                                                parallelize_frozen)
@@ -175,7 +175,12 @@ def _lora_module():
 
 
 class Engine:
-    """Model + optimizer + scheduler + checkpoints of one rank (see the module docstring)."""
+    """Model + optimizer + scheduler + checkpoints of one rank (see the module docstring).
+
+    The caller joins the process group first (`posttrain.distributed.env.init_process_group`)
+    and seeds the global RNG if anything random runs in training (LoRA dropout); the engine
+    does neither. The global RNG state is saved in and restored from its checkpoints.
+    """
 
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, hf_dir: str, run_dir: str,
                  *, loss_factory: Callable[[Transformer], nn.Module] | None = None,
@@ -183,19 +188,23 @@ class Engine:
         self.model_cfg, self.cfg = model_cfg, cfg
         self.vocab_size = vocab_size
         self.hf_dir, self.run_dir = hf_dir, run_dir
-        # one code path for every layout: a plain process joins a group of one, so FSDP2
-        # (mixed precision, sharded checkpoints) and the same numerics apply inline too
-        init_process_group()
+        if not dist.is_initialized():
+            # one code path for every layout: a plain process joins a group of one, so FSDP2
+            # (mixed precision, sharded checkpoints) and the same numerics apply inline too;
+            # joining is the caller's act, not a side effect of building an engine
+            raise RuntimeError("Engine needs a process group: call posttrain.distributed.env."
+                               "init_process_group() first (a plain process joins a group of "
+                               "one)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = get_device()
         self.mesh = build_mesh(cfg.parallel.dp_shard, cfg.parallel.tp)
         self.dp = DataParallel.of_mesh(self.mesh)
-        torch.manual_seed(cfg.seed)
         self.model, self.root = build_sharded(
             model_cfg, cfg.parallel, hf_dir, self.device,
             loss_factory or (lambda m: CausalLMLoss(m, model_cfg.loss_chunk_tokens)),
             vocab_size=vocab_size, init_missing=self._init_missing, mesh=self.mesh)
-        self.args: ModelArgs = self.model.args
+        # None for a transformers model (no native definition): see `_build_fallback`
+        self.args: ModelArgs | None = getattr(self.model, "args", None)
         self.optimizer = build_optimizer(self.root, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.max_steps, cfg.scheduler)
         self.checkpoints = CheckpointManager(
@@ -305,7 +314,8 @@ class Engine:
         return {**ckpt.meta["extra"], "rank_extra": ckpt.meta.get("rank_extra")}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Native-named full weights on rank 0 ({} elsewhere); a collective."""
+        """Native-named full weights on rank 0 ({} elsewhere); a collective. A transformers
+        model's names are its own, prefixed ``hf.``."""
         from posttrain.distributed.parallelize import gather_full_state_dict
         sd = gather_full_state_dict(self.root)
         return {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
@@ -325,7 +335,15 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
     checkpointing, everything resharded after each forward. `init_missing(name, param)` fills
     parameters the checkpoint lacks (LoRA adapters, a custom head); without it they are an error.
     `mesh` is the device mesh to lay it out on (default: a new one from `parallel`).
+
+    An architecture without a native definition trains through transformers
+    (`_build_fallback`).
     """
+    from posttrain.models.auto import has_native_definition
+    from posttrain.models.hf_io import read_hf_config
+    if not has_native_definition(read_hf_config(hf_dir)):
+        return _build_fallback(model_cfg, parallel, hf_dir, loss_factory, vocab_size=vocab_size,
+                               frozen=frozen, mesh=mesh)
     model = load_hf(hf_dir, on_meta=True, param_filter=lambda name: False,
                     vocab_multiple=model_cfg.vocab_multiple)
     ckpt_args = model.args
@@ -350,6 +368,43 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
                if not (custom_head and name.startswith("head.")))
     materialize(root, device, tensors, prefix="model.", init_missing=init_missing)
     model.tie_weights()
+    return model, root
+
+
+def _build_fallback(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
+                    loss_factory: Callable[[nn.Module], nn.Module], *, vocab_size: int | None,
+                    frozen: bool, mesh: Any) -> tuple[nn.Module, nn.Module]:
+    """`build_sharded` for an architecture without a native definition: transformers'
+    `AutoModelForCausalLM` behind the native interface (`posttrain.models.fallback`), sharded
+    with FSDP2 over its decoder blocks and the loss root.
+
+    Unlike the native path, every rank loads the whole checkpoint (on the CPU) before
+    sharding, and there is no tensor parallelism, LoRA, vocabulary growth or exact FLOPs
+    formula; rank 0 warns once with the list (`FallbackWarning`).
+    """
+    import warnings
+
+    from posttrain.models.fallback import FallbackWarning, load_fallback
+    if model_cfg.lora is not None:
+        raise ConfigError(f"model.lora: {hf_dir} has no native definition and trains through "
+                          "transformers, which the engine fine-tunes in full; remove model.lora")
+    if parallel.tp > 1:
+        raise ConfigError(f"parallel.tp={parallel.tp}: {hf_dir} has no native definition, so "
+                          "there is no tensor-parallel plan for it; use parallel.tp: 1")
+    with warnings.catch_warnings():
+        if dist.get_rank() != 0:
+            warnings.simplefilter("ignore", FallbackWarning)
+        model = load_fallback(hf_dir, dtype=DTYPES[model_cfg.dtype],
+                              vocab_multiple=model_cfg.vocab_multiple)
+    if vocab_size is not None and vocab_size > model.real_vocab_size:
+        raise ConfigError(f"the tokenizer has {vocab_size} tokens but {hf_dir} has "
+                          f"{model.real_vocab_size} rows; the transformers fallback cannot grow "
+                          "the vocabulary")
+    if frozen:
+        model.requires_grad_(False)
+    root = loss_factory(model)
+    mesh = mesh if mesh is not None else build_mesh(parallel.dp_shard, parallel.tp)
+    root = (parallelize_frozen if frozen else parallelize)(model, mesh, parallel, root=root)
     return model, root
 
 

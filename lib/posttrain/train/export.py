@@ -63,6 +63,36 @@ def export_worker(engine, cfg, prepared_dir: str, out_dir: str) -> str | None:
     state = engine.full_state_dict()
     if engine.rank != 0:
         return None
+    if engine.args is None:                     # a transformers model (no native definition)
+        return export_fallback(state, engine.hf_dir, out_dir,
+                               tokenizer_dir=f"{prepared_dir}/tokenizer", dtype=cfg.export.dtype)
     return export_hf(state, engine.args, out_dir, fmt=cfg.export.format, lora=cfg.model.lora,
                      tokenizer_dir=f"{prepared_dir}/tokenizer", dtype=cfg.export.dtype,
                      base_dir=engine.hf_dir)
+
+
+def export_fallback(state: dict[str, torch.Tensor], base_dir: str, out_dir: str, *,
+                    tokenizer_dir: str | None = None, dtype: str | None = None) -> str:
+    """Write a transformers-trained model (`posttrain.models.fallback`, names ``hf.<its own>``)
+    with `save_pretrained`: the architecture and config of `base_dir`, the trained weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from posttrain.models.hf_io import _copy_tokenizer_files
+    config = AutoConfig.from_pretrained(base_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    weights = {k.removeprefix("hf."): v for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"export: the trained weights do not match {type(model).__name__}: "
+                           f"missing {sorted(set(missing) - tied)[:5]}, unexpected "
+                           f"{unexpected[:5]}")
+    model.tie_weights()
+    if dtype:
+        model.to(DTYPES[dtype])
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    if tokenizer_dir:
+        _copy_tokenizer_files(Path(tokenizer_dir), out)
+    return str(out)

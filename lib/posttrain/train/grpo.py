@@ -29,9 +29,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from posttrain.config.loader import build
+from posttrain.config.loader import build, inline
 from posttrain.config.recipes import DataConfig
 from posttrain.data.prepared import local_view
+from posttrain.distributed.env import init_process_group
 from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.errors import ConfigError
 from posttrain.losses.grpo import grpo_loss
@@ -43,7 +44,7 @@ from posttrain.rl.rewards import RewardConfig
 from posttrain.models.args import DTYPES
 from posttrain.train.engine import (Engine, EngineConfig, ModelConfig, all_reduce_max,
                                     build_sharded)
-from posttrain.train.sft import ExportConfig, RunConfig, _tokenizer_vocab
+from posttrain.train.recipe import ExportConfig, RunConfig, check_export, tokenizer_vocab
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +54,19 @@ _TOKEN_STATS = ("pg_loss", "clip_fraction_low", "clip_fraction_high", "ratio_mea
 
 
 @dataclass(frozen=True, kw_only=True)
-class GRPOTrainConfig(EngineConfig):
-    """`max_steps` counts GRPO steps (rollout batches); each makes `mini_batches` optimizer
-    steps over `prompts_per_step * samples_per_prompt` sequences."""
+class GRPOTrainConfig:
+    """GRPO's ``train:`` section: the engine's config inline, where `max_steps` counts GRPO
+    steps (rollout batches); each makes `mini_batches` optimizer steps over
+    `prompts_per_step * samples_per_prompt` sequences (`optimizer_engine` is what the Engine
+    gets: its `max_steps` counts optimizer steps, for the schedule)."""
 
+    engine: EngineConfig = inline()
     prompts_per_step: int = 16
     samples_per_prompt: int = 8
     mini_batches: int = 1
     max_tokens_per_micro_batch: int = 4096
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if self.prompts_per_step < 1:
             raise ValueError("train.prompts_per_step must be at least 1")
         if self.samples_per_prompt < 2:
@@ -75,7 +78,11 @@ class GRPOTrainConfig(EngineConfig):
 
     @property
     def optimizer_steps(self) -> int:
-        return self.max_steps * self.mini_batches
+        return self.engine.max_steps * self.mini_batches
+
+    @property
+    def optimizer_engine(self) -> EngineConfig:
+        return replace(self.engine, max_steps=self.optimizer_steps)
 
 
 @dataclass(frozen=True)
@@ -161,17 +168,52 @@ class GRPOConfig:
                              f"{self.data.format!r}")
         if self.algorithm.reference == "lora_base" and self.model.lora is None:
             raise ValueError("algorithm.reference: lora_base needs model.lora")
-        if self.export.format in ("merged", "peft") and self.model.lora is None:
-            raise ValueError(f"export.format: {self.export.format} needs model.lora")
-        if self.export.format == "full" and self.model.lora is not None:
-            raise ValueError("export.format: full cannot write a LoRA model; set export.format "
-                             "to merged or peft")
+        check_export(self.export, self.model.lora)
         if self.eval.temperature == 0 and self.eval.samples_per_prompt != 1:
             raise ValueError("eval.samples_per_prompt > 1 needs eval.temperature > 0 (greedy "
                              "completions of one prompt are all the same)")
         if self.rollout.placement == "separate" and self.run.launcher != "ray":
             raise ValueError("rollout.placement: separate runs the engines as Ray actors; set "
                              "run.launcher: ray")
+
+
+class GRPO:
+    """The GRPO recipe for the one driver: its worker (`GRPOWorker`) and controller
+    (`steps.train_grpo.GRPOController`) replace the kernel's; these are its driver-side parts."""
+
+    name = "grpo"
+    config_cls = GRPOConfig
+
+    @staticmethod
+    def postfix(m: dict) -> dict[str, str]:
+        return {"reward": f"{m['reward/total/mean']:.3f}", "kl": f"{m.get('kl', 0.0):.4f}",
+                "len": f"{m['response_length/mean']:.1f}",
+                "tok/s": f"{m['rollout_tokens_per_s']:.0f}",
+                "sync": f"{m['sync/max_abs_logprob_diff']:.1e}"}
+
+    @staticmethod
+    def result(history: list[dict]) -> dict[str, Any]:
+        if not history:
+            return {}
+        last = history[-min(len(history), 5):]
+        return {"final_reward_mean": sum(m["reward/total/mean"] for m in last) / len(last),
+                "mean_rollout_tokens_per_s": (sum(m["rollout_tokens_per_s"] for m in history)
+                                              / len(history)),
+                "max_sync_diff": max(m["sync/max_abs_logprob_diff"] for m in history)}
+
+    @staticmethod
+    def summary(result: dict) -> list[str]:
+        lines = []
+        if "final_reward_mean" in result:
+            lines.append(f"train reward (last steps) {result['final_reward_mean']:.3f}; "
+                         f"{result['mean_rollout_tokens_per_s']:.0f} rollout tokens/s; "
+                         f"weight sync max |diff| {result['max_sync_diff']:.2e}")
+        base, final = result.get("baseline_eval") or {}, result.get("eval") or {}
+        for key in ("eval/accuracy", "eval/reward_mean"):
+            if key in final:
+                before = f"{base[key]:.3f} -> " if key in base else ""
+                lines.append(f"held-out {key.split('/')[1]}: {before}{final[key]:.3f}")
+        return lines
 
 
 # --------------------------------------------------------------------------- loss root
@@ -255,18 +297,25 @@ class GRPOWorker:
     """One trainer rank (module docstring). Methods are called by the controller on every rank
     (they are collectives under FSDP) unless noted."""
 
-    def __init__(self, cfg: dict[str, Any], hf_dir: str, prepared_dir: str, run_dir: str):
+    def __init__(self, cfg: dict[str, Any], hf_dir: str, prepared_dir: str, run_dir: str,
+                 models: dict[str, str] | None = None):
+        """`models`: the driver's other model directories (GRPO has none)."""
         self.cfg = build(GRPOConfig, cfg, where="grpo config")
         self.prepared_dir = local_view(prepared_dir)
         self.hf_dir = hf_dir
         train = self.cfg.train
         constant = self.cfg.algorithm.constant_norm or float(self.cfg.sampling.max_new_tokens)
-        engine_cfg = replace(train, max_steps=train.optimizer_steps)
+        init_process_group()
+        torch.manual_seed(train.engine.seed)
         self.engine = Engine(
-            self.cfg.model, engine_cfg, hf_dir, run_dir, vocab_size=_tokenizer_vocab(prepared_dir),
+            self.cfg.model, train.optimizer_engine, hf_dir, run_dir,
+            vocab_size=tokenizer_vocab(prepared_dir),
             loss_factory=lambda m: GRPOLoss(m, self.cfg.algorithm, self._temperature, constant,
                                             self.cfg.model.loss_chunk_tokens))
-        self.rank, self.world = self.engine.rank, self.engine.world   # the engine joined the group
+        self.rank, self.world = self.engine.rank, self.engine.world
+        if self.engine.args is None:
+            raise ConfigError(f"GRPO needs a model with a native definition (the rollout "
+                              f"engines and the weight sync use it); {hf_dir} has none")
         self.reference: GRPOLoss | None = None
         if self.cfg.algorithm.reference == "copy":
             self.reference = self._frozen_copy().eval()
@@ -274,7 +323,7 @@ class GRPOWorker:
         if self.cfg.rollout.placement == "colocated":
             self.rollout = build_rollout_engine(self.cfg.rollout, self.engine.args, hf_dir,
                                                 self.engine.device, self._param_dtype(),
-                                                seed=train.seed)
+                                                seed=train.engine.seed)
         self._synced_names: set[str] | None = None
 
     @property
@@ -459,7 +508,7 @@ class RolloutWorker:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = DTYPES[self.cfg.model.dtype]
         self.engine = build_rollout_engine(self.cfg.rollout, args, hf_dir, device, dtype,
-                                           seed=self.cfg.train.seed)
+                                           seed=self.cfg.train.engine.seed)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, n: int
                  ) -> list[list[Rollout]]:

@@ -13,7 +13,6 @@ import json
 import os
 import resource
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +49,9 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024
     """Best-of-`repeats` square-matmul FLOP/s: the practical peak of this device and dtype."""
     key = (str(device), dtype)
     if key not in _MEASURED:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
+        gen = torch.Generator(device=device).manual_seed(0)   # leaves the global RNG alone
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+        b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
         a @ b
         best = float("inf")
         for _ in range(repeats):
@@ -73,32 +73,20 @@ def peak_memory_bytes(device: torch.device | None = None) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-@dataclass
-class Throughput:
-    """Accumulates tokens between two logging points."""
-
-    real_tokens: int = 0
-    pad_tokens: int = 0
-    loss_tokens: int = 0
-    started: float = 0.0
-
-    def reset(self) -> None:
-        self.real_tokens = self.pad_tokens = self.loss_tokens = 0
-        self.started = time.perf_counter()
-
-    def add(self, batch: dict[str, Any]) -> None:
-        self.real_tokens += int(batch["num_real_tokens"])
-        self.pad_tokens += int(batch["num_pad_tokens"])
-        self.loss_tokens += int(batch["num_loss_tokens"])
-
-    def summary(self, flops_per_token: float, peak_flops: float, world_size: int = 1) -> dict:
-        seconds = max(time.perf_counter() - self.started, 1e-9)
-        total = self.real_tokens + self.pad_tokens
-        tps = self.real_tokens / seconds
-        return {"real_tokens_per_s": tps, "real_tokens_per_s_per_device": tps / world_size,
-                "padding_fraction": self.pad_tokens / total if total else 0.0,
-                "mfu": tps * flops_per_token / (peak_flops * world_size) if peak_flops else 0.0,
-                "interval_s": seconds}
+def step_metrics(batches: list[dict[str, Any]], *, seconds: float, data_wait_s: float,
+                 flops: float, peak_flops: float, device: torch.device | None) -> dict[str, Any]:
+    """The throughput metrics of one optimizer step over all of its (global) micro-batches,
+    the same for every recipe: real and loss tokens, padding fraction, real tokens/s, time
+    waiting for data, MFU (`flops` the step executed over `seconds`, against the peak of all
+    devices) and peak memory."""
+    real = sum(int(b["num_real_tokens"]) for b in batches)
+    pad = sum(int(b["num_pad_tokens"]) for b in batches)
+    return {"real_tokens": real, "loss_tokens": sum(int(b["num_loss_tokens"]) for b in batches),
+            "padding_fraction": pad / max(real + pad, 1),
+            "real_tokens_per_s": real / seconds, "data_wait_s": data_wait_s,
+            "step_total_s": seconds, "step_flops": flops,
+            "mfu": flops / seconds / peak_flops if peak_flops else 0.0,
+            "peak_memory_bytes": peak_memory_bytes(device)}
 
 
 class MetricsWriter:

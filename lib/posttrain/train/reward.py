@@ -4,8 +4,8 @@ The model is the LM body with its head replaced by a scalar projection (the cust
 ``model.head = nn.Linear(H, 1)``, initialized by the engine, not read from the checkpoint).
 The reward of a sequence is the head's output at its last response token (the last token with
 ``loss_mask == 1``); the pair loss is Bradley-Terry (`posttrain.losses.reward.bt_loss`), summed
-over pairs, the engine dividing by the step's global pair count. Data rule and steps: as DPO
-(`posttrain.train.preference`).
+over pairs, the engine dividing by the step's global pair count. Data rule, steps and
+checkpoints are the recipe kernel's (`posttrain.train.recipe`).
 
 Export (rank 0): ``<dir>/`` is a Hugging Face causal-LM checkpoint of the body (the starting
 model's LM head kept for untied models, so that any HF loader reads it), plus
@@ -24,16 +24,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from posttrain.config.loader import build
 from posttrain.config.recipes import DataConfig
 from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.losses.reward import bt_loss
 from posttrain.models.transformer import Transformer
 from posttrain.ops.cross_entropy import IGNORE_INDEX
-from posttrain.train.dpo import PairEvalConfig, check_pair_recipe
+from posttrain.train.dpo import (PairEvalConfig, check_pair_recipe, pair_postfix, pair_result,
+                                 pair_summary)
 from posttrain.train.engine import ModelConfig
-from posttrain.train.preference import PairWorker
-from posttrain.train.sft import ExportConfig, RunConfig, SFTTrainConfig
+from posttrain.train.recipe import ExportConfig, Recipe, RunConfig, TrainConfig, policy_flops
 
 HEAD_FILE, HEAD_JSON = "reward_head.safetensors", "reward_head.json"
 
@@ -43,7 +42,7 @@ class RewardConfig:
     tokenizer: TokenizerConfig
     data: DataConfig
     model: ModelConfig
-    train: SFTTrainConfig
+    train: TrainConfig
     run: RunConfig = RunConfig(dir="runs/reward")
     eval: PairEvalConfig = PairEvalConfig()
     export: ExportConfig = ExportConfig()
@@ -95,26 +94,34 @@ class RewardLoss(nn.Module):
 
 
 
-class RewardWorker(PairWorker):
-    """One rank of a reward-model run."""
+class Reward(Recipe):
+    """A reward model: the Bradley-Terry loss over pairs, a scalar head, its own export."""
 
-    def __init__(self, cfg: dict[str, Any], hf_dir: str, prepared_dir: str, run_dir: str):
-        super().__init__(build(RewardConfig, cfg, where="reward config"), hf_dir, prepared_dir,
-                         run_dir)
+    name = "reward"
+    config_cls = RewardConfig
+    transformers_fallback = False          # the scalar head replaces the native LM head
+    unit_field, unit_name = "num_pairs", "pairs"
 
-    def loss_module(self, model: Transformer) -> nn.Module:
+    def loss_root(self, model: Transformer) -> nn.Module:
         return RewardLoss(model)
 
-    def prepare_reference(self) -> dict:
-        return {}                         # Bradley-Terry needs no reference model
+    def flops(self, batch: dict) -> float:
+        """The body's forward and backward over the real tokens; the scalar head (H x 1 at one
+        position per sequence) is negligible and not counted."""
+        return policy_flops(self.worker.engine.model, batch, head=False)
 
     def export(self, out_dir: str) -> str | None:
         """HF body + reward head (rank 0); a collective, every rank must call it."""
-        state = self.engine.full_state_dict()
-        if self.rank != 0:
+        w = self.worker
+        state = w.engine.full_state_dict()
+        if w.rank != 0:
             return None
-        return export_reward_model(state, self.engine, out_dir,
-                                   tokenizer_dir=f"{self.prepared_dir}/tokenizer")
+        return export_reward_model(state, w.engine, out_dir,
+                                   tokenizer_dir=f"{w.prepared_dir}/tokenizer")
+
+    postfix = staticmethod(pair_postfix)
+    result = staticmethod(pair_result)
+    summary = staticmethod(pair_summary)
 
 
 def export_reward_model(state: dict[str, torch.Tensor], engine: Any, out_dir: str, *,

@@ -74,16 +74,16 @@ def _config(recipe: str, family: str, world: int, dp_shard: int, tp: int,
             "train": {"max_steps": STEPS, "tokens_per_step": 512, "parallel": parallel,
                       "loader": {**_LOADER, "format": "preference",
                                  "packing": {"max_tokens_per_pack": 128, "buffer_samples": 16}},
-                      "dpo": {"beta": 0.1, "loss_type": "sigmoid"},
-                      "reference": {"kind": "precomputed"}, **_OPTIM}}
+                      **_OPTIM},
+            "loss": {"beta": 0.1, "loss_type": "sigmoid"}, "reference": {"kind": "precomputed"}}
 
 
-def _schema(recipe: str) -> tuple[type, type]:
+def _recipe(recipe: str) -> type:
     if recipe == "sft":
-        from posttrain.train.sft import SFTConfig, SFTWorker
-        return SFTConfig, SFTWorker
-    from posttrain.train.dpo import DPOConfig, DPOWorker
-    return DPOConfig, DPOWorker
+        from posttrain.train.sft import SFT
+        return SFT
+    from posttrain.train.dpo import DPO
+    return DPO
 
 
 def _prepare(root: Path) -> dict[tuple[str, str], tuple[str, str]]:
@@ -97,7 +97,7 @@ def _prepare(root: Path) -> dict[tuple[str, str], tuple[str, str]]:
             (root / "data" / kind / f"{split}.jsonl").write_text("\n".join(lines[:rows]) + "\n")
     out = {}
     for recipe in RECIPES:
-        schema, _ = _schema(recipe)
+        schema = _recipe(recipe).config_cls
         for family in FAMILIES:
             cfg = build(schema, _config(recipe, family, 1, 1, 1, root / "data"), where="config")
             prepared = ensure_prepared(cfg, str(root / f"prepared_{recipe}"), show_progress=False)
@@ -114,12 +114,11 @@ def _rank(rank: int, world: int, port: int, layout: str, root: str, inputs: dict
 
     _, dp_shard, tp = LAYOUTS[layout]
     for (recipe, family), (prepared, hf_dir) in sorted(inputs.items()):
-        _, worker_cls = _schema(recipe)
+        from posttrain.train.recipe import RecipeWorker
         run_dir = Path(root) / layout / f"{recipe}_{family}"
         cfg = _config(recipe, family, world, dp_shard, tp, Path(root) / "data")
-        worker = worker_cls(cfg, hf_dir, prepared, str(run_dir))
-        if recipe == "dpo":
-            worker.prepare_reference()
+        worker = RecipeWorker(_recipe(recipe), cfg, hf_dir, prepared, str(run_dir))
+        worker.before_training()
         steps = [worker.train_step() for _ in range(STEPS)]
         evaluation = worker.evaluate()
         hf = worker.export(str(run_dir / "hf"))

@@ -1,7 +1,11 @@
 """Engine: sharded build from an HF checkpoint, vocabulary growth, one step against a reference."""
 
+import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
+
+from posttrain.distributed.env import init_process_group
 
 from posttrain.models.hf_io import load_hf
 from posttrain.train.engine import Engine, EngineConfig, ModelConfig, ModelInitConfig, \
@@ -16,7 +20,24 @@ INIT = ModelInitConfig(family="qwen3", overrides={"hidden_size": 32, "intermedia
 
 def _engine(tmp_path, hf_dir, **kw):
     cfg = EngineConfig(max_steps=4, optimizer=OptimizerConfig(lr=1e-2), **kw.pop("cfg", {}))
+    init_process_group()
     return Engine(ModelConfig(init=INIT), cfg, hf_dir, str(tmp_path / "run"), **kw)
+
+
+def test_building_an_engine_has_no_global_side_effects(tmp_path):
+    """No process group is started behind the caller's back, and the global RNG is untouched."""
+    hf_dir = write_random_hf_model(INIT, 300, tmp_path / "base")
+    cfg = EngineConfig(max_steps=4)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        Engine(ModelConfig(init=INIT), cfg, hf_dir, str(tmp_path / "run"))
+    assert not dist.is_initialized()
+    init_process_group()
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    Engine(ModelConfig(init=INIT), cfg, hf_dir, str(tmp_path / "run"))
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_build_matches_checkpoint(tmp_path):
@@ -88,6 +109,8 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_bit_identical(tmp_path)
                         "position_ids": torch.arange(16).expand(2, 16), "document_lengths": None})
 
     def engine(run: str) -> Engine:
+        init_process_group()
+        torch.manual_seed(0)                    # the LoRA dropout's stream, as a worker seeds it
         return Engine(ModelConfig(init=INIT, lora=LoraSettings(rank=4, alpha=8.0, dropout=0.1)),
                       EngineConfig(max_steps=4, optimizer=OptimizerConfig(lr=1e-2)), hf_dir,
                       str(tmp_path / run))

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from posttrain.train.metrics import MetricsWriter, Throughput, read_metrics
+from posttrain.train.metrics import MetricsWriter, read_metrics, step_metrics
 from posttrain.train.optim import SchedulerConfig, lr_factor
 
 
@@ -22,13 +22,17 @@ def test_jsonl_and_tensorboard_mirror(tmp_path):
     assert scalars[1].value == pytest.approx(0.5)
 
 
-def test_throughput_excludes_padding():
-    t = Throughput()
-    t.reset()
-    t.add({"num_real_tokens": 300, "num_pad_tokens": 100, "num_loss_tokens": 120})
-    s = t.summary(flops_per_token=10.0, peak_flops=1e9, world_size=2)
-    assert s["padding_fraction"] == pytest.approx(0.25)
-    assert s["mfu"] == pytest.approx(s["real_tokens_per_s"] * 10.0 / 2e9)
+def test_step_metrics_count_real_tokens_and_executed_flops():
+    """Every recipe's step metrics: padding excluded from tokens/s, MFU = FLOPs / s / peak."""
+    batches = [{"num_real_tokens": 300, "num_pad_tokens": 100, "num_loss_tokens": 120},
+               {"num_real_tokens": 200, "num_pad_tokens": 0, "num_loss_tokens": 80}]
+    m = step_metrics(batches, seconds=2.0, data_wait_s=0.1, flops=4e9, peak_flops=1e10,
+                     device=None)
+    assert (m["real_tokens"], m["loss_tokens"]) == (500, 200)
+    assert m["padding_fraction"] == pytest.approx(100 / 600)
+    assert m["real_tokens_per_s"] == 250.0
+    assert m["mfu"] == pytest.approx(0.2) and m["step_flops"] == 4e9
+    assert m["peak_memory_bytes"] > 0
 
 
 @pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])

@@ -1,0 +1,387 @@
+"""The recipe kernel: what every method that trains through the `Engine` shares.
+
+A recipe (SFT, DPO, reward model, distillation) is a small class: its config class, its loss
+root (the FSDP root module the engine runs), a batch function (what each batch needs beside the
+loader's tensors, e.g. reference log-probs), its unit of loss (loss tokens or pairs), its FLOPs,
+optional hooks (`ready`: after the engine is built, e.g. the online teacher's weights;
+`before_training`: before resume, e.g. DPO's reference pass), its held-out evaluation and its
+export. One `RecipeWorker` runs any of them on a rank; one driver (`steps.common.run_recipe`)
+runs the workers: prepare -> base model -> launch -> before training -> resume -> step loop ->
+evaluate -> export -> result.
+
+Data rule (documented contract): the data order is defined globally, independent of the number
+of workers. Every rank reads the same global stream of packed micro-batches; optimizer step s
+consumes global micro-batches [s*G, (s+1)*G), and data-parallel rank r of D trains on those with
+index = r (mod D) (`Engine.dp`; the ranks of one tensor-parallel group share data). The loss is
+a mean over the step's units (loss tokens, or pairs), normalized by the step's global unit
+count, so the gradient does not depend on how the units fell into micro-batches or ranks. A
+checkpoint stores the global stream position at a step boundary, so a run resumed on a different
+number of workers (any that divides G) continues with exactly the same global batches.
+
+Configs compose the parts' configs: a recipe's ``train:`` section is a `TrainConfig`, which holds
+the engine's own `EngineConfig` inline (its keys sit directly under ``train:``), so the Engine
+receives only engine fields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import nn
+
+from posttrain.config.loader import build, inline
+from posttrain.data.loader import LoaderConfig, TrainLoader, sources_from_manifest
+from posttrain.data.prepared import local_view
+from posttrain.errors import ConfigError, DataError
+from posttrain.models.transformer import Transformer
+from posttrain.train.engine import CausalLMLoss, Engine, EngineConfig
+from posttrain.train.metrics import device_peak_flops, step_metrics
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- shared config parts
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """A recipe's ``train:`` section: the engine's config (inline) and how a step is fed."""
+
+    engine: EngineConfig = inline()
+    tokens_per_step: int                      # global token slots per optimizer step
+    loader: LoaderConfig = LoaderConfig()
+
+    def __post_init__(self) -> None:
+        micro_tokens = self.loader.rows_per_batch * self.loader.packing.max_tokens_per_pack
+        if self.tokens_per_step % micro_tokens:
+            raise ValueError(f"tokens_per_step={self.tokens_per_step} must be a multiple of "
+                             f"rows_per_batch x max_tokens_per_pack = {micro_tokens}")
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.tokens_per_step // (self.loader.rows_per_batch *
+                                        self.loader.packing.max_tokens_per_pack)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/sft"
+    num_workers: int = 1
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    launcher: Literal["ray", "inline"] = "ray"
+    num_nodes: int = 1                        # machines (Metaflow @metaflow_ray num_parallel)
+    tensorboard_dir: str | None = None        # also mirror metrics.jsonl as TensorBoard events
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError("run.num_workers must be at least 1")
+        if self.num_nodes < 1:
+            raise ValueError("run.num_nodes must be at least 1")
+        if self.num_nodes > 1 and self.launcher != "ray":
+            raise ValueError(f"run.num_nodes={self.num_nodes} needs run.launcher: ray (the "
+                             "trainer actors are placed over the Ray cluster of all nodes)")
+        if self.num_nodes > self.num_workers:
+            raise ValueError(f"run.num_nodes={self.num_nodes} is more than run.num_workers="
+                             f"{self.num_workers}: a node without a worker would sit idle")
+        if self.launcher == "inline" and self.num_workers != 1:
+            raise ValueError("run.launcher: inline runs one worker in the driver process; "
+                             "use launcher: ray for num_workers > 1")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    format: Literal["full", "merged", "peft"] = "full"   # merged/peft need model.lora
+    dtype: Literal["float32", "bfloat16"] | None = None
+
+
+def check_export(export: ExportConfig, lora: Any) -> None:
+    """export.format must match whether the model has LoRA adapters."""
+    if export.format in ("merged", "peft") and lora is None:
+        raise ValueError(f"export.format: {export.format} needs model.lora")
+    if export.format == "full" and lora is not None:
+        # else the run would train, then fail in export on the adapter parameters
+        raise ValueError("export.format: full cannot write a LoRA model; set export.format "
+                         "to merged (full weights, adapters folded in) or peft (the adapter)")
+
+
+def check_step_split(micro_batches: int, run: RunConfig, parallel: Any) -> None:
+    """A step's micro-batches must deal out evenly over the data-parallel ranks: run.num_workers
+    processes over `parallel.tp`-wide tensor-parallel groups (ranks of a group share data)."""
+    from posttrain.distributed.env import resolve_mesh_shape
+    dp, tp = resolve_mesh_shape(run.num_workers, parallel.dp_shard, parallel.tp)
+    if micro_batches % dp:
+        ranks = (f"run.num_workers={run.num_workers}" if tp == 1 else
+                 f"{dp} data-parallel ranks (run.num_workers={run.num_workers} / "
+                 f"parallel.tp={tp})")
+        raise ValueError(f"{micro_batches} micro-batches per step (tokens_per_step / "
+                         f"(rows_per_batch x max_tokens_per_pack)) do not split over {ranks}")
+
+
+def one_pass(cfg: LoaderConfig) -> LoaderConfig:
+    """The loader config for reading a split once, in order (eval, a reference pass)."""
+    return LoaderConfig(packing=cfg.packing, mode=cfg.mode, format=cfg.format,
+                        rows_per_batch=cfg.rows_per_batch, epochs=1, background=False)
+
+
+def tokenizer_vocab(prepared_dir: str) -> int | None:
+    """The tokenizer's vocabulary size recorded by prepare (added tokens included)."""
+    import fsspec
+    fs, root = fsspec.core.url_to_fs(prepared_dir)
+    with fs.open(f"{root.rstrip('/')}/manifest.json") as f:
+        return json.load(f)["tokenizer"].get("vocab_size")
+
+
+# --------------------------------------------------------------------------- the recipe protocol
+
+
+class Recipe:
+    """What a method adds to the kernel; one instance per rank, bound to its `RecipeWorker`.
+
+    The defaults are SFT's (causal-LM loss over loss tokens). Driver-side parts (`postfix`,
+    `summary`, `result`) are static: the driver never builds a rank's recipe.
+    """
+
+    name: ClassVar[str]
+    config_cls: ClassVar[type]
+    transformers_fallback: ClassVar[bool] = True   # runs on models without a native definition
+    unit_field: ClassVar[str] = "num_loss_tokens"   # the batch count the loss is a mean over
+    unit_name: ClassVar[str] = "tokens"             # how metrics name that unit
+
+    def __init__(self, worker: "RecipeWorker"):
+        self.worker = worker
+        self.cfg = worker.cfg
+
+    # ---------------------------------------------------------------- rank side
+    def loss_root(self, model: Transformer) -> nn.Module:
+        """The FSDP root around the (meta) policy model; see `posttrain.train.engine`."""
+        return CausalLMLoss(model, self.cfg.model.loss_chunk_tokens)
+
+    def ready(self) -> None:
+        """After the engine is built and filled (e.g. stream a frozen teacher's weights)."""
+
+    def train_loader(self) -> Any:
+        w = self.worker
+        return TrainLoader(sources_from_manifest(w.prepared_uri, "train"), self.cfg.train.loader)
+
+    def inputs(self, batch: dict, split: str) -> dict:
+        """The batch as the loss root takes it (default: the loader's fields)."""
+        return batch
+
+    def before_training(self) -> dict[str, Any]:
+        """Before resume, with the starting weights (e.g. DPO's reference pass)."""
+        return {}
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+    def eval_batches(self) -> list[dict]:
+        """The held-out batches (one pass, no shuffle), at most eval.max_batches."""
+        w = self.worker
+        try:
+            sources = sources_from_manifest(w.prepared_dir, "eval")
+        except DataError as e:
+            log.warning("no eval split: %s", e)
+            return []
+        with TrainLoader(sources, one_pass(self.cfg.train.loader)) as loader:
+            return [b for _, b in zip(range(self.cfg.eval.max_batches), loader)]
+
+    def eval_metrics(self, sums: dict[str, float], units: int) -> dict[str, float]:
+        """Held-out metrics from the loss root's sums over the eval units."""
+        return {f"eval_{k}": v / max(units, 1) for k, v in sums.items()}
+
+    def flops(self, batch: dict) -> float:
+        """Model FLOPs this batch's step executes: the policy's forward and backward over the
+        real tokens (per-document attention, LoRA's adapters), the LM head over the labelled
+        positions only (the chunked loss drops the others before projecting)."""
+        return policy_flops(self.worker.engine.model, batch, lora=self.cfg.model.lora)
+
+    def export(self, out_dir: str) -> str | None:
+        """Write the HF checkpoint (rank 0); a collective, every rank calls it."""
+        from posttrain.train.export import export_worker
+        w = self.worker
+        return export_worker(w.engine, self.cfg, w.prepared_dir, out_dir)
+
+    # ---------------------------------------------------------------- driver side
+    @staticmethod
+    def postfix(m: dict) -> dict[str, str]:
+        """The progress bar's fields of a step's metrics."""
+        return {"loss": f"{m['loss']:.3f}", "tok/s": f"{m['real_tokens_per_s']:.0f}",
+                "mfu": f"{m['mfu']:.1%}"}
+
+    @staticmethod
+    def result(history: list[dict]) -> dict[str, Any]:
+        """What the run's result adds from the steps run here."""
+        if not history:
+            return {}
+        n = len(history)
+        return {"final_loss": history[-1]["loss"],
+                "mean_real_tokens_per_s": sum(m["real_tokens_per_s"] for m in history) / n,
+                "mean_mfu": sum(m["mfu"] for m in history) / n}
+
+    @staticmethod
+    def summary(result: dict) -> list[str]:
+        """Lines for the console after a run."""
+        if "final_loss" not in result:
+            return []
+        return [f"final train loss {result['final_loss']:.4f}; "
+                f"{result['mean_real_tokens_per_s']:.0f} real tokens/s; "
+                f"MFU {result['mean_mfu']:.1%}"]
+
+
+def policy_flops(model: nn.Module, batch: dict, *, lora: Any = None, training: bool = True,
+                 head: bool = True) -> float:
+    """Matmul FLOPs of `model` over a batch's real tokens (padding excluded, attention per
+    document), plus its LM head over the labelled positions (`head`). A transformers model
+    without a native definition is estimated at 6 N (2 N forward) per real token."""
+    from posttrain.models.flops import flops_per_token
+    args = getattr(model, "args", None)
+    if args is None:
+        from posttrain.models.fallback import estimated_flops_per_token
+        per_token = estimated_flops_per_token(model) / (1 if training else 3)
+        return per_token * int(batch["num_real_tokens"])
+    kw = {"lora_rank": lora.rank, "lora_targets": tuple(lora.targets)} if lora else {}
+    total = 0.0
+    for lengths, pad in zip(batch["document_lengths"], batch["row_num_pad"]):
+        docs = list(lengths[:-1]) if pad else list(lengths)
+        if docs:
+            total += sum(docs) * flops_per_token(args, sum(docs), training=training,
+                                                 document_lengths=docs, include_head=False,
+                                                 **kw)
+    if head:
+        total += head_flops(args, int(batch["num_loss_tokens"]), training=training,
+                            frozen=lora is not None)
+    return total
+
+
+def head_flops(args: Any, positions: int, *, training: bool = True, frozen: bool = False
+               ) -> float:
+    """The LM head's matmul FLOPs over `positions` labelled positions: forward, and in training
+    the input gradient and (unless `frozen`) the weight gradient. The chunked ops project onto
+    the real vocabulary rows only (`posttrain.ops.cross_entropy`), so padding rows cost none;
+    their recomputation of each chunk's logits in backward is not model work and not counted."""
+    fwd = 2.0 * args.hidden_size * args.vocab_size * positions
+    return fwd * (1 + (0 if not training else 1 + (0 if frozen else 1)))
+
+
+# --------------------------------------------------------------------------- the rank worker
+
+
+class RecipeWorker:
+    """One rank of a recipe's run: an `Engine`, a view of the global data stream, the recipe.
+
+    Called by the driver on every rank (the methods are collectives under FSDP). The caller's
+    process joins the process group and seeds the global RNG here, not in the Engine.
+    """
+
+    def __init__(self, recipe_cls: type[Recipe], cfg: dict[str, Any], hf_dir: str,
+                 prepared_dir: str, run_dir: str, models: dict[str, str] | None = None):
+        from posttrain.distributed.env import init_process_group
+        self.cfg = build(recipe_cls.config_cls, cfg, where=f"{recipe_cls.name} config")
+        self.prepared_uri, self.prepared_dir = prepared_dir, local_view(prepared_dir)
+        self.run_dir, self.models = run_dir, dict(models or {})
+        self.recipe = recipe_cls(self)
+        engine_cfg = self.cfg.train.engine
+        init_process_group()
+        torch.manual_seed(engine_cfg.seed)          # LoRA dropout; checkpointed with the run
+        self.engine = Engine(self.cfg.model, engine_cfg, hf_dir, run_dir,
+                             loss_factory=self.recipe.loss_root,
+                             vocab_size=tokenizer_vocab(prepared_dir))
+        self.rank, self.world = self.engine.rank, self.engine.world
+        if self.engine.args is None and not recipe_cls.transformers_fallback:
+            raise ConfigError(f"the {recipe_cls.name} recipe needs a model with a native "
+                              f"definition; {hf_dir} trains through transformers (SFT and DPO "
+                              "do)")
+        self.recipe.ready()
+        self.loader = self.recipe.train_loader()
+        self._batches = None
+        self.tokens_seen = self.units_seen = 0
+        self.peak_flops, self.peak_source = device_peak_flops(self.engine.device)
+
+    def describe(self) -> dict[str, Any]:
+        e = self.engine
+        return {"rank": self.rank, "world_size": self.world, "params": e.num_params,
+                "trainable_params": e.num_trainable, "device": str(e.device),
+                "peak_flops": self.peak_flops, "peak_flops_source": self.peak_source,
+                "micro_batches_per_step": self.cfg.train.micro_batches_per_step,
+                **self.recipe.describe()}
+
+    def before_training(self) -> dict[str, Any]:
+        return self.recipe.before_training()
+
+    def resume(self) -> int:
+        """Load the newest valid checkpoint if any; returns the step to continue from."""
+        extra = self.engine.load_checkpoint()
+        if extra is not None:
+            self.loader.load_state_dict(extra["loader"])
+            self.tokens_seen = int(extra.get("tokens_seen", 0))
+            self.units_seen = int(extra.get("units_seen", 0))
+        return self.engine.step
+
+    def train_step(self) -> dict[str, Any] | None:
+        """One optimizer step; None when the data is exhausted before a full step."""
+        if self._batches is None:
+            self._batches = iter(self.loader)
+        t0 = time.perf_counter()
+        g = self.cfg.train.micro_batches_per_step
+        batches = [b for _, b in zip(range(g), self._batches)]
+        if len(batches) < g:
+            return None
+        data_s = time.perf_counter() - t0
+        recipe = self.recipe
+        units = sum(int(b[recipe.unit_field]) for b in batches)
+        mine = [recipe.inputs(b, "train") for b in self.engine.dp.share(batches)]
+        metrics = self.engine.train_step(mine, units)
+        seconds = time.perf_counter() - t0
+        metrics.update(step_metrics(batches, seconds=seconds, data_wait_s=data_s,
+                                    flops=sum(recipe.flops(b) for b in batches),
+                                    peak_flops=self.peak_flops * self.world,
+                                    device=self.engine.device))
+        self.tokens_seen += metrics["real_tokens"]
+        self.units_seen += units
+        metrics["tokens_seen"] = self.tokens_seen
+        if recipe.unit_name != "tokens":
+            metrics.update({recipe.unit_name: units, f"{recipe.unit_name}_seen": self.units_seen,
+                            f"{recipe.unit_name}_per_s": units / seconds})
+        return metrics
+
+    def save_checkpoint(self) -> str:
+        return self.engine.save_checkpoint({"loader": self.loader.state_dict(),
+                                            "tokens_seen": self.tokens_seen,
+                                            "units_seen": self.units_seen})
+
+    def evaluate(self) -> dict[str, float]:
+        """The recipe's held-out metrics: means over the eval units of the loss root's sums."""
+        batches = self.recipe.eval_batches()
+        if not batches:
+            return {}
+        units = sum(int(b[self.recipe.unit_field]) for b in batches)
+        out = self.recipe.eval_metrics(self.eval_sums(batches, "eval"), units)
+        return {**out, f"eval_{self.recipe.unit_name}": units, "eval_batches": len(batches)}
+
+    def eval_sums(self, batches: list[dict], split: str) -> dict[str, float]:
+        """The loss root's sums over `batches`, without gradients, each counted once.
+
+        Batches are split over the data-parallel ranks; under FSDP every rank must run the same
+        number of forwards (the all-gathers are collective), so a rank with one batch fewer
+        repeats its first batch without counting it.
+        """
+        dp, recipe = self.engine.dp, self.recipe
+        mine = dp.share(batches)
+        sums: dict[str, float] = {}
+        for b in mine:
+            for k, v in self.engine.eval_sums(recipe.inputs(b, split)).items():
+                sums[k] = sums.get(k, 0.0) + v
+        for _ in range(dp.rounds(len(batches)) - len(mine)):
+            self.engine.eval_sums(recipe.inputs(batches[0], split))
+        return {k: dp.sum(v) for k, v in sorted(sums.items())}
+
+    def export(self, out_dir: str) -> str | None:
+        return self.recipe.export(out_dir)
+
+    def close(self) -> None:
+        self.loader.close()
