@@ -314,12 +314,47 @@ def train_recipe(step_module: str, schema: str, config: Any, prepared_uri: str, 
         result = module.run(cfg, prepared_dir=prepared_uri, checkpoint_dir=join(root, name),
                             show_progress=False)
     result["hf_uri"] = publish(result["hf_dir"], join(root, name, "hf"))
+    # the starting checkpoint, for the evaluation's comparison: where it already lives, or
+    # the random init the driver made, published beside the export
+    result["base_model_uri"] = (start_from or cfg.model.hf_dir or
+                                publish(result["base_model_dir"], join(root, name, "base_model")))
     result["metrics_uri"] = publish(result["metrics_path"], join(root, name, "metrics.jsonl"))
     result["checkpoint_uri"] = result["checkpoint_dir"]
     if card is not None:
         training_card(card, module.RECIPE.name, read_metrics(result["metrics_path"]), result)
     print(summarize(module.RECIPE, result, time.time() - started))
     return result
+
+
+def evaluate_recipe(step_module: str, schema: str, config: Any, model_uri: str,
+                    baseline_uri: str | None, root: str, card: Any, *,
+                    models: dict[str, str] | None = None, provenance: dict | None = None
+                    ) -> dict[str, Any]:
+    """A recipe flow's evaluate step: the recipe's held-out suite (`Recipe.eval_suite`, run by
+    the one evaluation step `steps.evaluate`) on the exported checkpoint against
+    `baseline_uri` (None: no comparison), published as `root`/eval.json and drawn on `card`.
+    `models` are the run's other checkpoints by role (a teacher). Returns the suite result as
+    a dict (table, tasks with their records) with `eval_uri` and `provenance` added."""
+    import importlib
+
+    from steps import evaluate
+    module = importlib.import_module(f"steps.{step_module}")
+    cfg = build_config(schema, config)
+    suite = module.RECIPE.eval_suite(cfg, {k: fetch(v) for k, v in (models or {}).items()})
+    if suite is None:
+        raise ValueError(f"the {module.RECIPE.name} flow evaluates on data.eval: configure "
+                         "held-out data")
+    result = evaluate.run(suite, fetch(model_uri), fetch(baseline_uri) if baseline_uri else None)
+    print(evaluate.summarize(result))
+    full = {**result.to_dict(), "model_uri": model_uri, "baseline_uri": baseline_uri,
+            "provenance": {"model_uri": model_uri, "baseline_uri": baseline_uri,
+                           **(provenance or {}),
+                           "config": config.to_dict() if hasattr(config, "to_dict")
+                           else dict(config)}}
+    full["eval_uri"] = publish_json(full, join(root, "eval.json"))
+    records = {name: task["records"] for name, task in full["tasks"].items()}
+    suite_card(card, full, records)
+    return full
 
 
 def train_summary(result: dict, *extra: str) -> dict[str, Any]:
@@ -394,31 +429,6 @@ def training_card(card: Any, recipe: str, records: list[dict], result: dict) -> 
             f"{k}={v:.4g}" for k, v in result["eval"].items() if isinstance(v, float))))
 
 
-def evaluation_card(card: Any, table: list[dict], samples: list[dict]) -> None:
-    """The eval table and the generated samples next to their references."""
-    from metaflow.cards import Markdown, Table
-    card.append(Markdown("# Evaluation of the exported checkpoint"))
-    card.append(Table([[r["metric"], r["value"]] for r in table], headers=["metric", "value"]))
-    if samples:
-        card.append(Markdown("## Generated samples (greedy)"))
-        card.append(Table([[s["prompt"], s["reference"], s["generated"]] for s in samples],
-                          headers=["prompt", "reference", "generated"]))
-
-
-def evaluation_comparison_card(card: Any, table: list[dict], samples: list[dict]) -> None:
-    """Trained vs starting checkpoint, metric by metric, and the trained model's answers."""
-    from metaflow.cards import Markdown, Table
-    card.append(Markdown("# Held-out evaluation: trained vs starting checkpoint"))
-    card.append(Table([[r["metric"], r["baseline"], r["trained"], r["delta"]] for r in table],
-                      headers=["metric", "start", "trained", "delta"]))
-    if samples:
-        card.append(Markdown("## Completions of the trained model (greedy)"))
-        keys = [k for k in samples[0] if k != "prompt"]
-        card.append(Table([[s["prompt"], *[s[k] for k in keys]] for s in samples],
-                          headers=["prompt", *keys]))
-
-
-# --------------------------------------------------------------------------- lineage
 def _code_root() -> Path:
     """The repository root here; the package root (the task's directory) in a remote task."""
     here = Path(__file__).resolve().parent

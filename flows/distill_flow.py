@@ -6,7 +6,8 @@
               sharded teacher (online) or its stored top-k log-probs (offline, computed here
               once); checkpoints every K steps; HF export of the student
     join      collect the control task's results
-    evaluate  held-out KL(teacher || student) and held-out loss, before and after distillation
+    evaluate  the distillation suite (`steps/evaluate.py`): held-out KL(teacher || student) and
+              loss, before and after distillation
     end       record the lineage (datasets and hashes, parent runs, config hash, code
               version, outputs), tag the run with it, draw it in a card; print
 
@@ -20,7 +21,7 @@ The config is validated against the distillation schema when the flow is launche
 that does not share the student's tokenizer fails the distill step before any worker starts.
 """
 
-from _posttrain_flow import build_config, parse_config, ray_nodes, ship_repo
+from _posttrain_flow import parse_config, ray_nodes, ship_repo
 from metaflow import Config, FlowSpec, card, current, retry, step
 
 DISTILL_SCHEMA = "posttrain.train.distill.DistillConfig"
@@ -59,8 +60,7 @@ class DistillFlow(FlowSpec):
                               current.card["training"])
         out = join(self.storage_root, "distill")
         self.hf_uri, self.metrics_uri = result["hf_uri"], result["metrics_uri"]
-        self.base_student_uri = (self.config.model.hf_dir or
-                                 publish(result["base_model_dir"], join(out, "base_model")))
+        self.base_student_uri = result["base_model_uri"]
         self.teacher_uri = (self.config.teacher.hf_dir or
                             publish(result["teacher_dir"], join(out, "teacher_model")))
         self.checkpoint_uri, self.distill_result = result["checkpoint_uri"], train_summary(result)
@@ -72,26 +72,22 @@ class DistillFlow(FlowSpec):
         self.merge_artifacts(inputs)
         self.next(self.evaluate)
 
+    @card(type="blank", id="evaluation")
     @step
     def evaluate(self):
-        """Held-out KL(teacher || student) and held-out loss, before and after distillation."""
-        from _posttrain_flow import fetch, join, publish_json
-        from posttrain.data.prepared import local_view
-        from steps import evaluate_distill
-        cfg = build_config(DISTILL_SCHEMA, self.config)
-        result = evaluate_distill.run(
-            fetch(self.hf_uri), fetch(self.teacher_uri), local_view(self.prepared_uri),
-            base_student_dir=fetch(self.base_student_uri), loader=cfg.train.loader,
-            max_batches=cfg.eval.max_batches)
-        self.kl_before = result["before"]["kl_teacher_student"]
-        self.kl_after = result["after"]["kl_teacher_student"]
-        self.eval_loss = result["after"]["student_loss"]
-        self.eval_table = [{"metric": f"{when} {name}", "value": value}
-                           for when in ("before", "after")
-                           for name, value in result[when].items()]
-        self.eval_uri = publish_json({**result, "content_hash": self.content_hash,
-                                      "config": self.config.to_dict()},
-                                     join(self.storage_root, "eval.json"))
+        """The distillation suite: held-out KL(teacher || student) and loss of the exported
+        student against the student it started from."""
+        from _posttrain_flow import evaluate_recipe
+        result = evaluate_recipe("train_distill", DISTILL_SCHEMA, self.config, self.hf_uri,
+                                 self.base_student_uri, self.storage_root,
+                                 current.card["evaluation"], models={"teacher": self.teacher_uri},
+                                 provenance={"content_hash": self.content_hash})
+        self.eval_table, self.eval_uri = result["table"], result["eval_uri"]
+        self.eval_provenance = result["provenance"]
+        first = next(iter(result["tasks"].values()))
+        self.kl_before = first["baseline"]["kl_teacher_model"]
+        self.kl_after = first["model"]["kl_teacher_model"]
+        self.eval_loss = first["model"]["loss"]
         self.next(self.end)
 
     @card(type="blank", id="lineage")

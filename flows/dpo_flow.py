@@ -5,8 +5,8 @@
     train     Ray trainer actors (FSDP2 over gloo/NCCL): reference log-probs once, DPO steps
               with checkpoints every K steps, HF export; @metaflow_ray over `run.num_nodes`
     join      collect the control task's results
-    evaluate  held-out preference accuracy and reward margin of the exported policy against
-              the starting model
+    evaluate  the DPO suite (`steps/evaluate.py`): held-out implicit-reward accuracy and margin
+              of the exported policy against the starting model
     end       record the lineage (datasets and hashes, parent runs, config hash, code
               version, outputs), tag the run with it, draw it in a card; print
 
@@ -20,7 +20,7 @@ The reward model has its own recipe (`steps/train_reward.py`); it shares the dat
 driver loop with this flow's train step.
 """
 
-from _posttrain_flow import build_config, parse_config, ray_nodes, ship_repo
+from _posttrain_flow import parse_config, ray_nodes, ship_repo
 from metaflow import Config, FlowSpec, card, current, retry, step
 
 DPO_SCHEMA = "posttrain.train.dpo.DPOConfig"
@@ -55,12 +55,11 @@ class DPOFlow(FlowSpec):
         Checkpoints and the reference log-probs live under the run's storage root, so a
         retried attempt and `resume train` find them.
         """
-        from _posttrain_flow import join, publish, train_recipe, train_summary
+        from _posttrain_flow import train_recipe, train_summary
         result = train_recipe("train_dpo", DPO_SCHEMA, self.config, self.prepared_uri,
                               self.storage_root, "train", self.num_nodes, current.card["training"])
         self.hf_uri, self.metrics_uri = result["hf_uri"], result["metrics_uri"]
-        self.base_uri = publish(result["base_model_dir"],
-                                join(self.storage_root, "train", "base_model"))
+        self.base_uri = result["base_model_uri"]
         self.checkpoint_uri = result["checkpoint_uri"]
         self.train_result = train_summary(result, "final_accuracy", "mean_pairs_per_s",
                                           "reference_pairs")
@@ -75,24 +74,15 @@ class DPOFlow(FlowSpec):
     @card(type="blank", id="evaluation")
     @step
     def evaluate(self):
-        """Held-out preference accuracy and margin of the exported policy vs the start model."""
-        from _posttrain_flow import evaluation_card, fetch, join, publish_json
-        from posttrain.data.prepared import local_view
-        from steps import evaluate_preference
-        cfg = build_config(DPO_SCHEMA, self.config)
-        result = evaluate_preference.run(
-            fetch(self.hf_uri), fetch(self.base_uri), local_view(self.prepared_uri),
-            loader=cfg.train.loader, beta=cfg.loss.beta, max_batches=cfg.eval.max_batches,
-            logp_reduction=cfg.loss.logp_reduction)
-        self.eval_table = evaluate_preference.table(result)
-        self.heldout = result["heldout"]
-        self.eval_provenance = {"hf_uri": self.hf_uri, "reference_uri": self.base_uri,
-                                "content_hash": self.content_hash,
-                                "config": self.config.to_dict()}
-        self.eval_uri = publish_json({**result, "table": self.eval_table,
-                                      "provenance": self.eval_provenance},
-                                     join(self.storage_root, "eval.json"))
-        evaluation_card(current.card["evaluation"], self.eval_table, [])
+        """The DPO suite: held-out implicit-reward accuracy and margin of the exported policy
+        against the starting model (its reference)."""
+        from _posttrain_flow import evaluate_recipe
+        result = evaluate_recipe("train_dpo", DPO_SCHEMA, self.config, self.hf_uri,
+                                 self.base_uri, self.storage_root, current.card["evaluation"],
+                                 provenance={"content_hash": self.content_hash})
+        self.eval_table, self.eval_uri = result["table"], result["eval_uri"]
+        self.eval_provenance = result["provenance"]
+        self.heldout = next(iter(result["tasks"].values()))["model"]
         self.next(self.end)
 
     @card(type="blank", id="lineage")
@@ -109,7 +99,7 @@ class DPOFlow(FlowSpec):
               f"checkpoints: {self.checkpoint_uri}\neval: {self.eval_uri}\n"
               f"dataset hash: {self.content_hash}")
         for row in self.eval_table:
-            print(f"  {row['metric']:<32}{row['value']}")
+            print(f"  {row['task']:<16}{row['metric']:<20}{row['model']:.4g}")
 
 
 if __name__ == "__main__":

@@ -73,9 +73,9 @@ class EvalFlow(FlowSpec):
     def evaluate(self):
         """Run the suite on both checkpoints; keep the table, the records and the JSON's URI."""
         from _posttrain_flow import fetch, join, publish_json, suite_card
-        from steps import evaluate_suite
-        result = evaluate_suite.run(build_config(SUITE_SCHEMA, self.suite),
-                                    fetch(self.model_uri), fetch(self.baseline_uri))
+        from steps import evaluate
+        result = evaluate.run(build_config(SUITE_SCHEMA, self.suite),
+                              fetch(self.model_uri), fetch(self.baseline_uri))
         full = {**result.to_dict(), "model_uri": self.model_uri,
                 "baseline_uri": self.baseline_uri, "model_run": self.model_parent,
                 "baseline_run": self.baseline_parent}
@@ -86,7 +86,7 @@ class EvalFlow(FlowSpec):
                                                for name, task in full["tasks"].items()}}
         self.eval_table = result.table()
         suite_card(current.card["evaluation"], self.suite_result, self.records)
-        print(evaluate_suite.summarize(result))
+        print(evaluate.summarize(result))
         self.next(self.end)
 
     @card(type="blank", id="lineage")

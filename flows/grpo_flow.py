@@ -24,7 +24,7 @@ Deployed with `argo-workflows create`, the flow runs whenever an SFTFlow run fin
 (`@trigger_on_finish`) and starts from that run's export.
 """
 
-from _posttrain_flow import build_config, parse_config, ray_nodes, ship_repo
+from _posttrain_flow import parse_config, ray_nodes, ship_repo
 from metaflow import (Config, FlowSpec, Parameter, card, current, retry, step,
                       trigger_on_finish)
 
@@ -101,23 +101,18 @@ class GRPOFlow(FlowSpec):
     @card(type="blank", id="evaluation")
     @step
     def evaluate(self):
-        """Held-out reward and accuracy of the trained checkpoint against the starting one."""
-        from _posttrain_flow import evaluation_comparison_card, fetch, join, publish_json
-        from steps import evaluate_grpo
-        cfg = build_config(GRPO_SCHEMA, self.config)
-        result = evaluate_grpo.run(cfg, fetch(self.hf_uri), fetch(self.base_model_uri),
-                                   self.prepared_uri)
-        self.eval_table = result["table"]
-        self.eval_metrics = result["trained"]["metrics"]
-        self.baseline_metrics = result["baseline"]["metrics"]
-        self.eval_provenance = {"hf_uri": self.hf_uri, "baseline_uri": self.base_model_uri,
-                                "parent_run": self.parent_run,
-                                "content_hash": self.content_hash,
-                                "config": self.config.to_dict()}
-        self.eval_uri = publish_json({**result, "provenance": self.eval_provenance},
-                                     join(self.storage_root, "eval.json"))
-        evaluation_comparison_card(current.card["evaluation"], self.eval_table,
-                                   result["trained"]["records"])
+        """The GRPO suite: held-out reward and accuracy of the trained checkpoint against the
+        starting one (the run's evaluation sampling and reward functions)."""
+        from _posttrain_flow import evaluate_recipe
+        result = evaluate_recipe("train_grpo", GRPO_SCHEMA, self.config, self.hf_uri,
+                                 self.base_model_uri, self.storage_root,
+                                 current.card["evaluation"],
+                                 provenance={"parent_run": self.parent_run,
+                                             "content_hash": self.content_hash})
+        self.eval_table, self.eval_uri = result["table"], result["eval_uri"]
+        self.eval_provenance = result["provenance"]
+        first = next(iter(result["tasks"].values()))
+        self.eval_metrics, self.baseline_metrics = first["model"], first["baseline"]
         self.next(self.end)
 
     @card(type="blank", id="lineage")
@@ -136,8 +131,8 @@ class GRPOFlow(FlowSpec):
               f"{f' ({self.parent_run})' if self.parent_run else ''}")
         print(f"  {'metric':<28}{'start':>10}{'trained':>10}{'delta':>10}")
         for row in self.eval_table:
-            print(f"  {row['metric']:<28}{row['baseline']:>10}{row['trained']:>10}"
-                  f"{row['delta']:>+10}")
+            print(f"  {row['metric']:<28}{row['baseline']:>10.4g}{row['model']:>10.4g}"
+                  f"{row['delta']:>+10.4g}")
 
 
 if __name__ == "__main__":

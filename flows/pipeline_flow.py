@@ -72,9 +72,9 @@ class PipelineFlow(FlowSpec):
     def evaluate(self):
         """The suite: the GRPO model against the SFT model it started from."""
         from _posttrain_flow import fetch, join, publish_json, suite_card
-        from steps import evaluate_suite
-        result = evaluate_suite.run(build_config(SUITE_SCHEMA, self.suite), fetch(self.hf_uri),
-                                    fetch(self.sft_hf_uri))
+        from steps import evaluate
+        result = evaluate.run(build_config(SUITE_SCHEMA, self.suite), fetch(self.hf_uri),
+                              fetch(self.sft_hf_uri))
         full = {**result.to_dict(), "model_uri": self.hf_uri, "baseline_uri": self.sft_hf_uri}
         self.eval_uri = publish_json(full, join(self.storage_root, "eval.json"))
         self.records = {t.name: t.records for t in result.tasks}
@@ -82,7 +82,7 @@ class PipelineFlow(FlowSpec):
         suite_card(current.card["evaluation"],
                    {**full, "tasks": {n: {k: v for k, v in t.items() if k != "records"}
                                       for n, t in full["tasks"].items()}}, self.records)
-        print(evaluate_suite.summarize(result))
+        print(evaluate.summarize(result))
         self.next(self.end)
 
     @card(type="blank", id="lineage")

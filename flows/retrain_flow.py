@@ -71,23 +71,29 @@ class RetrainFlow(FlowSpec):
         """Candidate vs the promoted model on this snapshot's held-out split; the gate."""
         from metaflow.cards import Markdown, Table
 
+        import dataclasses
+
         from _posttrain_flow import build_config, fetch, promoted_run
-        from posttrain.data.prepared import local_view
         from posttrain.promotion import decide
-        from steps import evaluate
+        from steps import evaluate, train_sft
         gate = build_config(RETRAIN_SCHEMA, self.config).gate
         sft = build_config(SFT_SCHEMA, self.recipe)
-        prepared = local_view(self.prepared_uri)
-
-        def metrics(hf_uri: str) -> dict[str, float]:
-            held = evaluate.run(fetch(hf_uri), prepared, loader=sft.train.loader,
-                                max_batches=sft.eval.max_batches, num_samples=0)["heldout"]
-            return {"eval_loss": held["loss"], "eval_perplexity": held["perplexity"]}
-
-        self.candidate_metrics = metrics(self.hf_uri)
+        # the SFT recipe's suite (its first held-out source), without generated answers
+        suite = train_sft.RECIPE.eval_suite(sft, {})
+        suite = dataclasses.replace(suite, tasks=(dataclasses.replace(suite.tasks[0],
+                                                                      samples=None,
+                                                                      generation=None),))
         previous = promoted_run(current.flow_name, PROMOTED, exclude=current.run_id)
         self.baseline_run = previous.pathspec if previous else None
-        self.baseline_metrics = metrics(previous.data.hf_uri) if previous else None
+        result = evaluate.run(suite, fetch(self.hf_uri),
+                              fetch(previous.data.hf_uri) if previous else None)
+        task = result.tasks[0]
+
+        def metrics(values: dict[str, float]) -> dict[str, float]:
+            return {"eval_loss": values["loss"], "eval_perplexity": values["perplexity"]}
+
+        self.candidate_metrics = metrics(task.model)
+        self.baseline_metrics = metrics(task.baseline) if previous else None
         d = decide(gate, self.candidate_metrics, self.baseline_metrics)
         self.decision = {"promote": d.promote, "reason": d.reason, "metric": gate.metric,
                          "candidate": d.candidate, "baseline": d.baseline,

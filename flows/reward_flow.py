@@ -15,7 +15,7 @@
 Load the result as a GRPO reward with `posttrain.train.reward.load_reward_model(<model dir>)`.
 """
 
-from _posttrain_flow import build_config, parse_config, ray_nodes, ship_repo
+from _posttrain_flow import parse_config, ray_nodes, ship_repo
 from metaflow import Config, FlowSpec, card, current, retry, step
 
 REWARD_SCHEMA = "posttrain.train.reward.RewardConfig"
@@ -64,21 +64,16 @@ class RewardFlow(FlowSpec):
     @card(type="blank", id="evaluation")
     @step
     def evaluate(self):
-        """Score held-out pairs with the exported model, loaded as a GRPO reward would be."""
-        from _posttrain_flow import evaluation_card, fetch, join, publish_json
-        from steps import evaluate_reward
-        cfg = build_config(REWARD_SCHEMA, self.config)
-        if not cfg.data.eval:
-            raise ValueError("the reward flow evaluates on data.eval: configure held-out pairs")
-        result = evaluate_reward.run(fetch(self.model_uri), cfg.data.eval[0].path)
-        self.eval_table = evaluate_reward.table(result)
-        self.heldout = {k: result[k] for k in ("pairs", "accuracy", "mean_margin")}
-        self.eval_provenance = {"model_uri": self.model_uri, "content_hash": self.content_hash,
-                                "config": self.config.to_dict()}
-        self.eval_uri = publish_json({**result, "table": self.eval_table,
-                                      "provenance": self.eval_provenance},
-                                     join(self.storage_root, "eval.json"))
-        evaluation_card(current.card["evaluation"], self.eval_table, [])
+        """The reward-model suite: held-out pairs scored by the exported model, loaded as a
+        GRPO reward would load it (no baseline: the starting model has no reward head)."""
+        from _posttrain_flow import evaluate_recipe
+        result = evaluate_recipe("train_reward", REWARD_SCHEMA, self.config, self.model_uri,
+                                 None, self.storage_root, current.card["evaluation"],
+                                 provenance={"content_hash": self.content_hash})
+        self.eval_table, self.eval_uri = result["table"], result["eval_uri"]
+        self.eval_provenance = result["provenance"]
+        task = next(iter(result["tasks"].values()))
+        self.heldout = {**task["model"], "pairs": task["num_samples"]}
         self.next(self.end)
 
     @card(type="blank", id="lineage")
@@ -94,7 +89,7 @@ class RewardFlow(FlowSpec):
         print(f"reward model: {self.model_uri}\ncheckpoints: {self.checkpoint_uri}\n"
               f"eval: {self.eval_uri}\ndataset hash: {self.content_hash}")
         for row in self.eval_table:
-            print(f"  {row['metric']:<28}{row['value']}")
+            print(f"  {row['task']:<16}{row['metric']:<16}{row['model']:.4g}")
 
 
 if __name__ == "__main__":

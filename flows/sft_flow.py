@@ -5,7 +5,8 @@
     train     Ray trainer actors (FSDP2 over gloo/NCCL), checkpoints every K steps, HF export;
               over `run.num_nodes` machines with @metaflow_ray, or one machine with local Ray
     join      collect the control task's results
-    evaluate  held-out loss/perplexity and a few generated samples, from the exported checkpoint
+    evaluate  the SFT suite (one evaluation step, `steps/evaluate.py`): held-out loss and
+              perplexity of the exported checkpoint against the starting one, a few answers
     end       record the lineage (datasets and hashes, parent runs, config hash, code
               version, outputs), tag the run with it, draw it in a card; print
 
@@ -22,7 +23,7 @@ The config is validated against the SFT schema when the flow is launched: an unk
 fails before any step runs. Weights and datasets go to storage; artifacts hold their URIs.
 """
 
-from _posttrain_flow import build_config, parse_config, ray_nodes, ship_repo
+from _posttrain_flow import parse_config, ray_nodes, ship_repo
 from metaflow import Config, FlowSpec, card, current, retry, step
 
 SFT_SCHEMA = "posttrain.train.sft.SFTConfig"
@@ -62,6 +63,7 @@ class SFTFlow(FlowSpec):
         result = train_recipe("train_sft", SFT_SCHEMA, self.config, self.prepared_uri,
                               self.storage_root, "train", self.num_nodes, current.card["training"])
         self.hf_uri, self.metrics_uri = result["hf_uri"], result["metrics_uri"]
+        self.base_uri = result["base_model_uri"]
         self.checkpoint_uri, self.train_result = result["checkpoint_uri"], train_summary(result)
         self.next(self.join)
 
@@ -74,27 +76,17 @@ class SFTFlow(FlowSpec):
     @card(type="blank", id="evaluation")
     @step
     def evaluate(self):
-        """Held-out loss and perplexity of the exported checkpoint, and generated samples."""
-        from _posttrain_flow import evaluation_card, fetch, join, publish_json
-        from posttrain.data.prepared import local_view
-        from posttrain.train.card import eval_rows
-        from steps import evaluate
-        cfg = build_config(SFT_SCHEMA, self.config)
-        result = evaluate.run(
-            fetch(self.hf_uri), local_view(self.prepared_uri), loader=cfg.train.loader,
-            max_batches=cfg.eval.max_batches, num_samples=cfg.eval.generate.num_samples,
-            max_new_tokens=cfg.eval.generate.max_new_tokens,
-            sample_source=cfg.data.eval[0].path if cfg.data.eval else None)
-        self.eval_table = eval_rows(result)
-        self.samples = result.get("samples", [])
-        self.eval_loss = result.get("heldout", {}).get("loss")
-        self.eval_perplexity = result.get("heldout", {}).get("perplexity")
-        self.eval_provenance = {"hf_uri": self.hf_uri, "content_hash": self.content_hash,
-                                "config": self.config.to_dict()}
-        self.eval_uri = publish_json({**result, "table": self.eval_table,
-                                      "provenance": self.eval_provenance},
-                                     join(self.storage_root, "eval.json"))
-        evaluation_card(current.card["evaluation"], self.eval_table, self.samples)
+        """The SFT suite on the exported checkpoint against the starting one: held-out loss
+        and perplexity of each held-out source, and a few greedy answers."""
+        from _posttrain_flow import evaluate_recipe
+        result = evaluate_recipe("train_sft", SFT_SCHEMA, self.config, self.hf_uri,
+                                 self.base_uri, self.storage_root, current.card["evaluation"],
+                                 provenance={"content_hash": self.content_hash})
+        self.eval_table, self.eval_uri = result["table"], result["eval_uri"]
+        self.eval_provenance = result["provenance"]
+        first = next(iter(result["tasks"].values()))
+        self.eval_loss, self.eval_perplexity = first["model"]["loss"], first["model"]["perplexity"]
+        self.samples = [r for r in first["records"] if "model_output" in r]
         self.next(self.end)
 
     @card(type="blank", id="lineage")
@@ -110,7 +102,7 @@ class SFTFlow(FlowSpec):
         print(f"Hugging Face checkpoint: {self.hf_uri}\ncheckpoints: {self.checkpoint_uri}\n"
               f"eval: {self.eval_uri}\ndataset hash: {self.content_hash}")
         for row in self.eval_table:
-            print(f"  {row['metric']:<24}{row['value']}")
+            print(f"  {row['task']:<16}{row['metric']:<16}{row['model']:.4g}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
     posttrain train-grpo --config configs/grpo/tiny.yaml
     posttrain verify-model --hf-dir path/to/model
     posttrain evaluate --suite configs/eval/tiny.yaml --model DIR --baseline DIR
+    posttrain evaluate --recipe dpo --config configs/dpo/tiny.yaml --model DIR --baseline DIR
     posttrain lineage GRPOFlow/1733000000000000
 
 User mistakes (bad config, bad data, missing files) print one clear line and exit 2; a stack
@@ -60,8 +61,8 @@ def _lineage(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from steps import evaluate_suite
-    return evaluate_suite.main(args)
+    from steps import evaluate
+    return evaluate.main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,9 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("lineage", help="the runs, datasets, configs and code behind a run")
     lineage.add_arguments(g)
     g.set_defaults(func=_lineage)
-    from steps import evaluate_suite
+    from steps import evaluate
     e = sub.add_parser("evaluate", help="a model against a baseline on an eval suite")
-    evaluate_suite.add_arguments(e)
+    evaluate.add_arguments(e)
     e.set_defaults(func=_evaluate)
     sub.add_parser("verify-model", add_help=False,
                    help="compare a native model's logits with transformers'")

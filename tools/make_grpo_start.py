@@ -45,13 +45,11 @@ def greedy_accuracy(hf_dir: Path, work: Path) -> float:
     """Held-out greedy accuracy on the 200 problems the GRPO tests evaluate."""
     from posttrain.config.recipes import load_recipe
     from posttrain.train.grpo import GRPOConfig
-    from steps import evaluate_grpo
-    from steps.common import ensure_prepared
+    from steps import evaluate
     cfg = load_recipe(ROOT / "configs/grpo/tiny.yaml", GRPOConfig,
                       {"model.hf_dir": str(hf_dir), "run.dir": str(work)})
-    prepared = ensure_prepared(cfg, str(work / "prepared"), show_progress=False)
-    result = evaluate_grpo.run(cfg, str(hf_dir), str(hf_dir), prepared)
-    return result["trained"]["metrics"]["eval/accuracy"]
+    result = evaluate.run(evaluate.recipe_suite("grpo", cfg), str(hf_dir))
+    return result.tasks[0].model["accuracy"]
 
 
 def main() -> int:

@@ -38,9 +38,15 @@ def _check_sft_run(run, *, steps: int):
                                            for u in prepare.data.shard_uris)
     assert train.data.train_result["steps"] == steps
     assert train.data.checkpoint_uri.startswith(run["start"].task.data.storage_root)
-    table = {row["metric"]: row["value"] for row in evaluate.data.eval_table}
-    assert table["held-out loss"] > 0 and table["held-out perplexity"] > 1
-    assert table["generated samples"] == 2 == len(evaluate.data.samples)
+    # the SFT suite: held-out loss per eval source, against the starting checkpoint
+    table = {(row["task"], row["metric"]): row for row in evaluate.data.eval_table}
+    first = evaluate.data.eval_table[0]["task"]
+    loss = table[first, "loss"]
+    assert loss["model"] == evaluate.data.eval_loss > 0 and evaluate.data.eval_perplexity > 1
+    assert loss["delta"] == pytest.approx(loss["model"] - loss["baseline"], abs=1e-9)
+    assert loss["delta"] < 0                                      # training lowered it
+    assert len(evaluate.data.samples) == 2                        # eval.generate.num_samples
+    assert all(s["model_output"] is not None for s in evaluate.data.samples)
     assert evaluate.data.eval_provenance["content_hash"] == prepare.data.content_hash
     return train.data.hf_uri
 
@@ -138,7 +144,7 @@ def test_sft_flow_end_to_end_local_survives_a_killed_train_attempt(sandbox):
     assert [v["step"] for v in charts["train loss"]] == [1, 2, 3, 4, 5, 6]  # both attempts
     tables = [c for c in get_card(sandbox, SFT_FLOW, f"{run.id}/evaluate", "evaluation")
               if c["type"] == "table"]
-    assert len(tables) == 2                                     # metrics, generated samples
+    assert len(tables) == 3                     # the comparison, each eval source's records
     model = AutoModelForCausalLM.from_pretrained(hf_uri)
     assert model.config.num_hidden_layers == 4
     assert not ray_processes_under(sandbox.ray_tmpdir)

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from posttrain.errors import ConfigError
-from steps import evaluate_distill, train_distill, train_sft
+from steps import evaluate, train_distill, train_sft
 
 from functools import partial
 
@@ -117,14 +117,14 @@ def test_first_losses_match_the_golden_values(tiny, signal_):
 def test_distillation_lowers_heldout_kl(tiny, signal_):
     ref = tiny.refs[signal_]
     result = json.loads((ref / "result.json").read_text())
-    ev = evaluate_distill.run(result["hf_dir"], tiny.teacher, result["prepared_dir"],
-                              base_student_dir=result["base_model_dir"], max_batches=8)
-    before, after = ev["before"]["kl_teacher_student"], ev["after"]["kl_teacher_student"]
+    suite = evaluate.recipe_suite("distill", tiny.configs[signal_], {"teacher": tiny.teacher},
+                                  overrides={"eval.max_samples": 64})
+    ev = evaluate.run(suite, result["hf_dir"], result["base_model_dir"]).tasks[0]
+    before, after = ev.baseline["kl_teacher_model"], ev.model["kl_teacher_model"]
     print(f"{signal_}: held-out KL(teacher || student) {before:.4f} -> {after:.4f}; student "
-          f"loss {ev['before']['student_loss']:.4f} -> {ev['after']['student_loss']:.4f} "
-          f"(teacher {ev['after']['teacher_loss']:.4f})")
+          f"loss {ev.baseline['loss']:.4f} -> {ev.model['loss']:.4f}")
     assert after < 0.75 * before, (before, after)
-    assert ev["after"]["student_loss"] < ev["before"]["student_loss"] - 0.5
+    assert ev.model["loss"] < ev.baseline["loss"] - 0.5
     losses = [tiny.metrics(ref)[s]["loss"] for s in range(1, MAX_STEPS + 1)]
     assert sum(losses[-3:]) < sum(losses[:3])
     if signal_ == "offline":

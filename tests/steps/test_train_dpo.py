@@ -100,7 +100,7 @@ def test_first_losses_match_the_golden_values(tiny):
 
 
 def test_first_step_is_log_2_and_accuracy_rises(tiny):
-    tmp, _, ref_dir = tiny
+    tmp, config, ref_dir = tiny
     metrics = _metrics(ref_dir)
     assert sorted(metrics) == list(range(1, MAX_STEPS + 1))
     first = metrics[1]
@@ -117,16 +117,20 @@ def test_first_step_is_log_2_and_accuracy_rises(tiny):
     assert metrics[MAX_STEPS]["loss"] < 0.6
     assert ev["eval_pairs"] == EVAL_PAIRS and ev["eval_accuracy"] > 0.7
     assert ev["eval_margins"] > 0 and ev["eval_loss"] < math.log(2)
-    # the exported policy against the starting model, in a separate process
+    # the exported policy against the starting model: the DPO suite, in a separate process,
+    # as a user runs it; the same pairs, so the in-training numbers are reproduced
+    out_json = tmp / "eval.json"
     out = subprocess.run(
-        [sys.executable, "-m", "steps.evaluate_preference", "--policy-dir", result["hf_dir"],
-         "--reference-dir", result["base_model_dir"], "--prepared-dir",
-         result["prepared_dir"]], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [sys.executable, "-m", "steps.evaluate", "--recipe", "dpo", "--config", str(config),
+         "--model", result["hf_dir"], "--baseline", result["base_model_dir"],
+         "--out", str(out_json)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    held = json.loads(out.stdout)["heldout"]
-    assert held["pairs"] == EVAL_PAIRS
-    assert held["accuracy"] == pytest.approx(ev["eval_accuracy"], abs=1e-6)
-    assert held["margin"] == pytest.approx(ev["eval_margins"], rel=1e-3, abs=1e-4)
+    task = next(iter(json.loads(out_json.read_text())["tasks"].values()))
+    assert task["num_samples"] == EVAL_PAIRS
+    assert task["model"]["reward_accuracy"] == pytest.approx(ev["eval_accuracy"], abs=1e-6)
+    assert task["model"]["reward_margin"] == pytest.approx(ev["eval_margins"], rel=1e-3,
+                                                           abs=1e-4)
+    assert task["baseline"]["reward_accuracy"] == 0         # the start against itself: ties
 
 
 def test_sigkill_and_resume_give_identical_weights(tiny):

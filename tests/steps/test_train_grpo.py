@@ -27,7 +27,7 @@ import yaml
 from posttrain.config.recipes import load_recipe
 from posttrain.errors import ConfigError
 from posttrain.train.grpo import GRPOConfig
-from steps import evaluate_grpo, train_grpo
+from steps import evaluate, train_grpo
 
 from .conftest import run_and_kill, run_to_end, safetensors
 
@@ -80,7 +80,8 @@ def metrics(run_dir: Path) -> list[dict]:
 def accuracy_run(workdir, sft_model) -> dict:
     """80 GRPO steps. The run's own held-out evaluation (at the start and at the end) samples
     EVAL_SAMPLES completions per problem at the training temperature; the greedy comparison of
-    the export with its starting checkpoint is `steps.evaluate_grpo`, as a user runs it."""
+    the export with its starting checkpoint is the GRPO recipe's suite run by `steps.evaluate`,
+    as the flow and a user run it."""
     config = grpo_config(workdir, sft_model, "accuracy", **{
         "eval.temperature": 1.0, "eval.samples_per_prompt": EVAL_SAMPLES,
         "eval.num_records": 200})
@@ -89,8 +90,8 @@ def accuracy_run(workdir, sft_model) -> dict:
                             show_progress=False)
     greedy = load_recipe(config, GRPOConfig, {"eval.temperature": 0.0,
                                               "eval.samples_per_prompt": 1})
-    result["greedy"] = evaluate_grpo.run(greedy, result["hf_dir"], str(sft_model),
-                                         result["prepared_dir"])
+    result["greedy"] = evaluate.run(evaluate.recipe_suite("grpo", greedy), result["hf_dir"],
+                                    str(sft_model)).tasks[0]
     return result
 
 
@@ -132,8 +133,8 @@ def test_grpo_raises_heldout_accuracy_over_the_sft_checkpoint(accuracy_run):
     assert len(was) == len(now) == 200 and was.keys() == now.keys()
     gain, t = mean_and_t([now[p] - was[p] for p in now])
     greedy = accuracy_run["greedy"]
-    g_before = greedy["baseline"]["metrics"]["eval/accuracy"]
-    g_after = greedy["trained"]["metrics"]["eval/accuracy"]
+    assert greedy.num_samples == 200
+    g_before, g_after = greedy.baseline["accuracy"], greedy.model["accuracy"]
     print(f"held-out accuracy@{EVAL_SAMPLES} {before['eval/accuracy']:.4f} -> "
           f"{after['eval/accuracy']:.4f} (paired t = {t:.2f}); greedy {g_before:.3f} -> "
           f"{g_after:.3f}")

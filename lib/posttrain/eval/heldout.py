@@ -1,4 +1,4 @@
-"""Held-out loss/perplexity of a native model, per-document log-probs, and a few samples.
+"""Per-document log-probs of a native model over packed rows, and a few generated samples.
 
 Used after training on the exported checkpoint (single process): the numbers are what the
 exported model does, not what the trainer believed. Generation here re-runs the full prefix
@@ -8,42 +8,36 @@ layer are the fast path.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from posttrain.data.loader import LoaderConfig, TrainLoader
 from posttrain.data.packing import IGNORE_INDEX, Packer, PackingConfig, Sample, collate
 from posttrain.data.stream import ListStream
-from posttrain.losses.sft import sft_loss_sum
 from posttrain.models.transformer import Transformer
 from posttrain.ops.cross_entropy import chunked_logprobs
 from posttrain.ops.vocab import sample_next_token
 
 
-@torch.no_grad()
-def heldout_loss(model: Transformer, sources: dict[str, list[str]], loader_cfg: LoaderConfig,
-                 max_batches: int) -> dict[str, float]:
-    """Token-mean cross-entropy over at most `max_batches` micro-batches of `sources`."""
-    model.eval()
-    loss_sum, tokens, batches = 0.0, 0, 0
-    cfg = LoaderConfig(packing=loader_cfg.packing, mode=loader_cfg.mode,
-                       rows_per_batch=loader_cfg.rows_per_batch, epochs=1, background=False)
-    with TrainLoader(sources, cfg) as loader:
-        for batch in loader:
-            if batches >= max_batches:
-                break
-            hidden = model(batch["input_ids"], batch["position_ids"], batch["document_lengths"])
-            loss_sum += float(sft_loss_sum(hidden, model.head.weight, batch["labels"],
-                                           real_vocab_size=model.head.real_vocab_size,
-                                           softcap=getattr(model.head, "softcap", None)))
-            tokens += batch["num_loss_tokens"]
-            batches += 1
-    loss = loss_sum / max(tokens, 1)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens,
-            "batches": batches}
+def packed_rows(documents: list[tuple[Any, Any]], *, max_tokens_per_forward: int = 4096,
+                pad_token_id: int = 0, device: torch.device | str = "cpu"
+                ) -> Iterator[tuple[dict, Any]]:
+    """(one-row batch on `device`, its packed row) over documents (input ids, loss mask), packed
+    into rows of `max_tokens_per_forward` tokens (longer when a document is) with document
+    boundaries; a row's `sample_ids` are the documents' indices."""
+    if not documents:
+        return
+    longest = max(len(ids) for ids, _ in documents)
+    cfg = PackingConfig(max_tokens_per_pack=max(max_tokens_per_forward, longest),
+                        buffer_samples=len(documents), pad_token_id=pad_token_id)
+    samples = [Sample(np.asarray(ids, np.int32), np.asarray(mask, np.bool_), sample_id=i)
+               for i, (ids, mask) in enumerate(documents)]
+    for row in Packer(ListStream(samples), cfg):
+        batch = collate([row])
+        yield {k: v.to(device) if isinstance(v, torch.Tensor) else v
+               for k, v in batch.items()}, row
 
 
 @torch.no_grad()
@@ -58,18 +52,12 @@ def sequence_logps(model: Transformer, documents: list[tuple[Any, Any]], *,
     """
     if not documents:
         return []
-    longest = max(len(ids) for ids, _ in documents)
-    cfg = PackingConfig(max_tokens_per_pack=max(max_tokens_per_forward, longest),
-                        buffer_samples=len(documents), pad_token_id=pad_token_id)
-    samples = [Sample(np.asarray(ids, np.int32), np.asarray(mask, np.bool_), sample_id=i)
-               for i, (ids, mask) in enumerate(documents)]
     device, head = model.embed.weight.device, model.head
     out: list[tuple[float, int] | None] = [None] * len(documents)
-    for row in Packer(ListStream(samples), cfg):
-        batch = collate([row])
-        labels_T = batch["labels"][0].to(device)
-        hidden = model(batch["input_ids"].to(device), batch["position_ids"].to(device),
-                       batch["document_lengths"])
+    for batch, row in packed_rows(documents, max_tokens_per_forward=max_tokens_per_forward,
+                                  pad_token_id=pad_token_id, device=device):
+        labels_T = batch["labels"][0]
+        hidden = model(batch["input_ids"], batch["position_ids"], batch["document_lengths"])
         logp_T = chunked_logprobs(hidden[0], head.weight, labels_T,
                                   real_vocab_size=head.real_vocab_size,
                                   softcap=getattr(head, "softcap", None))

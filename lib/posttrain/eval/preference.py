@@ -1,61 +1,12 @@
-"""Held-out preference metrics of an exported policy against its starting model (single process).
+"""Held-out preference metrics from per-pair response log-probs of a policy and its reference.
 
-For each held-out pair the DPO implicit rewards r = beta (log pi(y|x) - log ref(y|x)) of the
-chosen and the rejected response are computed from two native models loaded from Hugging Face
-checkpoints (the exported policy and the model training started from); the table reports
-preference accuracy (r_chosen > r_rejected), the mean margin, the mean rewards, the sigmoid DPO
-loss and the mean log-probs under both models. Sequence log-probs use the chunked op, as in
-training. Used after training on the artifact users deploy, not on the trainer's state.
+The DPO implicit reward of a response is r = beta (log pi(y|x) - log ref(y|x)); the metrics are
+the fraction of pairs whose chosen response has the higher reward, the mean margin, and the
+fraction where the policy alone prefers the chosen response. The evaluation suites' preference
+task (`posttrain.eval.suites`) computes the log-probs with the chunked op, as in training.
 """
 
 from __future__ import annotations
-
-from typing import Any
-
-import torch
-
-from posttrain.data.loader import LoaderConfig, TrainLoader
-from posttrain.losses.dpo import dpo_loss, dpo_pair_logps
-from posttrain.models.transformer import Transformer
-
-
-@torch.no_grad()
-def pair_logps(model: Transformer, batch: dict, reduction: str = "sum"
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen_P, rejected_P) response log-probs of a preference batch under `model`."""
-    model.eval()
-    hidden = model(batch["input_ids"], batch["position_ids"], batch["document_lengths"])
-    head = model.head
-    return dpo_pair_logps(hidden, head.weight, batch["labels"], batch["pair_index"],
-                          batch["sequence_ids"], real_vocab_size=head.real_vocab_size,
-                          softcap=getattr(head, "softcap", None), reduction=reduction)
-
-
-def preference_eval(policy: Transformer, reference: Transformer,
-                    sources: dict[str, list[str]], loader_cfg: LoaderConfig, *, beta: float,
-                    max_batches: int, reduction: str = "sum") -> dict[str, Any]:
-    """Means over at most `max_batches` held-out pair batches (see the module docstring)."""
-    cfg = LoaderConfig(packing=loader_cfg.packing, mode=loader_cfg.mode, format="preference",
-                       rows_per_batch=loader_cfg.rows_per_batch, epochs=1, background=False)
-    parts: dict[str, list[torch.Tensor]] = {"pc": [], "pr": [], "rc": [], "rr": []}
-    with TrainLoader(sources, cfg) as loader:
-        for i, batch in enumerate(loader):
-            if i >= max_batches:
-                break
-            pc, pr = pair_logps(policy, batch, reduction)
-            rc, rr = pair_logps(reference, batch, reduction)
-            for k, v in zip(("pc", "pr", "rc", "rr"), (pc, pr, rc, rr)):
-                parts[k].append(v)
-    if not parts["pc"]:
-        return {}
-    pc, pr, rc, rr = (torch.cat(parts[k]) for k in ("pc", "pr", "rc", "rr"))
-    loss, m = dpo_loss(pc, pr, rc, rr, beta=beta)
-    return {"pairs": int(pc.numel()), "accuracy": float(m["accuracy"]),
-            "margin": float(m["margins"]), "rewards_chosen": float(m["rewards_chosen"]),
-            "rewards_rejected": float(m["rewards_rejected"]), "loss": float(loss),
-            "policy_logps_chosen": float(pc.mean()), "policy_logps_rejected": float(pr.mean()),
-            "reference_logps_chosen": float(rc.mean()),
-            "reference_logps_rejected": float(rr.mean())}
 
 
 def preference_metrics(policy: list[dict[str, float]], reference: list[dict[str, float]],

@@ -19,6 +19,16 @@ and seeds (so a model compared with itself has every delta exactly 0):
   ``logp_accuracy`` needs no reference: the fraction with log pi(chosen) > log pi(rejected).
 * ``reward``: prompt rows -> answers scored by reward functions of the RL registry
   (`posttrain.rl.rewards`), with the metrics of the GRPO evaluation (`posttrain.eval.rl`).
+* ``distill``: chat (or sequence) rows -> token-mean forward KL(teacher || model) on the trained
+  tokens (the chunked divergence of `posttrain.losses.distill` at temperature 1), and the
+  model's loss; `teacher` is the teacher's checkpoint.
+* ``reward_model``: pairs scored by an exported reward model (`posttrain.train.reward.
+  load_reward_model`): ``accuracy`` (chosen scored higher) and ``mean_margin``.
+
+The baseline is optional (a reward model has none to compare with; a first retraining run has
+no promoted model): without one, a task reports the model's metrics only. Each recipe builds
+its held-out evaluation as a suite from its own config (`Recipe.eval_suite`), and one step,
+`steps/evaluate.py`, runs any suite.
 
 Rows are read straight from the source (its first `max_samples`), validated and tokenized as
 `prepare` does: `parse_row` and `RecordEncoder` with the suite's tokenizer and its chat template
@@ -57,17 +67,21 @@ from posttrain.rl.rewards import (RewardFailures, RewardOutput, RewardSpec, comb
 __all__ = ["GenerationSettings", "GraderConfig", "SuiteConfig", "SuiteResult", "TaskConfig",
            "TaskResult", "load_suite", "run_suite"]
 
-TaskKind = Literal["heldout_loss", "generation", "preference", "reward"]
+TaskKind = Literal["heldout_loss", "generation", "preference", "reward", "distill",
+                   "reward_model"]
 
 # Options that only some kinds read: setting one on another kind is a config error.
 _KIND_OPTIONS: dict[str, tuple[str, ...]] = {
-    "format": ("heldout_loss",),
+    "format": ("heldout_loss", "distill"),
     "reference_column": ("generation",),
     "grader": ("generation",),
-    "generation": ("generation", "reward"),
+    "generation": ("generation", "reward", "heldout_loss"),
     "rewards": ("reward",),
     "accuracy_reward": ("reward",),
     "beta": ("preference",),
+    "logp_reduction": ("preference",),
+    "teacher": ("distill",),
+    "samples": ("heldout_loss",),
 }
 
 
@@ -163,6 +177,10 @@ class TaskConfig:
     rewards: tuple[RewardSpec, ...] = ()                 # reward
     accuracy_reward: str | None = None                   # reward: its mean is "accuracy"
     beta: float | None = None                            # preference; default 0.1
+    logp_reduction: Literal["sum", "mean"] | None = None   # preference; default sum (DPO's)
+    teacher: str | None = None                           # distill: the teacher checkpoint
+    samples: int | None = None    # heldout_loss: greedy answers to the first rows' last turn
+    on_bad_row: Literal["error", "skip"] = "error"       # skip: counted in the result
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
@@ -186,12 +204,16 @@ class TaskConfig:
                                  f"task's rewards {names}")
         if self.beta is not None and not self.beta > 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
+        if self.kind == "distill" and not self.teacher:
+            raise ValueError("teacher: required for kind distill (the teacher's checkpoint)")
+        if self.samples is not None and self.samples < 0:
+            raise ValueError(f"samples must be >= 0, got {self.samples}")
 
     @property
     def data_format(self) -> FormatName:
-        if self.kind == "heldout_loss":
+        if self.kind in ("heldout_loss", "distill"):
             return self.format or "chat"
-        return "preference" if self.kind == "preference" else "prompt"
+        return "preference" if self.kind in ("preference", "reward_model") else "prompt"
 
 
 @dataclass(frozen=True)
@@ -233,29 +255,40 @@ class TaskResult:
     name: str
     kind: str
     model: dict[str, float]
-    baseline: dict[str, float]
-    delta: dict[str, float]             # model - baseline
+    baseline: dict[str, float]          # {} without a baseline
+    delta: dict[str, float]             # model - baseline ({} without a baseline)
     num_samples: int
     records: list[dict[str, Any]] = field(default_factory=list)
+    skipped_rows: int = 0               # bad rows skipped (task on_bad_row: skip)
 
 
 @dataclass
 class SuiteResult:
     model_dir: str
-    baseline_dir: str
+    baseline_dir: str | None
     suite: dict[str, Any]
     tasks: list[TaskResult]
 
     def table(self) -> list[dict[str, Any]]:
-        """Rows (task, metric, model, baseline, delta), tasks in suite order."""
-        return [{"task": t.name, "metric": k, "model": t.model[k], "baseline": t.baseline[k],
-                 "delta": t.delta[k]} for t in self.tasks for k in t.model]
+        """Rows (task, metric, model, baseline, delta), tasks in suite order; baseline and
+        delta are None without a baseline."""
+        return [{"task": t.name, "metric": k, "model": t.model[k],
+                 "baseline": t.baseline.get(k), "delta": t.delta.get(k)}
+                for t in self.tasks for k in t.model]
+
+    def metrics(self, task: str | None = None) -> dict[str, float]:
+        """The model's metrics of `task` (default: the first task)."""
+        found = [t for t in self.tasks if task is None or t.name == task]
+        if not found:
+            raise KeyError(f"no task {task!r} in the suite")
+        return dict(found[0].model)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model_dir": self.model_dir, "baseline_dir": self.baseline_dir,
                 "suite": self.suite, "table": self.table(),
                 "tasks": {t.name: {"kind": t.kind, "num_samples": t.num_samples,
-                                   "model": t.model, "baseline": t.baseline, "delta": t.delta,
+                                   "skipped_rows": t.skipped_rows, "model": t.model,
+                                   "baseline": t.baseline, "delta": t.delta,
                                    "records": t.records} for t in self.tasks}}
 
 
@@ -272,22 +305,32 @@ class _Pass:
     scores: list[dict[str, float]]
 
 
-def run_suite(cfg: SuiteConfig, model_dir: str, baseline_dir: str) -> SuiteResult:
-    """Evaluate both checkpoints on every task of `cfg` and compare them (module docstring)."""
+def run_suite(cfg: SuiteConfig, model_dir: str, baseline_dir: str | None = None) -> SuiteResult:
+    """Evaluate the checkpoint (and the baseline, when given) on every task of `cfg` and
+    compare them (module docstring)."""
     tokenizer = ChatTokenizer(cfg.tokenizer or TokenizerConfig(path=model_dir))
     for task in cfg.tasks:                  # fail on a bad stop token before loading models
         if task.generation is not None:
             stop_token_ids(tokenizer.hf, task.generation.stop_tokens,
                            key="generation.stop_tokens")
-    rows = {t.name: _read_rows(t, tokenizer) for t in cfg.tasks}
-    model = _evaluate_checkpoint(cfg, model_dir, tokenizer, rows)
-    baseline = _evaluate_checkpoint(cfg, baseline_dir, tokenizer, rows)
-    tasks = [_compare(t, rows[t.name], model[t.name], baseline[t.name]) for t in cfg.tasks]
+        if task.kind == "preference" and baseline_dir is None:
+            raise ConfigError(f"task {task.name!r}: a preference task needs a baseline (the "
+                              "reference of the implicit rewards)")
+    read = {t.name: _read_rows(t, tokenizer) for t in cfg.tasks}
+    rows = {name: r for name, (r, _) in read.items()}
+    teachers: dict[str, Transformer] = {}
+    model = _evaluate_checkpoint(cfg, model_dir, tokenizer, rows, teachers)
+    baseline = (_evaluate_checkpoint(cfg, baseline_dir, tokenizer, rows, teachers)
+                if baseline_dir else {})
+    tasks = [_compare(t, rows[t.name], model[t.name], baseline.get(t.name), read[t.name][1])
+             for t in cfg.tasks]
     return SuiteResult(model_dir, baseline_dir, to_dict(cfg), tasks)
 
 
-def _read_rows(task: TaskConfig, tokenizer: ChatTokenizer) -> list[tuple[Record, dict]]:
-    """(record, token columns) of the task's first rows; a bad row fails naming file and line."""
+def _read_rows(task: TaskConfig, tokenizer: ChatTokenizer
+               ) -> tuple[list[tuple[Record, dict]], int]:
+    """(record, token columns) of the task's first rows, and how many bad rows were skipped;
+    a bad row fails naming file and line unless the task skips them."""
     c = task.columns
     fmt = FormatConfig(format=task.data_format, messages_field=c.messages,
                        prompt_field=c.prompt, chosen_field=c.chosen, rejected_field=c.rejected)
@@ -295,19 +338,27 @@ def _read_rows(task: TaskConfig, tokenizer: ChatTokenizer) -> list[tuple[Record,
                             LengthConfig(task.max_tokens_per_sample, "truncate"))
     reference = task.reference_column or "answer"
     out: list[tuple[Record, dict]] = []
+    skipped = 0
     with RowStream.from_source(task.data) as stream:
         for raw in stream:
             if task.max_samples is not None and len(out) >= task.max_samples:
                 break
-            if raw.error is not None:
-                raise raw.error
-            record = parse_row(raw.data, fmt, file=raw.file, line=raw.line)
-            if task.kind == "generation":
-                _check_reference(task, record, reference, raw.file, raw.line)
-            out.append((record, encoder.encode(record, file=raw.file, line=raw.line).columns))
+            try:
+                if raw.error is not None:
+                    raise raw.error
+                record = parse_row(raw.data, fmt, file=raw.file, line=raw.line)
+                if task.kind == "generation":
+                    _check_reference(task, record, reference, raw.file, raw.line)
+                columns = encoder.encode(record, file=raw.file, line=raw.line).columns
+            except DataError:
+                if task.on_bad_row == "error":
+                    raise
+                skipped += 1
+                continue
+            out.append((record, columns))
     if not out:
         raise DataError(f"task {task.name!r}: the source has no rows", file=str(task.data.path))
-    return out
+    return out, skipped
 
 
 def _check_reference(task: TaskConfig, record: Record, column: str, file: str,
@@ -325,12 +376,15 @@ def _check_reference(task: TaskConfig, record: Record, column: str, file: str,
 
 
 def _evaluate_checkpoint(cfg: SuiteConfig, hf_dir: str, tokenizer: ChatTokenizer,
-                         rows: dict[str, list[tuple[Record, dict]]]) -> dict[str, _Pass]:
-    """Every task on one checkpoint: log-prob tasks with the native model, then the answers."""
+                         rows: dict[str, list[tuple[Record, dict]]],
+                         teachers: dict[str, Transformer]) -> dict[str, _Pass]:
+    """Every task on one checkpoint: log-prob tasks with the native model, then the answers.
+    `teachers` caches the distill tasks' teachers across checkpoints."""
     from posttrain.models.hf_io import load_hf
-    scoring = [t for t in cfg.tasks if t.kind in ("heldout_loss", "preference")]
+    scoring = [t for t in cfg.tasks if t.kind in ("heldout_loss", "preference", "distill")]
     answering = [t for t in cfg.tasks if t.kind in ("generation", "reward")]
-    out: dict[str, _Pass] = {}
+    out: dict[str, _Pass] = {t.name: _reward_model_pass(hf_dir, rows[t.name])
+                             for t in cfg.tasks if t.kind == "reward_model"}
     model = None
     if scoring or (answering and cfg.rollout.kind == "native"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -341,8 +395,20 @@ def _evaluate_checkpoint(cfg: SuiteConfig, hf_dir: str, tokenizer: ChatTokenizer
                               "with the tokenizer it was trained with")
     pad = tokenizer.pad_token_id or 0
     for task in scoring:
-        score = _loss_pass if task.kind == "heldout_loss" else _preference_pass
-        out[task.name] = score(model, rows[task.name], cfg.max_tokens_per_forward, pad)
+        if task.kind == "distill":
+            if task.teacher not in teachers:
+                teachers[task.teacher] = (load_hf(task.teacher, device=model.embed.weight.device)
+                                          .to(DTYPES[cfg.dtype]).eval())
+            out[task.name] = _distill_pass(model, teachers[task.teacher], rows[task.name],
+                                           cfg.max_tokens_per_forward, pad)
+            continue
+        if task.kind == "preference":
+            out[task.name] = _preference_pass(model, rows[task.name], cfg.max_tokens_per_forward,
+                                              pad, task.logp_reduction or "sum")
+            continue
+        out[task.name] = _loss_pass(model, rows[task.name], cfg.max_tokens_per_forward, pad)
+        if task.samples:
+            _add_samples(out[task.name], task, model, tokenizer, rows[task.name])
     if answering:
         if cfg.rollout.kind != "native" and model is not None:
             del model                           # vLLM loads its own copy: free the GPU first
@@ -365,11 +431,75 @@ def _loss_pass(model: Transformer, rows: list[tuple[Record, dict]], max_tokens: 
                  [{"loss": -lp / max(n, 1), "tokens": n} for lp, n in logps])
 
 
+def _add_samples(done: _Pass, task: TaskConfig, model: Transformer, tokenizer: ChatTokenizer,
+                 rows: list[tuple[Record, dict]]) -> None:
+    """Greedy answers to the first `task.samples` chats' last assistant turn, as outputs."""
+    from posttrain.eval.heldout import sample_table
+    chats = [r.messages for r, _ in rows[:task.samples] if isinstance(r, ChatRecord)]
+    settings = task.generation or GenerationSettings(max_new_tokens=48)
+    table = sample_table(model, tokenizer, chats, max_new_tokens=settings.max_new_tokens)
+    for i, row in enumerate(table):
+        done.outputs[i] = row["generated"]
+
+
+def _distill_pass(model: Transformer, teacher: Transformer, rows: list[tuple[Record, dict]],
+                  max_tokens: int, pad: int) -> _Pass:
+    """Token means over the rows' trained tokens: forward KL(teacher || model), the model's
+    loss; per row, nothing (the metrics are token means over the packed rows)."""
+    from posttrain.eval.heldout import packed_rows
+    from posttrain.losses.distill import distill_loss
+    from posttrain.losses.sft import sft_loss_sum
+    if model.head.real_vocab_size != teacher.head.real_vocab_size:
+        raise ConfigError(f"the teacher has {teacher.head.real_vocab_size} token ids, the model "
+                          f"{model.head.real_vocab_size}: distillation compares distributions "
+                          "over one vocabulary")
+    kl = loss = 0.0
+    tokens = 0
+    docs = [(c["input_ids"], c["loss_mask"]) for _, c in rows]
+    with torch.no_grad():
+        for batch, _ in packed_rows(docs, max_tokens_per_forward=max_tokens, pad_token_id=pad,
+                                    device=model.embed.weight.device):
+            args = (batch["input_ids"], batch["position_ids"], batch["document_lengths"])
+            h_m, h_t = model(*args), teacher(*args)
+            div, _ = distill_loss(h_m, model.head.weight, h_t, teacher.head.weight,
+                                  batch["labels"], kind="forward_kl",
+                                  real_vocab_size=model.head.real_vocab_size, reduction="sum")
+            kl += float(div)
+            loss += float(sft_loss_sum(h_m, model.head.weight, batch["labels"],
+                                       real_vocab_size=model.head.real_vocab_size))
+            tokens += int(batch["num_loss_tokens"])
+    n = max(tokens, 1)
+    return _Pass({"kl_teacher_model": kl / n, "loss": loss / n, "tokens": float(tokens)},
+                 [None] * len(rows), [{} for _ in rows])
+
+
+def _reward_model_pass(hf_dir: str, rows: list[tuple[Record, dict]]) -> _Pass:
+    """Each pair's chosen and rejected response scored by the exported reward model in
+    `hf_dir`; a checkpoint without a reward head (a baseline) has no metrics."""
+    from pathlib import Path
+
+    from posttrain.train.reward import HEAD_JSON, load_reward_model
+    if not (Path(hf_dir) / HEAD_JSON).is_file():
+        return _Pass({}, [None] * len(rows), [{} for _ in rows])
+    score = load_reward_model(hf_dir)
+    scores = []
+    for record, _ in rows:
+        assert isinstance(record, PreferenceRecord)
+        scores.append({"score_chosen": score(record.prompt, record.chosen[-1]["content"]),
+                       "score_rejected": score(record.prompt,
+                                               record.rejected[-1]["content"])})
+    margins = [s["score_chosen"] - s["score_rejected"] for s in scores]
+    return _Pass({"accuracy": sum(m > 0 for m in margins) / len(margins),
+                  "mean_margin": sum(margins) / len(margins)}, [None] * len(rows), scores)
+
+
 def _preference_pass(model: Transformer, rows: list[tuple[Record, dict]], max_tokens: int,
-                     pad: int) -> _Pass:
+                     pad: int, reduction: str = "sum") -> _Pass:
     docs = [(c[f"{side}_input_ids"], c[f"{side}_loss_mask"])
             for _, c in rows for side in ("chosen", "rejected")]
     logps = sequence_logps(model, docs, max_tokens_per_forward=max_tokens, pad_token_id=pad)
+    if reduction == "mean":                 # per response token, as DPO's logp_reduction
+        logps = [(lp / max(n, 1), n) for lp, n in logps]
     return _Pass(None, [None] * len(rows),
                  [{"logp_chosen": logps[2 * i][0], "logp_rejected": logps[2 * i + 1][0]}
                   for i in range(len(rows))])
@@ -423,26 +553,32 @@ def _answer_pass(task: TaskConfig, engine: Any, tokenizer: ChatTokenizer,
 
 
 def _compare(task: TaskConfig, rows: list[tuple[Record, dict]], model: _Pass,
-             baseline: _Pass) -> TaskResult:
+             baseline: _Pass | None, skipped: int) -> TaskResult:
     extra: list[dict[str, float]] = [{} for _ in rows]
     if task.kind == "preference":
+        assert baseline is not None
         beta = task.beta if task.beta is not None else 0.1
         model.metrics, margins = preference_metrics(model.scores, baseline.scores, beta)
         baseline.metrics, _ = preference_metrics(baseline.scores, baseline.scores, beta)
         extra = [{"reward_margin": m} for m in margins]
-    assert model.metrics is not None and baseline.metrics is not None
-    delta = {k: model.metrics[k] - baseline.metrics[k] for k in model.metrics}
+    assert model.metrics is not None
+    base = baseline.metrics if baseline is not None else {}
+    assert base is not None
+    delta = {k: model.metrics[k] - base[k] for k in model.metrics if k in base}
     records = []
     for i, (record, _) in enumerate(rows):
         rec = _describe(task, record)
         if model.outputs[i] is not None:
-            rec.update(model_output=model.outputs[i], baseline_output=baseline.outputs[i])
+            rec["model_output"] = model.outputs[i]
+            if baseline is not None:
+                rec["baseline_output"] = baseline.outputs[i]
         rec.update({f"model_{k}": v for k, v in model.scores[i].items()})
-        rec.update({f"baseline_{k}": v for k, v in baseline.scores[i].items()})
+        if baseline is not None:
+            rec.update({f"baseline_{k}": v for k, v in baseline.scores[i].items()})
         rec.update(extra[i])
         records.append(rec)
-    return TaskResult(task.name, task.kind, model.metrics, baseline.metrics, delta, len(rows),
-                      records)
+    return TaskResult(task.name, task.kind, model.metrics, base, delta, len(rows), records,
+                      skipped)
 
 
 def _describe(task: TaskConfig, record: Record) -> dict[str, Any]:

@@ -74,20 +74,6 @@ def training_summary(records: list[dict[str, Any]]) -> list[list[Any]]:
     return rows
 
 
-def eval_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The evaluation table of `steps.evaluate.run`'s result: one row per metric."""
-    rows = []
-    heldout = result.get("heldout")
-    if heldout:
-        rows += [{"metric": "held-out loss", "value": round(float(heldout["loss"]), 4)},
-                 {"metric": "held-out perplexity",
-                  "value": round(float(heldout["perplexity"]), 3)},
-                 {"metric": "held-out loss tokens", "value": int(heldout["tokens"])},
-                 {"metric": "held-out batches", "value": int(heldout["batches"])}]
-    rows.append({"metric": "generated samples", "value": len(result.get("samples") or [])})
-    return rows
-
-
 # (metrics key, axis title) of a GRPO run's curves over GRPO steps.
 GRPO_CURVES: tuple[tuple[str, str], ...] = (
     ("reward/total/mean", "train reward (mean over rollouts)"),

@@ -38,7 +38,7 @@ from posttrain.losses.distill import KINDS, distill_loss
 from posttrain.models.transformer import Transformer
 from posttrain.train.engine import ModelConfig, ModelInitConfig
 from posttrain.train.recipe import (ExportConfig, Recipe, RunConfig, TrainConfig, check_export,
-                                    check_step_split, policy_flops)
+                                    check_step_split, eval_suite, policy_flops)
 from posttrain.train.sft import EvalConfig
 
 log = logging.getLogger(__name__)
@@ -276,8 +276,10 @@ class Distill(Recipe):
         return super().eval_batches() if self.teacher is not None else []
 
     @staticmethod
-    def postfix(m: dict) -> dict[str, str]:
-        return Recipe.postfix(m)
+    def eval_suite(cfg: DistillConfig, models: dict[str, str]) -> Any:
+        """Held-out KL(teacher || student) and loss, the export against the starting student."""
+        return eval_suite(cfg, "distill", lambda i: {"format": cfg.data.format,
+                                                     "teacher": models["teacher"]})
 
     @staticmethod
     def summary(result: dict) -> list[str]:

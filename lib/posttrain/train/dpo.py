@@ -34,7 +34,7 @@ from posttrain.losses.dpo import LossType, dpo_loss, dpo_pair_logps
 from posttrain.models.transformer import Transformer
 from posttrain.train.engine import ModelConfig
 from posttrain.train.recipe import (ExportConfig, Recipe, RunConfig, TrainConfig, check_export,
-                                    check_step_split, one_pass, policy_flops)
+                                    check_step_split, eval_suite, one_pass, policy_flops)
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ class ReferenceConfig:
 
 @dataclass(frozen=True)
 class PairEvalConfig:
-    max_batches: int = 50
+    max_batches: int = 50                     # in training: held-out micro-batches
+    max_samples: int | None = 500             # the evaluate step: pairs of each eval source
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,13 @@ class DPO(Recipe):
                            logps_only=True)
 
     # ------------------------------------------------------------------ driver side
+    @staticmethod
+    def eval_suite(cfg: DPOConfig, models: dict[str, str]) -> Any:
+        """Held-out pairs: the implicit rewards' accuracy and margin of the export against the
+        starting model (the DPO reference), at the run's beta and log-prob reduction."""
+        return eval_suite(cfg, "preference", lambda i: {
+            "beta": cfg.loss.beta, "logp_reduction": cfg.loss.logp_reduction})
+
     postfix = staticmethod(pair_postfix)
     result = staticmethod(pair_result)
     summary = staticmethod(pair_summary)

@@ -185,6 +185,29 @@ class GRPO:
     config_cls = GRPOConfig
 
     @staticmethod
+    def eval_suite(cfg: GRPOConfig, models: dict[str, str]) -> Any:
+        """Held-out prompts answered by the export and by the starting model (the run's
+        evaluation sampling, its rollout engine) and scored by the run's reward functions."""
+        from posttrain.eval.suites import GenerationSettings, SuiteConfig, TaskConfig
+        if not cfg.data.eval:
+            return None
+        ev, s = cfg.eval, cfg.sampling
+        names = [f.name for f in cfg.rewards.functions]
+        generation = GenerationSettings(
+            max_new_tokens=s.max_new_tokens, temperature=ev.temperature, top_p=s.top_p,
+            top_k=s.top_k, samples_per_prompt=ev.samples_per_prompt,
+            stop_tokens=tuple(s.stop_tokens), seed=ev.seed)
+        tasks = tuple(TaskConfig(
+            name=src.name or f"eval{i}", kind="reward", data=src, max_samples=ev.max_prompts,
+            max_tokens_per_sample=cfg.data.max_tokens_per_sample, columns=cfg.data.columns,
+            on_bad_row=cfg.data.on_bad_row, generation=generation,
+            rewards=tuple(cfg.rewards.functions),
+            accuracy_reward=ev.accuracy_reward if ev.accuracy_reward in names else None)
+            for i, src in enumerate(cfg.data.eval))
+        return SuiteConfig(tasks=tasks, tokenizer=cfg.tokenizer, dtype=cfg.model.dtype,
+                           rollout=replace(cfg.rollout, placement="colocated"))
+
+    @staticmethod
     def postfix(m: dict) -> dict[str, str]:
         return {"reward": f"{m['reward/total/mean']:.3f}", "kl": f"{m.get('kl', 0.0):.4f}",
                 "len": f"{m['response_length/mean']:.1f}",

@@ -208,6 +208,20 @@ class Recipe:
 
     # ---------------------------------------------------------------- driver side
     @staticmethod
+    def eval_suite(cfg: Any, models: dict[str, str]) -> Any:
+        """The held-out evaluation of an exported checkpoint, as a suite
+        (`posttrain.eval.suites`) over the config's `data.eval` sources; `models` are the
+        run's other model directories (a teacher). SFT's: held-out loss and perplexity
+        against the starting model, and a few greedy answers."""
+        from posttrain.eval.suites import GenerationSettings
+        gen = cfg.eval.generate
+        return eval_suite(cfg, "heldout_loss", lambda i: {
+            "format": cfg.data.format,
+            **({"samples": gen.num_samples,
+                "generation": GenerationSettings(max_new_tokens=gen.max_new_tokens)}
+               if i == 0 and cfg.data.format == "chat" and gen.num_samples else {})})
+
+    @staticmethod
     def postfix(m: dict) -> dict[str, str]:
         """The progress bar's fields of a step's metrics."""
         return {"loss": f"{m['loss']:.3f}", "tok/s": f"{m['real_tokens_per_s']:.0f}",
@@ -231,6 +245,22 @@ class Recipe:
         return [f"final train loss {result['final_loss']:.4f}; "
                 f"{result['mean_real_tokens_per_s']:.0f} real tokens/s; "
                 f"MFU {result['mean_mfu']:.1%}"]
+
+
+def eval_suite(cfg: Any, kind: str, options: Any = lambda i: {}, **suite: Any) -> Any:
+    """A suite with one task of `kind` per `data.eval` source of a recipe config (None without
+    held-out sources), rows read and tokenized as prepare did: the config's tokenizer, columns,
+    length limit and bad-row policy; `options(i)` adds task i's own options."""
+    from posttrain.eval.suites import SuiteConfig, TaskConfig
+    if not cfg.data.eval:
+        return None
+    tasks = tuple(TaskConfig(name=src.name or f"eval{i}", kind=kind, data=src,
+                             max_samples=cfg.eval.max_samples,
+                             max_tokens_per_sample=cfg.data.max_tokens_per_sample,
+                             columns=cfg.data.columns, on_bad_row=cfg.data.on_bad_row,
+                             **options(i))
+                  for i, src in enumerate(cfg.data.eval))
+    return SuiteConfig(tasks=tasks, tokenizer=cfg.tokenizer, dtype=cfg.model.dtype, **suite)
 
 
 def policy_flops(model: nn.Module, batch: dict, *, lora: Any = None, training: bool = True,

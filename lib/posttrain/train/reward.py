@@ -32,7 +32,8 @@ from posttrain.ops.cross_entropy import IGNORE_INDEX
 from posttrain.train.dpo import (PairEvalConfig, check_pair_recipe, pair_postfix, pair_result,
                                  pair_summary)
 from posttrain.train.engine import ModelConfig
-from posttrain.train.recipe import ExportConfig, Recipe, RunConfig, TrainConfig, policy_flops
+from posttrain.train.recipe import (ExportConfig, Recipe, RunConfig, TrainConfig, eval_suite,
+                                    policy_flops)
 
 HEAD_FILE, HEAD_JSON = "reward_head.safetensors", "reward_head.json"
 
@@ -118,6 +119,11 @@ class Reward(Recipe):
             return None
         return export_reward_model(state, w.engine, out_dir,
                                    tokenizer_dir=f"{w.prepared_dir}/tokenizer")
+
+    @staticmethod
+    def eval_suite(cfg: RewardConfig, models: dict[str, str]) -> Any:
+        """Held-out pairs scored by the exported reward model, loaded as GRPO loads it."""
+        return eval_suite(cfg, "reward_model")
 
     postfix = staticmethod(pair_postfix)
     result = staticmethod(pair_result)

@@ -24,7 +24,8 @@ class GenerateConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    max_batches: int = 50
+    max_batches: int = 50                     # in training: held-out micro-batches
+    max_samples: int | None = 500             # the evaluate step: rows of each eval source
     generate: GenerateConfig = GenerateConfig()
 
 

@@ -1,4 +1,4 @@
-from posttrain.train.card import eval_rows, line_chart, step_records, training_charts, training_summary
+from posttrain.train.card import line_chart, step_records, training_charts, training_summary
 
 
 def _rec(step, loss, tps=100.0, mfu=0.1):
@@ -27,11 +27,7 @@ def test_line_chart_drops_non_finite_values():
     assert chart["data"]["values"] == [{"step": 2, "loss": 1.0}]
 
 
-def test_summary_and_eval_rows():
+def test_summary():
     rows = dict(training_summary([_rec(1, 5.0, 100.0, 0.1), _rec(2, 4.0, 300.0, 0.3)]))
     assert rows["final train loss"] == 4.0 and rows["mean real tokens/s"] == 200.0
     assert rows["mean MFU"] == "20.00%"
-    table = eval_rows({"heldout": {"loss": 2.0, "perplexity": 7.389, "tokens": 10,
-                                   "batches": 1}, "samples": [{}, {}]})
-    assert {r["metric"]: r["value"] for r in table}["generated samples"] == 2
-    assert eval_rows({}) == [{"metric": "generated samples", "value": 0}]

@@ -1,4 +1,4 @@
-"""The evaluate-suite step as a user runs it: `python -m steps.evaluate_suite` on the bundled
+"""The evaluation step as a user runs it: `python -m steps.evaluate` on the bundled
 suite with two tiny random checkpoints, and `posttrain evaluate`'s one-line errors."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def checkpoints(tmp_path_factory) -> tuple[str, str]:
 def test_cli_runs_the_bundled_suite_and_writes_the_result(checkpoints, tmp_path):
     model, baseline = checkpoints
     out = tmp_path / "result" / "eval.json"
-    proc = subprocess.run([sys.executable, "-m", "steps.evaluate_suite", "--suite", str(SUITE),
+    proc = subprocess.run([sys.executable, "-m", "steps.evaluate", "--suite", str(SUITE),
                            "--model", model, "--baseline", baseline, "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -85,3 +85,48 @@ def test_posttrain_evaluate_reports_user_mistakes_in_one_line(checkpoints, tmp_p
     assert main(["evaluate", "--suite", str(path), "--model", model, "--baseline", model]) == 2
     err = capsys.readouterr().err
     assert "tasks[0].max_sampels: unknown key (did you mean 'max_samples'?)" in err
+
+
+def test_recipe_suites_run_from_the_recipe_config(checkpoints, tmp_path):
+    """`posttrain evaluate --recipe R --config C`: the evaluation a recipe's flow runs, built
+    from its config (SFT: held-out loss per eval source and greedy answers; distillation: KL
+    to the teacher, which is 0 for the teacher itself)."""
+    from steps import evaluate
+    model, other = checkpoints
+    sft = evaluate.run(evaluate.recipe_suite("sft", ROOT / "configs/sft/tiny.yaml",
+                                             overrides={"eval.max_samples": 8}), model, other)
+    chat = sft.tasks[0]
+    assert chat.kind == "heldout_loss" and chat.num_samples == 8
+    assert set(chat.model) == {"loss", "perplexity"} and chat.model != chat.baseline
+    answered = [r for r in chat.records if "model_output" in r]
+    assert len(answered) == 4 and all("baseline_output" in r for r in answered)  # generate: 4
+    cfg = ROOT / "configs/distill/tiny.yaml"
+    kl = evaluate.run(evaluate.recipe_suite("distill", cfg, {"teacher": other},
+                                            overrides={"eval.max_samples": 6}), other, model)
+    task = kl.tasks[0]
+    assert task.model["kl_teacher_model"] == pytest.approx(0.0, abs=1e-6)
+    assert task.baseline["kl_teacher_model"] > 0.01 and task.delta["kl_teacher_model"] < 0
+    out = tmp_path / "eval.json"
+    from steps.cli import main
+    assert main(["evaluate", "--recipe", "distill", "--config", str(cfg), "--model", model,
+                 "--teacher", model, "--out", str(out)]) == 0
+    only = json.loads(out.read_text())
+    assert only["baseline_dir"] is None
+    assert all(r["baseline"] is None and r["delta"] is None for r in only["table"])
+
+
+def test_a_suite_skips_bad_rows_when_told_and_counts_them(checkpoints, tmp_path):
+    from posttrain.config.loader import build
+    from posttrain.errors import DataError
+    from posttrain.eval.suites import SuiteConfig, run_suite
+    model, _ = checkpoints
+    rows = (ROOT / "assets/data/chat/eval.jsonl").read_text().splitlines()[:5]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join([rows[0], "{not json", rows[1], '{"messages": 3}', *rows[2:]]))
+    task = {"name": "chat", "kind": "heldout_loss", "data": {"path": str(data)}}
+    suite = {"tokenizer": {"path": TOKENIZER}, "tasks": [task]}
+    with pytest.raises(DataError, match="chat.jsonl"):
+        run_suite(build(SuiteConfig, suite), model)
+    skipping = build(SuiteConfig, {**suite, "tasks": [{**task, "on_bad_row": "skip"}]})
+    result = run_suite(skipping, model).tasks[0]
+    assert (result.num_samples, result.skipped_rows) == (5, 2)
