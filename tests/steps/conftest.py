@@ -11,8 +11,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
@@ -66,3 +69,25 @@ def safetensors(hf_dir: Path) -> dict[str, bytes]:
     files = {p.name: p.read_bytes() for p in sorted(hf_dir.glob("*.safetensors"))}
     assert files, f"no safetensors in {hf_dir}"
     return files
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray cluster for the module's multi-worker runs (2 CPUs), stopped after it."""
+    import ray
+    tmp = tempfile.mkdtemp(prefix="ptr", dir="/tmp")        # short: Ray's socket paths
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
+             configure_logging=False)
+    yield
+    ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def assert_weights_close(a_dir: Path, b_dir: Path, atol: float) -> None:
+    """The safetensors of two HF checkpoints hold the same tensors within `atol`."""
+    from safetensors.torch import load_file
+    a = {k: v for f in sorted(a_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    b = {k: v for f in sorted(b_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, f"max |weight difference| {worst:.2e} > {atol:.0e}"

@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from steps import train_sft
 
 from functools import partial
 
+from .conftest import assert_weights_close as _assert_weights_close
 from .conftest import run_and_kill, run_to_end, safetensors as _safetensors
 from .golden import check_golden
 
@@ -126,17 +126,6 @@ def test_first_losses_match_the_golden_values(tiny):
     check_golden("sft", [m["loss"] for m in tiny.ref_metrics])
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-    tmp = tempfile.mkdtemp(prefix="ptr", dir="/tmp")        # short: Ray's socket paths
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
-             configure_logging=False)
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
 # ---------------------------------------------------------------------------- 1. parity
 def test_two_ray_workers_match_one_inline_worker(tiny, local_ray):
     result = train_sft.run(tiny.config, overrides={
@@ -150,15 +139,6 @@ def test_two_ray_workers_match_one_inline_worker(tiny, local_ray):
         assert mine["loss_tokens"] == ref["loss_tokens"]
         assert abs(mine["loss"] - ref["loss"]) <= LOSS_ATOL, (ref["step"], mine, ref)
     _assert_weights_close(Path(result["hf_dir"]), tiny.ref_dir / "hf", WEIGHT_ATOL)
-
-
-def _assert_weights_close(a_dir: Path, b_dir: Path, atol: float) -> None:
-    from safetensors.torch import load_file
-    a = {k: v for f in sorted(a_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
-    b = {k: v for f in sorted(b_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
-    assert a.keys() == b.keys()
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert worst <= atol, f"max |weight difference| {worst:.2e} > {atol:.0e}"
 
 
 # ---------------------------------------------------------------------------- 2. resume

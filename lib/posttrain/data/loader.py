@@ -23,6 +23,12 @@ In padded mode a batch holds ``rows_per_batch`` pairs, each side in its own row 
 Ranks and loader workers: shard k of ``num_ranks * num_workers`` (k = rank * num_workers +
 worker) reads the files (or rows) that `posttrain.data.sources.RowStream` assigns to it. A saved
 state belongs to one (rank, world size) pair; it is restored on the same layout.
+
+Streams (`StreamLoader`, ``streams: S > 1``): the training data is S independent streams,
+stream s reading shard s of S of every source and packing it on its own, and global micro-batch
+i of the run comes from stream i mod S. A data-parallel rank r of D (D dividing S) opens only
+streams r, r + D, ..., so it reads and packs 1/D of the data; the global order does not depend
+on D, and the per-stream states restore on any D that divides S.
 """
 
 from __future__ import annotations
@@ -57,10 +63,14 @@ class LoaderConfig:
     background: bool = True               # pack in a background thread
     mixer: MixerConfig = MixerConfig()
     weights: dict[str, float] = field(default_factory=dict)   # by source name; default 1.0
+    # independent data streams (module docstring); 1: every rank reads the whole stream
+    streams: int = 1
 
     def __post_init__(self) -> None:
         if self.rows_per_batch < 1:
             raise ValueError("rows_per_batch must be positive")
+        if self.streams < 1:
+            raise ValueError("streams must be at least 1")
         if self.epochs < 1:
             raise ValueError("epochs must be at least 1")
         if self.shuffle_buffer_samples < 0:
@@ -208,11 +218,14 @@ class TrainLoader(StatefulIterable[dict]):
         self.cfg = cfg
         shard_index, num_shards = shard_for(rank, world_size, worker_id, num_workers)
         streams: dict[str, StatefulIterable[Sample]] = {}
+        self._shards: list[ShardSamples] = []
         for i, (name, files) in enumerate(sorted(sources.items())):
-            s: StatefulIterable[Sample] = ShardSamples(
+            shard = ShardSamples(
                 files, shard_index=shard_index, num_shards=num_shards, epochs=cfg.epochs,
                 storage_options=storage_options, preference=cfg.format == "preference",
                 source_index=i)
+            self._shards.append(shard)
+            s: StatefulIterable[Sample] = shard
             if cfg.shuffle_buffer_samples:
                 s = ShuffleBuffer(s, cfg.shuffle_buffer_samples,
                                   seed=_mix_seed(cfg.seed, shard_index, i))
@@ -253,10 +266,19 @@ class TrainLoader(StatefulIterable[dict]):
     def stats(self) -> dict[str, int]:
         return dict(getattr(self._rows, "stats", {}))
 
+    @property
+    def files(self) -> list[str]:
+        """The shard files this loader reads (all of a source's when it reads by rows)."""
+        return [f for shard in self._shards for f in shard._rows.files]
+
     def state_dict(self) -> dict[str, Any]:
         return {"batches_out": self.batches_out, "rows": self._rows.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "streams" in state:
+            raise ConfigError(f"the saved loader state holds streams {sorted(state['streams'])}:"
+                              f" it was written with train.loader.streams > 1; resume with the "
+                              f"same streams")
         self.batches_out = int(state["batches_out"])
         self._rows.load_state_dict(state["rows"])
 
@@ -266,6 +288,73 @@ class TrainLoader(StatefulIterable[dict]):
             close()
 
     def __enter__(self) -> "TrainLoader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StreamLoader(StatefulIterable[dict]):
+    """The micro-batches of the streams `own` of `cfg.streams` (module docstring): a
+    `TrainLoader` per stream, reading shard s of S of every source, yielded round-robin in
+    stream order, which is the order of their global indices (batch i from stream i mod S).
+
+    `state_dict` holds each own stream's position (``{"streams": {s: state}}``); a state
+    merged from every rank's holds all S, so a loader owning any subset restores from it.
+    """
+
+    def __init__(self, sources: dict[str, list[str]], cfg: LoaderConfig, own: list[int], *,
+                 storage_options: dict | None = None):
+        bad = [s for s in own if not 0 <= s < cfg.streams]
+        if not own or bad:
+            raise ValueError(f"own streams {own} must be a non-empty subset of 0..{cfg.streams - 1}")
+        self.cfg, self.own = cfg, sorted(own)
+        self.loaders = {s: TrainLoader(sources, cfg, rank=s, world_size=cfg.streams,
+                                       storage_options=storage_options) for s in self.own}
+        self._iters: dict[int, Iterator[dict]] | None = None
+
+    def __iter__(self) -> Iterator[dict]:
+        if self._iters is None:
+            self._iters = {s: iter(loader) for s, loader in self.loaders.items()}
+        while True:
+            for s in self.own:
+                batch = next(self._iters[s], None)
+                if batch is None:
+                    return
+                yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"streams": {str(s): loader.state_dict() for s, loader in self.loaders.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("streams")
+        if saved is None or any(str(s) not in saved for s in self.own):
+            raise ConfigError(f"the saved loader state holds streams "
+                              f"{sorted(int(s) for s in (saved or {}))}, not {self.own}: it was "
+                              f"written with another train.loader.streams")
+        for s in self.own:
+            self.loaders[s].load_state_dict(saved[str(s)])
+        self._iters = None
+
+    @property
+    def files(self) -> list[str]:
+        """The shard files this loader's streams read."""
+        return [f for loader in self.loaders.values() for f in loader.files]
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The packers' counts (samples and tokens in, packed, dropped), summed over streams."""
+        out: dict[str, int] = {}
+        for loader in self.loaders.values():
+            for k, v in loader.stats.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def close(self) -> None:
+        for loader in self.loaders.values():
+            loader.close()
+
+    def __enter__(self) -> "StreamLoader":
         return self
 
     def __exit__(self, *exc: object) -> None:

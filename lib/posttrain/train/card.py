@@ -82,6 +82,7 @@ GRPO_CURVES: tuple[tuple[str, str], ...] = (
     ("entropy", "policy entropy (response tokens)"),
     ("response_length/mean", "response length (tokens)"),
     ("rollout_tokens_per_s", "rollout tokens/s"),
+    ("mfu", "update MFU (model FLOPs / peak)"),
     ("sync/max_abs_logprob_diff", "weight sync check: max |engine - trainer| log-prob"),
 )
 GRPO_PHASES = ("time/generate_s", "time/score_s", "time/logprobs_s", "time/update_s",
@@ -121,6 +122,11 @@ def grpo_summary(records: list[dict[str, Any]]) -> list[list[Any]]:
                      round(sum(r["rollout_tokens_per_s"] for r in steps) / len(steps), 1)])
         rows.append(["max weight-sync |diff|",
                      f"{max(r['sync/max_abs_logprob_diff'] for r in steps):.2e}"])
+        if all("mfu" in r for r in steps):
+            rows.append(["mean update MFU", f"{sum(r['mfu'] for r in steps) / len(steps):.2%}"])
+        if all("peak_memory_bytes" in r for r in steps):
+            rows.append(["peak memory (GiB)",
+                         round(max(int(r["peak_memory_bytes"]) for r in steps) / 2**30, 3)])
     for r in (evals[:1] + evals[-1:]) if len(evals) > 1 else evals:
         for key in ("eval/accuracy", "eval/reward_mean"):
             if key in r:

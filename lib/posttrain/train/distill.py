@@ -107,7 +107,11 @@ class DistillConfig:
             if loader.mode != "packed":
                 raise ValueError("train.loader.mode: the offline teacher's loader packs rows; "
                                  "use mode: packed")
-        check_step_split(self.train.micro_batches_per_step, self.run, self.train.engine.parallel)
+            if loader.streams != 1:
+                raise ValueError("train.loader.streams: the offline teacher's top-k rows are "
+                                 "read as one stream; use streams: 1 or teacher.signal: online")
+        check_step_split(self.train.micro_batches_per_step, self.run, self.train.engine.parallel,
+                         self.train.loader.streams)
 
 
 # --------------------------------------------------------------------------- teacher check

@@ -106,7 +106,8 @@ def check_pair_recipe(cfg: Any, name: str) -> None:
                          f"pair: at least 2 x data.max_tokens_per_sample = "
                          f"{2 * cfg.data.max_tokens_per_sample}")
     check_export(cfg.export, cfg.model.lora)
-    check_step_split(cfg.train.micro_batches_per_step, cfg.run, cfg.train.engine.parallel)
+    check_step_split(cfg.train.micro_batches_per_step, cfg.run, cfg.train.engine.parallel,
+                     cfg.train.loader.streams)
 
 
 class DPOLoss(nn.Module):

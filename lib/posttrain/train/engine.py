@@ -86,6 +86,21 @@ class DataParallel:
         """`value` summed over the data-parallel ranks (each data item counted once)."""
         return value if self.group is None else _all_reduce(value, dist.ReduceOp.SUM, self.group)
 
+    def sum_all(self, values: dict[str, float]) -> dict[str, float]:
+        """Each of `values` summed over the data-parallel ranks, in one collective."""
+        if self.group is None:
+            return dict(values)
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return dict(zip(keys, t.tolist()))
+
+    def all(self, flag: bool) -> bool:
+        """Whether `flag` holds on every data-parallel rank (a collective)."""
+        if self.group is None:
+            return flag
+        return bool(_all_reduce(float(flag), dist.ReduceOp.MIN, self.group))
+
     def gather(self, obj: Any) -> list[Any]:
         """The `obj` of every data-parallel rank, in rank order (a collective)."""
         if self.group is None:

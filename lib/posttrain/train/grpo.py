@@ -44,6 +44,7 @@ from posttrain.rl.rewards import RewardConfig
 from posttrain.models.args import DTYPES
 from posttrain.train.engine import (Engine, EngineConfig, ModelConfig, all_reduce_max,
                                     build_sharded)
+from posttrain.train.metrics import device_peak_flops, step_metrics
 from posttrain.train.recipe import ExportConfig, RunConfig, check_export, tokenizer_vocab
 
 log = logging.getLogger(__name__)
@@ -348,6 +349,7 @@ class GRPOWorker:
                                                 self.engine.device, self._param_dtype(),
                                                 seed=train.engine.seed)
         self._synced_names: set[str] | None = None
+        self.peak_flops, _ = device_peak_flops(self.engine.device)
 
     @property
     def _temperature(self) -> float:
@@ -476,11 +478,41 @@ class GRPOWorker:
             lr = m["lr"]
         tokens = sum(mbs[0]["global_tokens"] for mbs in mini_batches)
         out = {k: v / max(tokens, 1) for k, v in totals.items()}
+        seconds = time.perf_counter() - t0
         out.update({"loss": sum(losses) / len(losses), "grad_norm": max(grad_norms), "lr": lr,
                     "optimizer_step": self.engine.step,
                     "time/logprobs_s": all_reduce_max(logprobs_s),
-                    "time/update_s": all_reduce_max(time.perf_counter() - t0 - logprobs_s)})
+                    "time/update_s": all_reduce_max(seconds - logprobs_s)})
+        # the update phase's throughput and MFU, through the metrics every recipe uses
+        live = [b for mbs in mini_batches for b in mbs if b["live"]]
+        counts = {"real_tokens": float(sum(b["num_tokens"] for b in live)), "pad_tokens": 0.0,
+                  "loss_tokens": float(sum(int(b["mask"].sum()) for b in live))}
+        out.update(step_metrics(counts, seconds=all_reduce_max(seconds), data_wait_s=0.0,
+                                flops=self.update_flops(mini_batches),
+                                peak_flops=self.peak_flops * self.world,
+                                device=self.engine.device))
+        out.pop("data_wait_s")
         return out
+
+    def update_flops(self, mini_batches: list[list[dict]]) -> float:
+        """Model FLOPs of one GRPO update over all ranks: per live micro-batch the policy's
+        forward and backward (the LM head over the completion tokens), and a forward for the
+        old-policy log-probs (more than one mini-batch) and for the reference (when configured).
+        The entropy diagnostic's extra head pass and dummy micro-batches are not model work."""
+        from posttrain.train.recipe import policy_flops
+        model, lora = self.engine.model, self.cfg.model.lora
+        old = len(mini_batches) > 1
+        reference = self.cfg.algorithm.reference != "none"     # the base model, no adapters
+        total = 0.0
+        for b in (b for mbs in mini_batches for b in mbs if b["live"]):
+            view = {"document_lengths": b["document_lengths"], "row_num_pad": [0],
+                    "num_real_tokens": b["num_tokens"], "num_loss_tokens": int(b["mask"].sum())}
+            total += policy_flops(model, view, lora=lora)
+            if old:
+                total += policy_flops(model, view, lora=lora, training=False)
+            if reference:
+                total += policy_flops(model, view, training=False)
+        return total
 
     def export(self, out_dir: str) -> str | None:
         """Write the HF checkpoint (rank 0); a collective."""

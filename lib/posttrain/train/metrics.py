@@ -73,15 +73,21 @@ def peak_memory_bytes(device: torch.device | None = None) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def step_metrics(batches: list[dict[str, Any]], *, seconds: float, data_wait_s: float,
+def batch_counts(batches: list[dict[str, Any]]) -> dict[str, float]:
+    """Real, padding and loss tokens of micro-batches (sum them over ranks for a step's)."""
+    return {"real_tokens": float(sum(int(b["num_real_tokens"]) for b in batches)),
+            "pad_tokens": float(sum(int(b["num_pad_tokens"]) for b in batches)),
+            "loss_tokens": float(sum(int(b["num_loss_tokens"]) for b in batches))}
+
+
+def step_metrics(counts: dict[str, float], *, seconds: float, data_wait_s: float,
                  flops: float, peak_flops: float, device: torch.device | None) -> dict[str, Any]:
-    """The throughput metrics of one optimizer step over all of its (global) micro-batches,
-    the same for every recipe: real and loss tokens, padding fraction, real tokens/s, time
-    waiting for data, MFU (`flops` the step executed over `seconds`, against the peak of all
-    devices) and peak memory."""
-    real = sum(int(b["num_real_tokens"]) for b in batches)
-    pad = sum(int(b["num_pad_tokens"]) for b in batches)
-    return {"real_tokens": real, "loss_tokens": sum(int(b["num_loss_tokens"]) for b in batches),
+    """The throughput metrics of one optimizer step, from the `batch_counts` of all of its
+    (global) micro-batches, the same for every recipe: real and loss tokens, padding fraction,
+    real tokens/s, time waiting for data, MFU (`flops` the step executed over `seconds`,
+    against the peak of all devices) and peak memory."""
+    real, pad = int(counts["real_tokens"]), int(counts["pad_tokens"])
+    return {"real_tokens": real, "loss_tokens": int(counts["loss_tokens"]),
             "padding_fraction": pad / max(real + pad, 1),
             "real_tokens_per_s": real / seconds, "data_wait_s": data_wait_s,
             "step_total_s": seconds, "step_flops": flops,

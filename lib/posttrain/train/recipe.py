@@ -35,12 +35,13 @@ import torch
 from torch import nn
 
 from posttrain.config.loader import build, inline
-from posttrain.data.loader import LoaderConfig, TrainLoader, sources_from_manifest
+from posttrain.data.loader import (LoaderConfig, StreamLoader, TrainLoader,
+                                   sources_from_manifest)
 from posttrain.data.prepared import local_view
 from posttrain.errors import ConfigError, DataError
 from posttrain.models.transformer import Transformer
 from posttrain.train.engine import CausalLMLoss, Engine, EngineConfig
-from posttrain.train.metrics import device_peak_flops, step_metrics
+from posttrain.train.metrics import batch_counts, device_peak_flops, step_metrics
 
 log = logging.getLogger(__name__)
 
@@ -109,17 +110,24 @@ def check_export(export: ExportConfig, lora: Any) -> None:
                          "to merged (full weights, adapters folded in) or peft (the adapter)")
 
 
-def check_step_split(micro_batches: int, run: RunConfig, parallel: Any) -> None:
+def check_step_split(micro_batches: int, run: RunConfig, parallel: Any, streams: int = 1
+                     ) -> None:
     """A step's micro-batches must deal out evenly over the data-parallel ranks: run.num_workers
-    processes over `parallel.tp`-wide tensor-parallel groups (ranks of a group share data)."""
+    processes over `parallel.tp`-wide tensor-parallel groups (ranks of a group share data);
+    with `streams` S > 1, over the streams (G / S each), and the streams over the ranks."""
     from posttrain.distributed.env import resolve_mesh_shape
     dp, tp = resolve_mesh_shape(run.num_workers, parallel.dp_shard, parallel.tp)
+    ranks = (f"run.num_workers={run.num_workers}" if tp == 1 else
+             f"{dp} data-parallel ranks (run.num_workers={run.num_workers} / "
+             f"parallel.tp={tp})")
     if micro_batches % dp:
-        ranks = (f"run.num_workers={run.num_workers}" if tp == 1 else
-                 f"{dp} data-parallel ranks (run.num_workers={run.num_workers} / "
-                 f"parallel.tp={tp})")
         raise ValueError(f"{micro_batches} micro-batches per step (tokens_per_step / "
                          f"(rows_per_batch x max_tokens_per_pack)) do not split over {ranks}")
+    if streams > 1 and (micro_batches % streams or streams % dp):
+        raise ValueError(f"train.loader.streams={streams} must divide the {micro_batches} "
+                         f"micro-batches per step and be a multiple of the {ranks}: each rank "
+                         f"reads whole streams, each stream gives every step the same number "
+                         f"of micro-batches")
 
 
 def one_pass(cfg: LoaderConfig) -> LoaderConfig:
@@ -165,8 +173,14 @@ class Recipe:
         """After the engine is built and filled (e.g. stream a frozen teacher's weights)."""
 
     def train_loader(self) -> Any:
-        w = self.worker
-        return TrainLoader(sources_from_manifest(w.prepared_uri, "train"), self.cfg.train.loader)
+        """The global stream (every rank reads it whole), or with ``train.loader.streams`` S > 1
+        this data-parallel rank's streams r, r + D, ... (`posttrain.data.loader.StreamLoader`)."""
+        w, cfg = self.worker, self.cfg.train.loader
+        sources = sources_from_manifest(w.prepared_uri, "train")
+        if cfg.streams == 1:
+            return TrainLoader(sources, cfg)
+        dp = w.engine.dp
+        return StreamLoader(sources, cfg, own=list(range(dp.rank, cfg.streams, dp.size)))
 
     def inputs(self, batch: dict, split: str) -> dict:
         """The batch as the loss root takes it (default: the loader's fields)."""
@@ -353,22 +367,33 @@ class RecipeWorker:
         return self.engine.step
 
     def train_step(self) -> dict[str, Any] | None:
-        """One optimizer step; None when the data is exhausted before a full step."""
+        """One optimizer step; None when the data is exhausted before a full step.
+
+        With one stream every rank reads the step's G micro-batches and trains on its share;
+        with S streams it reads only its share, G / D, and the counts the loss is normalized
+        by are summed over the data-parallel ranks.
+        """
         if self._batches is None:
             self._batches = iter(self.loader)
         t0 = time.perf_counter()
-        g = self.cfg.train.micro_batches_per_step
+        dp, recipe = self.engine.dp, self.recipe
+        per_rank = self.cfg.train.loader.streams > 1
+        g = self.cfg.train.micro_batches_per_step // (dp.size if per_rank else 1)
         batches = [b for _, b in zip(range(g), self._batches)]
-        if len(batches) < g:
+        full = len(batches) == g
+        if not (dp.all(full) if per_rank else full):
             return None
         data_s = time.perf_counter() - t0
-        recipe = self.recipe
-        units = sum(int(b[recipe.unit_field]) for b in batches)
-        mine = [recipe.inputs(b, "train") for b in self.engine.dp.share(batches)]
-        metrics = self.engine.train_step(mine, units)
+        counts = {**batch_counts(batches), "flops": sum(recipe.flops(b) for b in batches),
+                  "units": float(sum(int(b[recipe.unit_field]) for b in batches))}
+        if per_rank:
+            counts = dp.sum_all(counts)
+        mine = batches if per_rank else dp.share(batches)
+        units = int(counts["units"])
+        metrics = self.engine.train_step([recipe.inputs(b, "train") for b in mine], units)
         seconds = time.perf_counter() - t0
-        metrics.update(step_metrics(batches, seconds=seconds, data_wait_s=data_s,
-                                    flops=sum(recipe.flops(b) for b in batches),
+        metrics.update(step_metrics(counts, seconds=seconds, data_wait_s=data_s,
+                                    flops=counts["flops"],
                                     peak_flops=self.peak_flops * self.world,
                                     device=self.engine.device))
         self.tokens_seen += metrics["real_tokens"]
@@ -380,8 +405,11 @@ class RecipeWorker:
         return metrics
 
     def save_checkpoint(self) -> str:
-        return self.engine.save_checkpoint({"loader": self.loader.state_dict(),
-                                            "tokens_seen": self.tokens_seen,
+        loader = self.loader.state_dict()
+        if "streams" in loader:          # every stream's position, from the ranks that own them
+            parts = self.engine.dp.gather(loader["streams"])
+            loader = {"streams": {s: st for part in parts for s, st in part.items()}}
+        return self.engine.save_checkpoint({"loader": loader, "tokens_seen": self.tokens_seen,
                                             "units_seen": self.units_seen})
 
     def evaluate(self) -> dict[str, float]:

@@ -43,7 +43,8 @@ class SFTConfig:
         check_export(self.export, self.model.lora)
         if self.data.format not in ("chat", "sequence"):
             raise ValueError(f"SFT trains on chat or sequence data, not {self.data.format!r}")
-        check_step_split(self.train.micro_batches_per_step, self.run, self.train.engine.parallel)
+        check_step_split(self.train.micro_batches_per_step, self.run, self.train.engine.parallel,
+                         self.train.loader.streams)
 
 
 class SFT(Recipe):

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from posttrain.train.metrics import MetricsWriter, read_metrics, step_metrics
+from posttrain.train.metrics import MetricsWriter, batch_counts, read_metrics, step_metrics
 from posttrain.train.optim import SchedulerConfig, lr_factor
 
 
@@ -26,7 +26,7 @@ def test_step_metrics_count_real_tokens_and_executed_flops():
     """Every recipe's step metrics: padding excluded from tokens/s, MFU = FLOPs / s / peak."""
     batches = [{"num_real_tokens": 300, "num_pad_tokens": 100, "num_loss_tokens": 120},
                {"num_real_tokens": 200, "num_pad_tokens": 0, "num_loss_tokens": 80}]
-    m = step_metrics(batches, seconds=2.0, data_wait_s=0.1, flops=4e9, peak_flops=1e10,
+    m = step_metrics(batch_counts(batches), seconds=2.0, data_wait_s=0.1, flops=4e9, peak_flops=1e10,
                      device=None)
     assert (m["real_tokens"], m["loss_tokens"]) == (500, 200)
     assert m["padding_fraction"] == pytest.approx(100 / 600)
