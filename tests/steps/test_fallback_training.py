@@ -5,7 +5,8 @@ checkpoints are made here with transformers; SFT and DPO runs on them, through t
 the native recipes (`steps.train_sft`, `steps.train_dpo`, one inline worker, FSDP2 over a
 group of one), must
 
-- train (the loss moves) and checkpoint after every step;
+- train (the loss moves) and checkpoint after every step, on 1 worker and sharded over 2
+  (the same losses and weights within 1e-5);
 - resume bit for bit after a SIGKILL (the exported weights are byte-identical);
 - export a checkpoint that transformers loads with the logits of the trained model (the
   engine's model restored from the last checkpoint), within 1e-5;
@@ -107,6 +108,23 @@ def test_trains_resumes_bit_for_bit_and_exports(runs, arch, recipe):
     run_to_end(f"steps.train_{recipe}", config, run_dir)
     assert safetensors(run_dir / "hf") == safetensors(ref_dir / "hf")
     assert _losses(run_dir)[KILL_STEP:] == losses[KILL_STEP:]
+
+
+def test_two_fsdp2_workers_match_one(runs, tmp_path, local_ray):
+    """The transformers model sharded over 2 Ray workers (FSDP2 over gloo) trains the same
+    steps: per-step losses within 1e-5 of the 1-worker run, weights within 1e-5."""
+    from steps import train_sft
+
+    from .conftest import assert_weights_close
+    config, ref_dir = runs["phi3", "sft"]
+    result = train_sft.run(config, overrides={
+        "run.dir": str(tmp_path / "ray2"), "run.launcher": "ray", "run.num_workers": 2},
+        prepared_dir=str(ref_dir / "prepared"), show_progress=False)
+    assert result["model"]["world_size"] == 2
+    got, want = _losses(Path(result["run_dir"])), _losses(ref_dir)
+    assert len(got) == len(want) == STEPS
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+    assert_weights_close(Path(result["hf_dir"]), ref_dir / "hf", 1e-5)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "phi3"])
