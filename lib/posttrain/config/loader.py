@@ -11,6 +11,9 @@ Configs compose: a recipe's config holds the parts' configs as fields. A field d
 (e.g. the engine's ``max_steps``, ``optimizer``, ... directly under a recipe's ``train:``), so
 a part can be handed on whole (the Engine receives only its `EngineConfig`) while the YAML keeps
 one flat section.
+
+A config class may list keys of earlier releases in a `MOVED_KEYS` class attribute (key -> where
+it went); such a key fails saying where to put it instead of only "unknown key".
 """
 
 from __future__ import annotations
@@ -158,7 +161,10 @@ def _build_dataclass(cls: Any, value: Any, where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = get_type_hints(cls)
     known = _keys(cls)
+    moved = getattr(cls, "MOVED_KEYS", {})
     for key in value:
+        if key in moved and key not in known:
+            raise ConfigError(f"{where}.{key}: this key has moved: {moved[key]}")
         if key not in known:
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else \

@@ -57,6 +57,10 @@ class TrainConfig:
     tokens_per_step: int                      # global token slots per optimizer step
     loader: LoaderConfig = LoaderConfig()
 
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "dpo": "DPO's loss settings are the top-level `loss:` section (beta, loss_type, ...)",
+        "reference": "DPO's reference is the top-level `reference:` section"}
+
     def __post_init__(self) -> None:
         micro_tokens = self.loader.rows_per_batch * self.loader.packing.max_tokens_per_pack
         if self.tokens_per_step % micro_tokens:
