@@ -14,15 +14,20 @@ Routing, as transformers' Qwen3-MoE does it, per token x:
     w = w / sum(w)  if norm_topk_prob;  w cast back to the model dtype
     y = sum_j w_j * down_{e_j}(act(gate_{e_j}(x)) * up_{e_j}(x))
 
-Dispatch sorts the (token, expert) pairs by expert and runs every expert that received tokens
-once, over exactly its tokens (`index_select` in, `index_add` out): an expert with no tokens
-costs nothing, and the FLOPs are those of top_k dense MLPs of width I per token. The stacked
-weights are `unbind`-ed once per forward so that the backward writes each expert's gradient
-into one stacked buffer instead of a full-size zero tensor per expert.
+Dispatch sorts the (token, expert) pairs by expert and runs every expert over exactly its tokens
+(`index_select` in, `index_add` out): an expert with no tokens costs nothing, and the FLOPs are
+those of top_k dense MLPs of width I per token. The three projections are grouped matmuls
+(`torch._grouped_mm`: one kernel for all experts, the groups given by the tokens' offsets)
+where the device and dtype support it, forward and backward (probed once per device and
+dtype); elsewhere a loop over the experts, whose stacked weights are `unbind`-ed once per
+forward so that the backward writes each expert's gradient into one stacked buffer. Both give
+the same numbers within 1e-5 (`tests/lib/models/test_moe.py`); `Experts.impl` forces one.
 
 Every MoE block keeps its last router logits (`router_logits_NE`, with their graph), from which
 `load_balancing_loss` computes the Switch-Transformer auxiliary loss exactly as transformers'
-`load_balancing_loss_func` does; `moe_aux_loss(model)` scales it by `router_aux_loss_coef`.
+`load_balancing_loss_func` does; `moe_aux_loss(model)` scales it by `router_aux_loss_coef`;
+`router_z_loss` is ST-MoE's. The engine adds both to the training loss with the configured
+coefficients (`ModelConfig.moe_aux_loss_coef`, `moe_z_loss_coef`; `posttrain.train.engine`).
 """
 
 from __future__ import annotations
@@ -36,11 +41,48 @@ from posttrain.models.args import ModelArgs
 from posttrain.models.layers import _ACTIVATIONS
 
 __all__ = ["Experts", "MoEBlock", "build_moe", "load_balancing_loss", "moe_aux_loss",
-           "router_logits"]
+           "router_logits", "router_z_loss"]
+
+
+_GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs forward and backward here (probed once, on tiny
+    tensors with an empty group): CPU in recent torch; CUDA needs bf16 on sm90+."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_OK:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                x = torch.randn(6, 16, device=device, dtype=dtype, requires_grad=True)
+                w = torch.randn(3, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                offs = torch.tensor([2, 2, 6], device=device, dtype=torch.int32)
+                y = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+                y.backward(torch.ones_like(y))
+                ok = w.grad is not None and x.grad is not None
+            except (RuntimeError, NotImplementedError):
+                ok = False
+        _GROUPED_OK[key] = ok
+    return _GROUPED_OK[key]
+
+
+def _gmm(x_NH: torch.Tensor, w_EOH: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """Rows of group e of `x_NH` (by `offs_E`, cumulative ends) times w[e]^T."""
+    y = torch._grouped_mm(x_NH, w_EOH.transpose(1, 2), offs=offs_E)
+    if y.requires_grad:
+        # its backward refuses an expanded (stride-0) gradient, e.g. that of a sum
+        y.register_hook(lambda g: g.contiguous())
+    return y
 
 
 class Experts(nn.Module):
-    """`num_experts` gated MLPs stored as stacked tensors (grouped matmuls, expert sharding)."""
+    """`num_experts` gated MLPs stored as stacked tensors (grouped matmuls, expert sharding).
+
+    `impl`: "auto" (grouped matmuls where available, else the loop), "grouped" or "loop".
+    """
+
+    impl: str = "auto"
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  hidden_act: str):
@@ -66,8 +108,23 @@ class Experts(nn.Module):
         flat_expert = expert_NK.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)          # pairs grouped by expert
         token_idx = order // k
-        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
+        counts_E = torch.bincount(flat_expert, minlength=self.num_experts)
         x_sorted = x_NH.index_select(0, token_idx)
+        grouped = self.impl == "grouped" or (
+            self.impl == "auto" and grouped_mm_available(x_NH.device, self.gate.dtype))
+        if grouped:
+            offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+            h = self.act(_gmm(x_sorted, self.gate, offs_E)) * _gmm(x_sorted, self.up, offs_E)
+            y_sorted = _gmm(h, self.down, offs_E)
+        else:
+            y_sorted = self._loop(x_sorted, counts_E.tolist())
+            if y_sorted is None:
+                return torch.zeros_like(x_NH)
+        y_sorted = y_sorted * weight_NK.reshape(-1)[order, None]
+        return torch.zeros_like(x_NH).index_add(0, token_idx, y_sorted.to(x_NH.dtype))
+
+    def _loop(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        """Each expert over its rows of `x_sorted` in turn (None when no row was routed)."""
         gates, ups, downs = self.gate.unbind(0), self.up.unbind(0), self.down.unbind(0)
         outs = []
         for e, x_e in enumerate(x_sorted.split(counts)):
@@ -75,10 +132,7 @@ class Experts(nn.Module):
                 continue
             h = self.act(F.linear(x_e, gates[e])) * F.linear(x_e, ups[e])
             outs.append(F.linear(h, downs[e]))
-        if not outs:
-            return torch.zeros_like(x_NH)
-        y_sorted = torch.cat(outs) * weight_NK.reshape(-1)[order, None]
-        return torch.zeros_like(x_NH).index_add(0, token_idx, y_sorted.to(x_NH.dtype))
+        return torch.cat(outs) if outs else None
 
     def extra_repr(self) -> str:
         e, i, h = self.gate.shape
@@ -162,6 +216,21 @@ def load_balancing_loss(router_logits_LNE: list[torch.Tensor], top_k: int,
         prob_E = prob_E + (probs if mask_N is None else probs * mask_N[:, None]).sum(0)
         rows = rows + (probs.shape[0] if mask_N is None else mask_N.sum())
     return num_experts * torch.sum((count_E / rows) * (prob_E / rows))
+
+
+def router_z_loss(router_logits_LNE: list[torch.Tensor],
+                  token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Router z-loss (Zoph et al. 2022, ST-MoE, eq. 5): the mean over layers and tokens of
+    logsumexp(logits)^2, which keeps router logits small; `token_mask` leaves padding out."""
+    total = torch.zeros((), dtype=torch.float32, device=router_logits_LNE[0].device)
+    rows = torch.zeros((), dtype=torch.float32, device=total.device)
+    mask_N = None if token_mask is None else token_mask.reshape(-1).to(total.device,
+                                                                       torch.float32)
+    for logits in router_logits_LNE:
+        z_N = torch.logsumexp(logits.float(), dim=-1).square()
+        total = total + (z_N.sum() if mask_N is None else (z_N * mask_N).sum())
+        rows = rows + (z_N.shape[0] if mask_N is None else mask_N.sum())
+    return total / rows
 
 
 def moe_aux_loss(model: nn.Module, token_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -135,11 +135,17 @@ class ModelConfig:
     vocab_multiple: int = 64
     lora: LoraSettings | None = None
     loss_chunk_tokens: int = 1024
+    # MoE models: the router's load-balancing loss (None: the checkpoint config's
+    # router_aux_loss_coef) and z-loss, added to the training loss with these weights
+    moe_aux_loss_coef: float | None = None
+    moe_z_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.hf_dir is None) == (self.init is None):
             raise ValueError("model: set exactly one of hf_dir (a checkpoint) or init "
                              "(a random model from a config)")
+        if (self.moe_aux_loss_coef or 0.0) < 0 or self.moe_z_loss_coef < 0:
+            raise ValueError("model.moe_aux_loss_coef and model.moe_z_loss_coef must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -230,6 +236,13 @@ class Engine:
         self.step = 0
         self.num_params = count_params(self.model)
         self.num_trainable = count_params(self.model, trainable_only=True)
+        # (load-balancing, z-loss) coefficients of an MoE model's router losses; () otherwise
+        moe = self.args is not None and self.args.num_experts > 0
+        aux = (self.args.router_aux_loss_coef if model_cfg.moe_aux_loss_coef is None
+               else model_cfg.moe_aux_loss_coef) if moe else 0.0
+        self.router_coefs: tuple[float, float] = ((aux, model_cfg.moe_z_loss_coef)
+                                                  if moe and (aux or model_cfg.moe_z_loss_coef)
+                                                  else ())
 
     # ------------------------------------------------------------------ build
     def _init_missing(self, name: str, param: torch.Tensor) -> torch.Tensor:
@@ -249,19 +262,9 @@ class Engine:
         tensor-parallel group get the same. `global_loss_tokens` is N_global, the step's loss
         units over all data-parallel ranks (module doc).
         """
-        self.root.train()
         t0 = time.perf_counter()
-        local_loss = torch.zeros((), dtype=torch.float64)
-        local_stats: dict[str, float] = {}
-        scale = self.dp.size / max(global_loss_tokens, 1)
-        for batch in micro_batches:
-            loss_sum, stats = self._forward(batch)
-            (loss_sum * scale).backward()
-            local_loss += loss_sum.detach().double().cpu()
-            for k, v in stats.items():
-                local_stats[k] = local_stats.get(k, 0.0) + float(v)
-        if not micro_batches:
-            self._zero_contribution()
+        local_loss, local_stats, router = self.accumulate_gradients(micro_batches,
+                                                                    global_loss_tokens)
         grad_norm = self._clip()
         self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
@@ -271,8 +274,55 @@ class Engine:
         loss_total = self.dp.sum(local_loss.item())
         stats = {k: self.dp.sum(v) / max(global_loss_tokens, 1)
                  for k, v in sorted(local_stats.items())}
+        # the MoE router losses: means over the step's micro-batches (unweighted)
+        stats.update({k: self.dp.sum(v) / (len(micro_batches) * self.dp.size)
+                      for k, v in sorted(router.items())})
         return {"step": self.step, "loss": loss_total / max(global_loss_tokens, 1), **stats,
                 "grad_norm": grad_norm, "lr": lr, "step_time_s": time.perf_counter() - t0}
+
+    def accumulate_gradients(self, micro_batches: list[dict], global_loss_tokens: int
+                             ) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
+        """Forward and backward over this rank's micro-batches: the gradient of the step's
+        loss (module doc), plus for MoE models coef x the router losses of each micro-batch
+        averaged over the step's micro-batches. Returns the local loss sum, the loss root's
+        stats sums and the router losses' sums (unscaled, over this rank's micro-batches)."""
+        self.root.train()
+        local_loss = torch.zeros((), dtype=torch.float64)
+        local_stats: dict[str, float] = {}
+        router: dict[str, float] = {}
+        scale = self.dp.size / max(global_loss_tokens, 1)
+        for batch in micro_batches:
+            loss_sum, stats = self._forward(batch)
+            objective = loss_sum * scale
+            if self.router_coefs:
+                # FSDP averages gradients over the D ranks; each holds 1/D of the G
+                # micro-batches, so 1 / (its count) gives the mean over all G
+                terms = self._router_losses(batch)
+                for k, (coef, value) in terms.items():
+                    objective = objective + value * (coef / len(micro_batches))
+                    router[k] = router.get(k, 0.0) + float(value.detach())
+            objective.backward()
+            local_loss += loss_sum.detach().double().cpu()
+            for k, v in stats.items():
+                local_stats[k] = local_stats.get(k, 0.0) + float(v)
+        if not micro_batches:
+            self._zero_contribution()
+        return local_loss, local_stats, router
+
+    def _router_losses(self, batch: dict) -> dict[str, tuple[float, torch.Tensor]]:
+        """{metric: (coefficient, value)} of the router losses of the last forward, padding
+        left out."""
+        from posttrain.models.moe import load_balancing_loss, router_logits, router_z_loss
+        logits = router_logits(self.model)
+        mask = _real_token_mask(batch)
+        aux_coef, z_coef = self.router_coefs
+        out = {}
+        if aux_coef:
+            out["moe/aux_loss"] = (aux_coef, load_balancing_loss(
+                logits, self.args.num_experts_per_tok, mask))
+        if z_coef:
+            out["moe/z_loss"] = (z_coef, router_z_loss(logits, mask))
+        return out
 
     def _forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         keys = getattr(self.root, "input_keys", CausalLMLoss.input_keys)
@@ -421,6 +471,20 @@ def _build_fallback(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: st
     mesh = mesh if mesh is not None else build_mesh(parallel.dp_shard, parallel.tp)
     root = (parallelize_frozen if frozen else parallelize)(model, mesh, parallel, root=root)
     return model, root
+
+
+def _real_token_mask(batch: dict) -> torch.Tensor | None:
+    """[B, T] with 1 on real tokens, 0 on the trailing padding of each row (None: no padding
+    recorded, every position is real)."""
+    pads = batch.get("row_num_pad")
+    if not pads or not any(pads):
+        return None
+    B, T = batch["input_ids"].shape
+    mask = torch.ones(B, T)
+    for b, pad in enumerate(pads):
+        if pad:
+            mask[b, T - int(pad):] = 0
+    return mask
 
 
 def _fit_vocab(name: str, t: torch.Tensor, ckpt: ModelArgs, model: ModelArgs) -> torch.Tensor:

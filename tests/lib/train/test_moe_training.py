@@ -1,0 +1,110 @@
+"""MoE that trains: the router's load-balancing loss (and the optional z-loss) is part of the
+training loss, through the engine, and reaches the router as transformers' does.
+
+- With transformers' Qwen3-MoE (`output_router_logits=True`, the same `router_aux_loss_coef`)
+  as the reference, one engine backward gives every router's gradient within 1e-5 (fp32),
+  and the expert weights' too; `moe_aux_loss_coef: 0` gives the cross-entropy-only gradient.
+- The z-loss term is mean_{layers, tokens} logsumexp(router logits)^2, padding left out.
+- A step reports the router losses as metrics.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.distributed.env import init_process_group
+from posttrain.models.verify import random_hf_model, tiny_hf_config
+from posttrain.train.engine import Engine, EngineConfig, ModelConfig
+from posttrain.train.optim import OptimizerConfig
+
+COEF = 0.05
+VOCAB = 250
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("moe") / "qwen3_moe"
+    random_hf_model(tiny_hf_config("qwen3_moe", router_aux_loss_coef=COEF),
+                    seed=0).save_pretrained(out)
+    return out
+
+
+def _batch(seed: int = 0) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """A batch for the engine (labels shifted, some ignored) and transformers' (ids, labels)."""
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(seed))
+    hf_labels = ids.clone()
+    hf_labels[:, :6] = -100                                # a prompt without loss
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = hf_labels[:, 1:]
+    batch = {"input_ids": ids, "labels": labels,
+             "position_ids": torch.arange(24).expand(2, 24), "document_lengths": None}
+    return batch, ids, hf_labels
+
+
+def _engine(hf_dir: Path, tmp: Path, **model) -> Engine:
+    init_process_group()
+    return Engine(ModelConfig(hf_dir=str(hf_dir), **model),
+                  EngineConfig(max_steps=2, optimizer=OptimizerConfig(lr=1e-3),
+                               grad_clip_norm=0.0), str(hf_dir), str(tmp))
+
+
+def _grads(named: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach()
+            for n, p in named.items() if p.grad is not None}
+
+
+def _hf_grads(hf_dir: Path, aux: bool) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                 output_router_logits=aux).train()
+    _, ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("aux", [True, False], ids=["with_aux_loss", "coef_0"])
+def test_router_gradients_equal_transformers(hf_dir, tmp_path, aux):
+    engine = _engine(hf_dir, tmp_path, **({} if aux else {"moe_aux_loss_coef": 0.0}))
+    assert engine.router_coefs == ((COEF, 0.0) if aux else ())
+    batch, _, hf_labels = _batch()
+    units = int((batch["labels"] != -100).sum())
+    engine.accumulate_gradients([batch], units)
+    ours = _grads(dict(engine.model.named_parameters()))
+    ref = _hf_grads(hf_dir, aux)
+    routers = [n for n in ours if n.endswith("mlp.router.weight")]
+    assert len(routers) == 3                               # layers 0, 1, 3 are MoE
+    for name in routers:
+        hf_name = "model." + name.replace("mlp.router", "mlp.gate")
+        diff = (ours[name] - ref[hf_name]).abs().max().item()
+        assert diff <= 1e-5, (name, diff)
+    # the experts' gradients too (transformers fuses gate and up: [E, 2 I, H])
+    i = int(routers[0].split(".")[1])
+    gate_up = ref[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+    inter = ours[f"layers.{i}.mlp.experts.gate"].shape[1]
+    assert (ours[f"layers.{i}.mlp.experts.gate"] - gate_up[:, :inter]).abs().max() <= 1e-5
+    assert (ours[f"layers.{i}.mlp.experts.up"] - gate_up[:, inter:]).abs().max() <= 1e-5
+
+
+def test_z_loss_and_the_step_metrics(hf_dir, tmp_path):
+    from posttrain.models.moe import router_logits, router_z_loss
+    engine = _engine(hf_dir, tmp_path, moe_z_loss_coef=1e-3)
+    assert engine.router_coefs == (COEF, 1e-3)
+    batch, _, _ = _batch(seed=1)
+    batch["row_num_pad"] = [0, 4]                          # the second row's last 4 are padding
+    with torch.no_grad():
+        engine.root.eval()
+        engine.root(batch["input_ids"], batch["labels"], batch["position_ids"], None)
+    logits = router_logits(engine.model)
+    mask = torch.ones(2, 24)
+    mask[1, 20:] = 0
+    real = mask.reshape(-1).bool()
+    expected = torch.cat([torch.logsumexp(lg.float(), -1)[real] ** 2 for lg in logits]).mean()
+    assert router_z_loss(logits, mask).item() == pytest.approx(expected.item(), rel=1e-6)
+    metrics = engine.train_step([batch], int((batch["labels"] != -100).sum()))
+    assert metrics["moe/aux_loss"] > 0 and metrics["moe/z_loss"] > 0
+    # the load-balancing loss is near 1 for a balanced router (E * sum f P = 1 when uniform)
+    assert 0.5 < metrics["moe/aux_loss"] < 4.0
