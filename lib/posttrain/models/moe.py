@@ -40,8 +40,8 @@ from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
 from posttrain.models.layers import _ACTIVATIONS
 
-__all__ = ["Experts", "MoEBlock", "build_moe", "load_balancing_loss", "moe_aux_loss",
-           "router_logits", "router_z_loss"]
+__all__ = ["Experts", "MoEBlock", "build_moe", "grouped_mm_available", "grouped_mm_flops",
+           "load_balancing_loss", "moe_aux_loss", "router_logits", "router_z_loss"]
 
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
@@ -55,16 +55,33 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
         ok = hasattr(torch, "_grouped_mm")
         if ok:
             try:
-                x = torch.randn(6, 16, device=device, dtype=dtype, requires_grad=True)
-                w = torch.randn(3, 16, 16, device=device, dtype=dtype, requires_grad=True)
-                offs = torch.tensor([2, 2, 6], device=device, dtype=torch.int32)
-                y = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-                y.backward(torch.ones_like(y))
-                ok = w.grad is not None and x.grad is not None
+                ok = _probe_grouped_mm(device, dtype)
             except (RuntimeError, NotImplementedError):
                 ok = False
         _GROUPED_OK[key] = ok
     return _GROUPED_OK[key]
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    # the first MoE forward may run under no_grad or inference_mode: probe outside them; no
+    # random numbers (the global RNG drives dropout)
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.ones(6, 16, device=device, dtype=dtype, requires_grad=True)
+        w = torch.ones(3, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([2, 2, 6], device=device, dtype=torch.int32)
+        y = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        y.backward(torch.ones_like(y))
+        return w.grad is not None and x.grad is not None
+
+
+def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of `torch._grouped_mm(a, b, offs)`, for `FlopCounterMode(custom_mapping=...)`,
+    which has no formula for it: every row of `a` meets one group's [k, n] block (or, grouped
+    along the inner dim, every product is made once), 2 * numel(a) * n."""
+    rows = 1
+    for d in a_shape:
+        rows *= d
+    return 2 * rows * b_shape[-1]
 
 
 def _gmm(x_NH: torch.Tensor, w_EOH: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:

@@ -59,8 +59,10 @@ def _counted_flops(model, args: ModelArgs, docs: list[int] | None) -> tuple[floa
     ids = torch.randint(0, args.vocab_size, (BATCH, SEQ_LEN),
                         generator=torch.Generator().manual_seed(0))
     rows = [docs] * BATCH if docs is not None else None
-    with FlopCounterMode(display=False, custom_mapping={SDPA_FWD: _sdpa_fwd,
-                                                        SDPA_BWD: _sdpa_bwd}) as counter:
+    from posttrain.models.moe import grouped_mm_flops
+    with FlopCounterMode(display=False, custom_mapping={
+            SDPA_FWD: _sdpa_fwd, SDPA_BWD: _sdpa_bwd,
+            aten._grouped_mm: grouped_mm_flops}) as counter:     # the grouped MoE experts
         model.logits(model(ids, document_lengths=rows)).float().sum().backward()
     by_op = counter.get_flop_counts()["Global"]
     fwd_sq, bwd_sq = by_op.get(SDPA_FWD, 0), by_op.get(SDPA_BWD, 0)
