@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 STEPS, KILL_STEP = 4, 2
 CASES = [("gpt2", "sft"), ("phi3", "sft"), ("phi3", "dpo")]
+RESUMED = [("phi3", "sft"), ("phi3", "dpo")]       # SIGKILL + restart (a subprocess each)
 
 
 def _checkpoint(arch: str, vocab: int, out: Path) -> Path:
@@ -97,12 +98,17 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 @pytest.mark.parametrize("arch, recipe", CASES)
-def test_trains_resumes_bit_for_bit_and_exports(runs, arch, recipe):
+def test_trains(runs, arch, recipe):
+    losses = _losses(runs[arch, recipe][1])
+    assert len(losses) == STEPS and losses[-1] < losses[0], losses
+    result = json.loads((runs[arch, recipe][1] / "result.json").read_text())
+    assert result["mean_mfu"] > 0                      # the 6 N estimate, not 0
+
+
+@pytest.mark.parametrize("arch, recipe", RESUMED)
+def test_resumes_bit_for_bit(runs, arch, recipe):
     config, ref_dir = runs[arch, recipe]
     losses = _losses(ref_dir)
-    assert len(losses) == STEPS and losses[-1] < losses[0], losses
-    result = json.loads((ref_dir / "result.json").read_text())
-    assert result["mean_mfu"] > 0                      # the 6 N estimate, not 0
     run_dir = ref_dir.with_name(ref_dir.name + "_killed")
     run_and_kill(f"steps.train_{recipe}", config, run_dir, KILL_STEP)
     run_to_end(f"steps.train_{recipe}", config, run_dir)
