@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from posttrain.errors import ConfigError
 
-ActivationCheckpointing = Literal["none", "full"]
+ActivationCheckpointing = Literal["none", "full", "selective"]
 MixedPrecision = Literal["fp32", "bf16"]
 
 
@@ -44,7 +44,9 @@ class ParallelConfig:
 
     dp_shard: FSDP2 shard degree; -1 takes the rest of the world after `tp`.
     tp: tensor-parallel degree (attention heads and MLP columns split across ranks).
-    activation_checkpointing: "full" recomputes every block's activations in backward.
+    activation_checkpointing: "full" recomputes every block's activations in backward;
+        "selective" only every `ac_every`-th block's (blocks 0, k, 2k, ...), trading memory for
+        less recompute.
     compile: torch.compile each block.
     mixed_precision: "bf16" computes in bf16 (params all-gathered in bf16, gradients reduced in
         fp32); the sharded master weights and optimizer state stay fp32.
@@ -55,6 +57,7 @@ class ParallelConfig:
     dp_shard: int = -1
     tp: int = 1
     activation_checkpointing: ActivationCheckpointing = "none"
+    ac_every: int = 2                   # selective: checkpoint every k-th block
     compile: bool = False
     mixed_precision: MixedPrecision = "fp32"
     reshard_after_forward: bool = True
@@ -67,6 +70,8 @@ class ParallelConfig:
                                   f"got {getattr(self, name)!r}")
         if self.tp < 1:
             raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
+        if self.ac_every < 1:
+            raise ConfigError(f"parallel.ac_every must be >= 1, got {self.ac_every}")
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ConfigError(f"parallel.dp_shard must be >= 1 or -1, got {self.dp_shard}")
 
@@ -145,19 +150,24 @@ def _has_submodule(module: nn.Module, name: str) -> bool:
 # ------------------------------------------------------------------------- AC and compile
 
 def apply_activation_checkpointing(model: nn.Module, mode: ActivationCheckpointing, *,
-                                   blocks_attr: str = "layers") -> None:
-    """Wrap every block so its activations are recomputed in backward ("full"); "none" no-op.
+                                   blocks_attr: str = "layers", every: int = 1) -> None:
+    """Wrap blocks so their activations are recomputed in backward: every block ("full"), or
+    blocks 0, k, 2k, ... with k = `every` ("selective"); "none" is a no-op.
 
     The wrapper forwards attribute access to the block, and state-dict keys are unchanged
     when read through `torch.distributed.checkpoint.state_dict`.
     """
     if mode == "none":
         return
-    if mode != "full":
-        raise ConfigError(f"activation_checkpointing must be 'none' or 'full', got {mode!r}")
+    if mode not in ("full", "selective"):
+        raise ConfigError(f"activation_checkpointing must be 'none', 'full' or 'selective', "
+                          f"got {mode!r}")
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     blocks = _blocks(model, blocks_attr)
+    step = every if mode == "selective" else 1
     for i, block in enumerate(blocks):
+        if i % step:
+            continue
         # preserve_rng_state: dropout in recompute draws the same mask as in forward
         blocks[i] = checkpoint_wrapper(block, preserve_rng_state=True)
 
@@ -213,7 +223,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
     _check_mesh(mesh, cfg)
     if cfg.tp > 1:
         apply_tp(model, mesh, blocks_attr=blocks_attr)
-    apply_activation_checkpointing(model, cfg.activation_checkpointing, blocks_attr=blocks_attr)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing, blocks_attr=blocks_attr,
+                                   every=cfg.ac_every)
     if cfg.compile:
         apply_compile(model, blocks_attr=blocks_attr)
     apply_fsdp(model, mesh, cfg, blocks_attr=blocks_attr, root=root)

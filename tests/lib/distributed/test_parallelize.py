@@ -289,7 +289,9 @@ def test_bad_mesh_sizes_raise_clear_errors(monkeypatch, dp_shard, tp, world, mat
 
 def test_parallel_config_validates():
     with pytest.raises(ConfigError, match="activation_checkpointing"):
-        ParallelConfig(activation_checkpointing="selective")
+        ParallelConfig(activation_checkpointing="partial")
+    with pytest.raises(ConfigError, match="ac_every"):
+        ParallelConfig(activation_checkpointing="selective", ac_every=0)
     with pytest.raises(ConfigError, match="mixed_precision"):
         ParallelConfig(mixed_precision="fp16")
 
@@ -317,6 +319,26 @@ def test_activation_checkpointing_and_compile_keep_names_and_numbers():
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss)
     torch.testing.assert_close(model.embed.weight.grad, ref.embed.weight.grad)
+
+
+def test_selective_activation_checkpointing_wraps_every_kth_block_and_keeps_numbers():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import \
+        CheckpointWrapper
+
+    from posttrain.distributed import apply_activation_checkpointing
+    ref = _make_model()
+    model = _make_model()
+    apply_activation_checkpointing(model, "selective", every=2)
+    wrapped = [i for i, b in enumerate(model.layers) if isinstance(b, CheckpointWrapper)]
+    assert wrapped == list(range(0, len(model.layers), 2)) and len(model.layers) > 1
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    ids, labels = _batch()
+    loss, ref_loss = LossWrapper(model)(ids[0], labels[0]), LossWrapper(ref)(ids[0], labels[0])
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
 def test_plain_single_process_forms_a_group_of_one_and_matches(monkeypatch):
