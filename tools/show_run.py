@@ -28,9 +28,13 @@ def main(argv: list[str]) -> int:
               f"{result.get('mean_real_tokens_per_s', 0):.0f} real tokens/s; "
               f"MFU {result.get('mean_mfu', 0):.1%}")
     print(f"Hugging Face checkpoint: {end.hf_uri}")
-    print(f"eval table ({end.eval_uri}):")
+    print(f"evaluation, the export against its starting checkpoint ({end.eval_uri}):")
+    print(f"  {'task':<14}{'metric':<14}{'model':>10}{'start':>10}{'delta':>10}")
     for row in end.eval_table:
-        print(f"  {row['metric']:<24}{row['value']}")
+        start = "" if row["baseline"] is None else f"{row['baseline']:.4g}"
+        delta = "" if row["delta"] is None else f"{row['delta']:+.4g}"
+        print(f"  {row['task']:<14}{row['metric']:<14}{row['model']:>10.4g}{start:>10}"
+              f"{delta:>10}")
     python = os.path.relpath(sys.executable)
     print("cards (loss, tokens/s, MFU; eval table and samples; lineage):")
     print("  make cards                              # then open http://localhost:8324")

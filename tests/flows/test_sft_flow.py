@@ -145,6 +145,12 @@ def test_sft_flow_end_to_end_local_survives_a_killed_train_attempt(sandbox):
     tables = [c for c in get_card(sandbox, SFT_FLOW, f"{run.id}/evaluate", "evaluation")
               if c["type"] == "table"]
     assert len(tables) == 3                     # the comparison, each eval source's records
+    # what `make run` prints after the flow: the run's results, read back by pathspec
+    shown = subprocess.run([sys.executable, "tools/show_run.py", run.pathspec], cwd=REPO,
+                           env={**_base_env(), **sandbox.env}, capture_output=True, text=True,
+                           timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert f"== {run.pathspec} finished ==" in shown.stdout and "chat" in shown.stdout
     model = AutoModelForCausalLM.from_pretrained(hf_uri)
     assert model.config.num_hidden_layers == 4
     assert not ray_processes_under(sandbox.ray_tmpdir)
