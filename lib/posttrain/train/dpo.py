@@ -28,13 +28,12 @@ import torch.distributed as dist
 from torch import nn
 
 from posttrain.config.recipes import DataConfig
-from posttrain.data.loader import TrainLoader, sources_from_manifest
 from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.losses.dpo import LossType, dpo_loss, dpo_pair_logps
 from posttrain.models.transformer import Transformer
 from posttrain.train.engine import ModelConfig
 from posttrain.train.recipe import (ExportConfig, Recipe, RunConfig, TrainConfig, check_export,
-                                    check_step_split, eval_suite, one_pass, policy_flops)
+                                    check_step_split, eval_suite, policy_flops)
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +254,8 @@ class DPO(Recipe):
     @torch.no_grad()
     def _compute_reference(self, split: str, path: str) -> None:
         engine = self.worker.engine
-        batches = self.eval_batches() if split == "eval" else self._all_batches("train")
+        # the held-out pairs the evaluation uses; every train pair once, whatever the epochs
+        batches = self.eval_batches() if split == "eval" else self.split_batches("train")
         dp = engine.dp
         mine = dp.share(batches)
         rows: list[tuple[int, float, float]] = []
@@ -271,12 +271,6 @@ class DPO(Recipe):
         if dist.is_initialized() and engine.world > 1:
             dist.barrier()
         log.info("reference log-probs of %d %s pairs -> %s", len(rows), split, path)
-
-    def _all_batches(self, split: str) -> list[dict]:
-        """One pass over a split (each pair once), however many epochs training takes."""
-        with TrainLoader(sources_from_manifest(self.worker.prepared_dir, split),
-                         one_pass(self.cfg.train.loader)) as loader:
-            return list(loader)
 
     def _logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         engine = self.worker.engine

@@ -197,16 +197,20 @@ class Recipe:
     def describe(self) -> dict[str, Any]:
         return {}
 
+    def split_batches(self, split: str, limit: int | None = None) -> list[dict]:
+        """One pass over a prepared split, in order, no shuffle (at most `limit` batches)."""
+        sources = sources_from_manifest(self.worker.prepared_dir, split)
+        with TrainLoader(sources, one_pass(self.cfg.train.loader)) as loader:
+            return list(loader) if limit is None else \
+                [b for _, b in zip(range(limit), loader)]
+
     def eval_batches(self) -> list[dict]:
-        """The held-out batches (one pass, no shuffle), at most eval.max_batches."""
-        w = self.worker
+        """The held-out batches, at most eval.max_batches."""
         try:
-            sources = sources_from_manifest(w.prepared_dir, "eval")
+            return self.split_batches("eval", self.cfg.eval.max_batches)
         except DataError as e:
             log.warning("no eval split: %s", e)
             return []
-        with TrainLoader(sources, one_pass(self.cfg.train.loader)) as loader:
-            return [b for _, b in zip(range(self.cfg.eval.max_batches), loader)]
 
     def eval_metrics(self, sums: dict[str, float], units: int) -> dict[str, float]:
         """Held-out metrics from the loss root's sums over the eval units."""
