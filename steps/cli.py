@@ -6,6 +6,7 @@
     posttrain train-dpo --config configs/dpo/tiny.yaml
     posttrain train-reward --config configs/reward/tiny.yaml
     posttrain train-grpo --config configs/grpo/tiny.yaml
+    posttrain train-sequence --config configs/sequence/tiny.yaml
     posttrain verify-model --hf-dir path/to/model
     posttrain evaluate --suite configs/eval/tiny.yaml --model DIR --baseline DIR
     posttrain evaluate --recipe dpo --config configs/dpo/tiny.yaml --model DIR --baseline DIR
@@ -55,6 +56,11 @@ def _train_grpo(args: argparse.Namespace) -> int:
     return train_grpo.main(args)
 
 
+def _train_sequence(args: argparse.Namespace) -> int:
+    from steps import train_sequence
+    return train_sequence.main(args)
+
+
 def _lineage(args: argparse.Namespace) -> int:
     from steps import lineage
     return lineage.main(args)
@@ -81,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_train_distill)
     for name, func, text in (("train-dpo", _train_dpo, "direct preference optimization"),
                              ("train-reward", _train_reward, "a Bradley-Terry reward model"),
-                             ("train-grpo", _train_grpo, "on-policy RL (GRPO) with rollouts")):
+                             ("train-grpo", _train_grpo, "on-policy RL (GRPO) with rollouts"),
+                             ("train-sequence", _train_sequence,
+                              "pretraining from scratch on event sequences, with heads")):
         r = sub.add_parser(name, help=f"{text} on Ray trainer workers")
         add_arguments(r)
         r.set_defaults(func=func)

@@ -72,9 +72,14 @@ def drop_metrics_after(path: Path, step: int) -> None:
 
 
 def ensure_prepared(cfg: Any, out_dir: str, show_progress: bool = True) -> str:
-    """Run the prepare step into `out_dir` unless a manifest for this config is there."""
+    """Run the prepare step into `out_dir` unless a manifest for this config is there.
+
+    What is prepared is the recipe config's tokenizer and data, or what its `prepare_config`
+    method says (the sequence recipe: an event vocabulary and the labels of its heads)."""
     from steps import prepare
-    pcfg = PrepareConfig(tokenizer=cfg.tokenizer, data=cfg.data, output=OutputConfig(dir=out_dir))
+    output = OutputConfig(dir=out_dir)
+    pcfg = (cfg.prepare_config(output) if hasattr(cfg, "prepare_config") else
+            PrepareConfig(tokenizer=cfg.tokenizer, data=cfg.data, output=output))
     manifest = Path(out_dir) / "manifest.json"
     if manifest.is_file():
         old = json.loads(manifest.read_text())

@@ -13,6 +13,10 @@ assistant turns), applies the over-long policy, and writes
 A bad row stops the run with a message naming file, line and field, or, with
 ``data.on_bad_row: skip``, is counted and reported. Invariant: rows read = written + rejected.
 
+Event sequences (``vocab:`` instead of ``tokenizer:``, `posttrain.data.events`) take their ids
+from the config's vocabulary, with the labels of extra heads as ``label_<name>`` columns; the
+vocabulary is saved as ``tokenizer/event_vocab.json``.
+
 Run it without Metaflow:
 
     posttrain prepare --config configs/prepare/sample_chat.yaml
@@ -36,8 +40,9 @@ from tqdm.auto import tqdm
 
 from posttrain.config.loader import to_dict
 from posttrain.config.recipes import PrepareConfig, load_recipe
-from posttrain.data.encode import RecordEncoder, schema_for
-from posttrain.data.formats import FormatConfig, parse_row
+from posttrain.data.encode import EncodedRow, RecordEncoder
+from posttrain.data.events import EventEncoder, EventVocab
+from posttrain.data.formats import parse_row
 from posttrain.data.shards import ShardWriter, join_uri
 from posttrain.data.sources import RowStream, SourceConfig, expand_paths
 from posttrain.data.tokenizer import ChatTokenizer
@@ -74,9 +79,7 @@ def run(config: PrepareConfig | str | Path, *, overrides: dict | None = None,
     cfg = config if isinstance(config, PrepareConfig) else \
         load_recipe(config, PrepareConfig, overrides)
     started = time.time()
-    tokenizer = ChatTokenizer(cfg.tokenizer)
-    encoder = RecordEncoder(tokenizer, cfg.data.format, cfg.data.length_config())
-    fmt = cfg.data.format_config()
+    tokenizer, encoder = _encoder(cfg)
     out_fs, out_root = fsspec.core.url_to_fs(cfg.output.dir)
     out_fs.makedirs(out_root, exist_ok=True)
 
@@ -85,7 +88,7 @@ def run(config: PrepareConfig | str | Path, *, overrides: dict | None = None,
         for split in ("train", "eval"):
             for i, source in enumerate(getattr(cfg.data, split)):
                 name = source.name or f"source{i}"
-                reports.append(_prepare_source(cfg, split, name, source, fmt, encoder, rejects,
+                reports.append(_prepare_source(cfg, split, name, source, encoder, rejects,
                                                show_progress))
 
     _save_tokenizer(tokenizer, out_fs, out_root)
@@ -95,12 +98,35 @@ def run(config: PrepareConfig | str | Path, *, overrides: dict | None = None,
     return manifest
 
 
+class _TextEncoder:
+    """Rows validated for the format (`parse_row`), then tokenized (`RecordEncoder`)."""
+
+    def __init__(self, cfg: PrepareConfig, tokenizer: ChatTokenizer):
+        self.fmt = cfg.data.format_config()
+        self.records = RecordEncoder(tokenizer, cfg.data.format, cfg.data.length_config())
+        self.schema = self.records.schema
+
+    def encode_row(self, row: dict, *, file: str, line: int) -> EncodedRow:
+        record = parse_row(row, self.fmt, file=file, line=line)
+        return self.records.encode(record, file=file, line=line)
+
+
+def _encoder(cfg: PrepareConfig) -> tuple[ChatTokenizer | EventVocab, _TextEncoder | EventEncoder]:
+    """The vocabulary (saved beside the shards, described in the manifest) and the row encoder:
+    the tokenizer's, or for event sequences the config vocabulary's."""
+    if cfg.vocab is not None:
+        vocab = EventVocab(cfg.vocab)
+        return vocab, EventEncoder(vocab, cfg.labels, cfg.data.length_config())
+    tokenizer = ChatTokenizer(cfg.tokenizer)
+    return tokenizer, _TextEncoder(cfg, tokenizer)
+
+
 def _prepare_source(cfg: PrepareConfig, split: str, name: str, source: SourceConfig,
-                    fmt: FormatConfig, encoder: RecordEncoder, rejects, show_progress: bool,
+                    encoder: _TextEncoder | EventEncoder, rejects, show_progress: bool,
                     ) -> SourceReport:
     files = expand_paths(source.path)
     report = SourceReport(split, name, files)
-    writer = ShardWriter(join_uri(cfg.output.dir, split, name), schema_for(cfg.data.format),
+    writer = ShardWriter(join_uri(cfg.output.dir, split, name), encoder.schema,
                          rows_per_shard=cfg.output.rows_per_shard)
     stream = RowStream(files, fmt=source.format, cache=cfg.cache)
     bar = tqdm(desc=f"prepare {split}/{name}", unit=" rows", disable=not show_progress,
@@ -112,8 +138,7 @@ def _prepare_source(cfg: PrepareConfig, split: str, name: str, source: SourceCon
             try:
                 if raw.error is not None:
                     raise raw.error
-                record = parse_row(raw.data, fmt, file=raw.file, line=raw.line)
-                encoded = encoder.encode(record, file=raw.file, line=raw.line)
+                encoded = encoder.encode_row(raw.data, file=raw.file, line=raw.line)
             except DataError as err:
                 if cfg.data.on_bad_row == "error":
                     raise DataError(f"{err.detail} (set data.on_bad_row: skip to count and "
@@ -140,7 +165,7 @@ def _prepare_source(cfg: PrepareConfig, split: str, name: str, source: SourceCon
     return report
 
 
-def _save_tokenizer(tokenizer: ChatTokenizer, fs, root: str) -> None:
+def _save_tokenizer(tokenizer: ChatTokenizer | EventVocab, fs, root: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
         fs.makedirs(f"{root}/tokenizer", exist_ok=True)
@@ -148,8 +173,8 @@ def _save_tokenizer(tokenizer: ChatTokenizer, fs, root: str) -> None:
             fs.put_file(str(path), f"{root}/tokenizer/{path.name}")
 
 
-def _manifest(cfg: PrepareConfig, tokenizer: ChatTokenizer, reports: list[SourceReport],
-              seconds: float) -> dict:
+def _manifest(cfg: PrepareConfig, tokenizer: ChatTokenizer | EventVocab,
+              reports: list[SourceReport], seconds: float) -> dict:
     resolved = to_dict(cfg)
     config_hash = hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()
     dataset_hash = hashlib.sha256("".join(

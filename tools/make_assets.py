@@ -11,6 +11,8 @@ parameters can learn it in minutes on a CPU and its loss visibly falls:
   (correct, polite, exact) and worse ``rejected`` (wrong, rude, garbled) answer, for DPO.
 - ``assets/data/arithmetic``: prompt-only RL rows with a verifiable ``answer``.
 - ``assets/data/arithmetic_sft``: the same problems as chats whose answer ends "The answer is N."
+- ``assets/data/events``: synthetic user event sequences (item ids with event-type and dwell
+  labels) for the sequence-model recipe, from `posttrain.data.synthetic`.
 
 Run: ``python tools/make_assets.py`` (or ``make assets``) from the repository root.
 """
@@ -333,6 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     out = parser.parse_args(argv).out
     corpus = make_datasets(out / "data")
     make_tokenizer(corpus, out / "tokenizer")
+    from posttrain.data.synthetic import write_event_dataset   # no text: not in the corpus
+    write_event_dataset(out / "data" / "events")
     for path in sorted(out.rglob("*")):
         if path.is_file():
             print(f"{path.relative_to(out)}  {path.stat().st_size:>9,d} bytes")

@@ -14,6 +14,7 @@ from typing import Literal, TypeVar
 
 from posttrain.config.loader import build, load_yaml
 from posttrain.data.encode import LengthConfig
+from posttrain.data.events import LabelConfig, VocabConfig
 from posttrain.data.formats import DEFAULT_ROLES, FormatConfig, FormatName
 from posttrain.data.sources import CacheConfig, SourceConfig
 from posttrain.data.tokenizer import TokenizerConfig
@@ -76,10 +77,26 @@ class OutputConfig:
 
 @dataclass(frozen=True)
 class PrepareConfig:
-    tokenizer: TokenizerConfig
+    """Text and chat rows are tokenized with `tokenizer`; event sequences (`format: sequence`
+    rows of item ids, `posttrain.data.events`) take their ids from `vocab` instead
+    (``tokenizer: null``), with the per-position `labels` their rows may carry."""
+
+    tokenizer: TokenizerConfig | None
     data: DataConfig
     output: OutputConfig
     cache: CacheConfig | None = None
+    vocab: VocabConfig | None = None
+    labels: dict[str, LabelConfig] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.tokenizer is None) == (self.vocab is None):
+            raise ValueError("set exactly one of tokenizer (text and chat rows) or vocab "
+                             "(event sequences of item ids)")
+        if self.vocab is not None and self.data.format != "sequence":
+            raise ValueError(f"vocab: event sequences need data.format: sequence, not "
+                             f"{self.data.format!r}")
+        if self.labels and self.vocab is None:
+            raise ValueError("labels: per-position labels are read from event rows; set vocab")
 
 
 def load_recipe(path: str | Path, cls: type[T], overrides: dict | None = None) -> T:

@@ -54,6 +54,23 @@ def schema_for(fmt: FormatName) -> pa.Schema:
     return SCHEMAS[fmt]
 
 
+def too_long(n: int, lengths: LengthConfig, file: str | None, line: int | None,
+             field: str) -> DataError:
+    return DataError(f"{n} tokens exceed max_tokens_per_sample={lengths.max_tokens_per_sample}",
+                     file=file, line=line, field=field, reason="too_long")
+
+
+def fitted_length(n: int, lengths: LengthConfig, file: str | None, line: int | None,
+                  field: str) -> int:
+    """How many of a sample's n tokens the over-long policy keeps (its first ones); a
+    `DataError` when the policy refuses the sample."""
+    if n <= lengths.max_tokens_per_sample:
+        return n
+    if lengths.overlong != "truncate":
+        raise too_long(n, lengths, file, line, field)
+    return lengths.max_tokens_per_sample
+
+
 @dataclass
 class EncodedRow:
     columns: dict[str, Any]
@@ -67,6 +84,11 @@ class RecordEncoder:
         self.tok = tokenizer
         self.fmt = fmt
         self.lengths = lengths
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The columns of the encoded rows (`schema_for` the format)."""
+        return schema_for(self.fmt)
 
     def encode(self, record: Record, *, file: str | None = None,
                line: int | None = None) -> EncodedRow:
@@ -83,18 +105,11 @@ class RecordEncoder:
             return self._prompt(record, file, line)
         raise AssertionError(f"unknown record {type(record).__name__}")
 
-    def _too_long(self, n: int, file: str | None, line: int | None, field: str) -> DataError:
-        return DataError(f"{n} tokens exceed max_tokens_per_sample="
-                         f"{self.lengths.max_tokens_per_sample}", file=file, line=line,
-                         field=field, reason="too_long")
-
     def _fit(self, enc: Encoded, file, line, field) -> tuple[Encoded, bool]:
-        limit = self.lengths.max_tokens_per_sample
-        if len(enc.input_ids) <= limit:
+        keep = fitted_length(len(enc.input_ids), self.lengths, file, line, field)
+        if keep == len(enc.input_ids):
             return enc, False
-        if self.lengths.overlong != "truncate":
-            raise self._too_long(len(enc.input_ids), file, line, field)
-        return Encoded(enc.input_ids[:limit], enc.loss_mask[:limit]), True
+        return Encoded(enc.input_ids[:keep], enc.loss_mask[:keep]), True
 
     def _single(self, enc: Encoded, file, line, field) -> EncodedRow:
         enc, truncated = self._fit(enc, file, line, field)
@@ -113,7 +128,7 @@ class RecordEncoder:
         prompt_len = _shared_prefix(chosen.input_ids, rejected.input_ids)
         limit = self.lengths.max_tokens_per_sample
         if prompt_len >= limit:
-            raise self._too_long(prompt_len, file, line, "prompt")
+            raise too_long(prompt_len, self.lengths, file, line, "prompt")
         truncated = False
         out = {}
         for name, enc in (("chosen", chosen), ("rejected", rejected)):
@@ -133,7 +148,7 @@ class RecordEncoder:
         ids = self.tok.encode_prompt(rec.prompt)
         if len(ids) > self.lengths.max_tokens_per_sample:
             # A truncated prompt asks a different question: never truncate, always refuse.
-            raise self._too_long(len(ids), file, line, "prompt")
+            raise too_long(len(ids), self.lengths, file, line, "prompt")
         try:
             extras = json.dumps(rec.extras, ensure_ascii=False, sort_keys=True)
         except (TypeError, ValueError) as e:

@@ -20,6 +20,11 @@ keeps together, and every batch also holds
 
 In padded mode a batch holds ``rows_per_batch`` pairs, each side in its own row (2 x rows).
 
+Label columns: sequence shards may hold per-token columns named ``label_<name>`` (the labels of
+extra output heads, written by `posttrain.data.events`); each travels with its tokens as a side
+column of the packer (`posttrain.data.packing`) and reaches the batch as a [B, T] tensor of that
+name (int64 with -100, or float32 with NaN, where there is no label).
+
 Ranks and loader workers: shard k of ``num_ranks * num_workers`` (k = rank * num_workers +
 worker) reads the files (or rows) that `posttrain.data.sources.RowStream` assigns to it. A saved
 state belongs to one (rank, world size) pair; it is restored on the same layout.
@@ -42,6 +47,7 @@ import fsspec
 import numpy as np
 import torch
 
+from posttrain.data.events import LABEL_PREFIX
 from posttrain.data.mixer import Mixer, MixerConfig
 from posttrain.data.packing import (AsyncPacker, Packer, PackingConfig, Sample, collate,
                                     pad_rows)
@@ -108,7 +114,8 @@ class ShardSamples(StatefulIterable[Sample]):
                     yield self._pair(data, raw.file, raw.line)
                     continue
                 yield Sample(np.asarray(data["input_ids"], np.int32),
-                             np.asarray(data["loss_mask"], np.uint8))
+                             np.asarray(data["loss_mask"], np.uint8),
+                             extras=label_columns(data))
             self._epoch += 1
             self._rows = self._stream()
 
@@ -132,6 +139,16 @@ class ShardSamples(StatefulIterable[Sample]):
         self._epoch = int(state["epoch"])
         self._rows = self._stream()
         self._rows.load_state_dict(state["rows"])
+
+
+def label_columns(row: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    """The ``label_<name>`` columns of a shard row as side columns (module docstring)."""
+    out = {}
+    for k, v in row.items():
+        if k.startswith(LABEL_PREFIX):
+            a = np.asarray(v)
+            out[k] = a.astype(np.float32 if a.dtype.kind == "f" else np.int64)
+    return out or None
 
 
 class ShuffleBuffer(StatefulIterable[Sample]):
@@ -162,7 +179,9 @@ class ShuffleBuffer(StatefulIterable[Sample]):
     def state_dict(self) -> dict[str, Any]:
         return {"upstream": self.upstream.state_dict(), "rng": self._rng.bit_generator.state,
                 "buffer": [[s.input_ids.tolist(), s.loss_mask.tolist(), s.sample_id,
-                            list(s.segment_lengths) if s.segment_lengths else None]
+                            list(s.segment_lengths) if s.segment_lengths else None,
+                            *([{k: [v.dtype.str, v.tolist()] for k, v in s.extras.items()}]
+                              if s.extras else [])]
                            for s in self._buffer]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -172,11 +191,14 @@ class ShuffleBuffer(StatefulIterable[Sample]):
 
 
 def _sample_from_state(entry: list) -> Sample:
-    """[ids, mask, sample_id, segment_lengths]; states written before pairs hold [ids, mask]."""
+    """[ids, mask, sample_id, segment_lengths(, side columns)]; states written before pairs hold
+    [ids, mask]."""
     ids, mask, *rest = entry
-    sample_id, segments = (rest + [None, None])[:2]
+    sample_id, segments, extras = (rest + [None, None, None])[:3]
     return Sample(np.asarray(ids, np.int32), np.asarray(mask, np.uint8), sample_id,
-                  tuple(segments) if segments else None)
+                  tuple(segments) if segments else None,
+                  {k: np.asarray(v, dtype=np.dtype(dt)) for k, (dt, v) in extras.items()}
+                  if extras else None)
 
 
 class _PaddedBatches:

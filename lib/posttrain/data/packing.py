@@ -32,10 +32,17 @@ is a pure function of the input order and the config. Samples longer than the ro
 (keep the first ``max_tokens_per_pack`` tokens) or dropped; empty samples are dropped; all are
 counted in ``stats``.
 
-Resume: ``state_dict()`` holds the upstream position, the pending buffer (token ids and masks)
-and the stats, so a fresh `Packer` over a fresh upstream continues bit for bit. `AsyncPacker`
-packs in a background thread and reports the state that belongs to the last row the *consumer*
-received, not what the thread has produced ahead.
+Per-token side columns: a `Sample` may carry ``extras``, named arrays aligned with its tokens
+(e.g. the labels of extra output heads, one value per event). They travel with their tokens
+through truncation and packing; a row holds each column over its documents (``PackedRow.extras``,
+``[L]`` each, and a ``[B, L]`` tensor of that name in a collated batch), with a fill value where
+there is none: on the pad tail and in a document without that column (NaN for float columns,
+-100 for integer ones). They are not shifted: position t holds token t's value.
+
+Resume: ``state_dict()`` holds the upstream position, the pending buffer (token ids, masks and
+side columns) and the stats, so a fresh `Packer` over a fresh upstream continues bit for bit.
+`AsyncPacker` packs in a background thread and reports the state that belongs to the last row
+the *consumer* received, not what the thread has produced ahead.
 """
 
 from __future__ import annotations
@@ -97,6 +104,7 @@ class Sample:
     loss_mask: np.ndarray   # [n] uint8 or bool
     sample_id: int | None = None
     segment_lengths: tuple[int, ...] | None = None  # several documents, packed as one unit
+    extras: dict[str, np.ndarray] | None = None      # per-token side columns, each [n]
 
 
 @dataclass
@@ -111,28 +119,32 @@ class PackedRow:
     num_documents: int
     sample_ids: list[int | None] = field(default_factory=list)  # per document, in order
     segment_index: list[int] = field(default_factory=list)      # per document: its segment
+    extras: dict[str, np.ndarray] = field(default_factory=dict)  # side columns, [L] each
 
 
 class _Pending:
     """A sample admitted to the buffer: validated, converted, maybe truncated. Never mutated."""
 
-    __slots__ = ("ids", "mask", "sample_id", "seq", "length", "segments")
+    __slots__ = ("ids", "mask", "sample_id", "seq", "length", "segments", "extras")
 
     def __init__(self, ids: np.ndarray, mask: np.ndarray, sample_id: int | None, seq: int,
-                 segments: tuple[int, ...] | None = None):
+                 segments: tuple[int, ...] | None = None,
+                 extras: dict[str, np.ndarray] | None = None):
         self.ids = ids
         self.mask = mask
         self.sample_id = sample_id
         self.seq = seq
         self.length = len(ids)
         self.segments = segments
+        self.extras = extras or {}
 
-    def documents(self) -> list[tuple[np.ndarray, np.ndarray, int]]:
-        """(ids, mask, segment index) of each document of this unit."""
+    def documents(self) -> list[tuple[np.ndarray, np.ndarray, int, dict[str, np.ndarray]]]:
+        """(ids, mask, segment index, side columns) of each document of this unit."""
         if self.segments is None:
-            return [(self.ids, self.mask, 0)]
+            return [(self.ids, self.mask, 0, self.extras)]
         ends = list(accumulate(self.segments))
-        return [(self.ids[e - n:e], self.mask[e - n:e], i)
+        return [(self.ids[e - n:e], self.mask[e - n:e], i,
+                 {k: v[e - n:e] for k, v in self.extras.items()})
                 for i, (n, e) in enumerate(zip(self.segments, ends))]
 
     @property
@@ -152,6 +164,12 @@ def _admit(sample: Sample, cfg: PackingConfig, stats: dict[str, int], seq: int) 
                         field="loss_mask", reason="mask_length")
     n = ids.shape[0]
     segments = _check_segments(sample, n)
+    extras = {k: np.asarray(v) for k, v in (sample.extras or {}).items()}
+    for k, v in extras.items():
+        if v.shape != ids.shape:
+            raise DataError(f"sample {sample.sample_id}: side column {k!r} {v.shape} is not "
+                            f"aligned with input_ids {ids.shape}", field=k,
+                            reason="mask_length")
     stats["samples_in"] += 1
     stats["tokens_in"] += n
     limit = cfg.max_tokens_per_pack
@@ -161,7 +179,8 @@ def _admit(sample: Sample, cfg: PackingConfig, stats: dict[str, int], seq: int) 
     if n > limit:
         stats["samples_truncated"] += 1
         ids, mask = ids[:limit], mask[:limit]
-    return _Pending(ids, mask, sample.sample_id, seq, segments)
+        extras = {k: v[:limit] for k, v in extras.items()}
+    return _Pending(ids, mask, sample.sample_id, seq, segments, extras)
 
 
 def _check_segments(sample: Sample, n: int) -> tuple[int, ...] | None:
@@ -187,11 +206,11 @@ class _RowBuilder:
         assert length <= self._arange.shape[0], "rows are at most max_tokens_per_pack long"
         parts = [part for d in docs for part in d.documents()]
         owners = [d.sample_id for d in docs for _ in range(len(d.segments or (0,)))]
-        lengths = [len(ids) for ids, _, _ in parts]
+        lengths = [len(ids) for ids, _, _, _ in parts]
         num_pad = length - sum(lengths)
         assert num_pad >= 0, "documents exceed the row length"
-        id_parts = [ids for ids, _, _ in parts]
-        mask_parts = [mask for _, mask, _ in parts]
+        id_parts = [ids for ids, _, _, _ in parts]
+        mask_parts = [mask for _, mask, _, _ in parts]
         segments = lengths
         if num_pad:
             id_parts.append(self._pad_ids[:num_pad])
@@ -208,7 +227,32 @@ class _RowBuilder:
         position_ids = np.concatenate([arange[:n] for n in segments])
         return PackedRow(input_ids=input_ids, labels=labels, position_ids=position_ids,
                          document_lengths=segments, num_pad=num_pad, num_documents=len(parts),
-                         sample_ids=owners, segment_index=[i for _, _, i in parts])
+                         sample_ids=owners, segment_index=[i for _, _, i, _ in parts],
+                         extras=_concat_extras([x for _, _, _, x in parts], lengths, num_pad))
+
+
+def _fill_value(dtype: np.dtype) -> float:
+    """A side column's value where it has none: NaN (float) or the ignore index (integer)."""
+    return np.nan if dtype.kind == "f" else IGNORE_INDEX
+
+
+def _concat_extras(extras: list[dict[str, np.ndarray]], lengths: list[int],
+                   num_pad: int) -> dict[str, np.ndarray]:
+    """Each side column over consecutive documents (of `lengths`) and a pad tail, the fill value
+    where a document lacks the column."""
+    dtypes: dict[str, np.dtype] = {}
+    for x in extras:
+        for k, v in x.items():
+            dtypes.setdefault(k, v.dtype)
+    out = {}
+    for k in sorted(dtypes):
+        dt = dtypes[k]
+        pieces = [x[k] if k in x else np.full(n, _fill_value(dt), dt)
+                  for x, n in zip(extras, lengths)]
+        if num_pad:
+            pieces.append(np.full(num_pad, _fill_value(dt), dt))
+        out[k] = np.concatenate(pieces)
+    return out
 
 
 @dataclass(frozen=True)
@@ -228,6 +272,9 @@ class _Snapshot:
             mask = np.concatenate([p.mask for p in pending]).astype(np.uint8).tolist()
         else:
             ids, mask = [], []
+        extras = _concat_extras([p.extras for p in pending], [p.length for p in pending], 0)
+        buffer = {"extras": {k: {"dtype": v.dtype.str, "values": v.tolist()}
+                             for k, v in extras.items()}} if extras else {}
         return {
             "version": _STATE_VERSION,
             "config": dict(self.config),
@@ -241,6 +288,7 @@ class _Snapshot:
                 "segments": [list(p.segments) if p.segments else None for p in pending],
                 "input_ids": ids,
                 "loss_mask": mask,
+                **buffer,
             },
         }
 
@@ -353,7 +401,10 @@ class Packer:
         ends = list(accumulate(buf["length"]))
         starts = [0] + ends[:-1]
         segments = buf.get("segments") or [None] * len(starts)
-        restored = sorted((_Pending(ids[s:e], mask[s:e], sid, seq, tuple(seg) if seg else None)
+        extras = {k: np.asarray(x["values"], dtype=np.dtype(x["dtype"]))
+                  for k, x in (buf.get("extras") or {}).items()}
+        restored = sorted((_Pending(ids[s:e], mask[s:e], sid, seq, tuple(seg) if seg else None,
+                                    {k: v[s:e] for k, v in extras.items()})
                            for s, e, sid, seq, seg in zip(starts, ends, buf["sample_id"],
                                                           buf["seq"], segments)),
                           key=lambda p: p.key)
@@ -503,10 +554,10 @@ def pad_rows(samples: Iterable[Sample], cfg: PackingConfig,
 
 
 def _padded_batch(batch: list[_Pending], builder: _RowBuilder) -> Iterator[PackedRow]:
-    docs = [(p, ids, mask, i) for p in batch for ids, mask, i in p.documents()]
-    width = max(len(ids) for _, ids, _, _ in docs)
-    for p, ids, mask, i in docs:
-        row = builder.build([_Pending(ids, mask, p.sample_id, p.seq)], width)
+    docs = [(p, ids, mask, i, x) for p in batch for ids, mask, i, x in p.documents()]
+    width = max(len(ids) for _, ids, _, _, _ in docs)
+    for p, ids, mask, i, x in docs:
+        row = builder.build([_Pending(ids, mask, p.sample_id, p.seq, extras=x)], width)
         row.segment_index = [i]
         yield row
 
@@ -518,7 +569,8 @@ def collate(rows: list[PackedRow]) -> dict[str, Any]:
     ``document_lengths`` (list of per-row segment lengths, pad segment included),
     ``row_num_pad`` (per row, the length of its trailing pad segment, 0 if none), and the
     counts ``num_documents``, ``num_pad_tokens``, ``num_real_tokens`` and ``num_loss_tokens``
-    (labels != -100; the normalizer of a token-mean loss) as ints.
+    (labels != -100; the normalizer of a token-mean loss) as ints; and each side column of the
+    rows (module docstring) as a [B, L] tensor under its name.
     """
     if not rows:
         raise ValueError("collate: got no rows")
@@ -529,7 +581,7 @@ def collate(rows: list[PackedRow]) -> dict[str, Any]:
     (width,) = widths
     labels = np.stack([r.labels for r in rows])
     num_pad = sum(r.num_pad for r in rows)
-    return {
+    batch = {
         "input_ids": torch.from_numpy(np.stack([r.input_ids for r in rows]).astype(np.int64)),
         "labels": torch.from_numpy(labels),
         "position_ids": torch.from_numpy(np.stack([r.position_ids for r in rows])),
@@ -540,3 +592,11 @@ def collate(rows: list[PackedRow]) -> dict[str, Any]:
         "num_real_tokens": len(rows) * width - num_pad,
         "num_loss_tokens": int(np.count_nonzero(labels != IGNORE_INDEX)),
     }
+    extras = [r.extras for r in rows]
+    names = sorted({k for x in extras for k in x})
+    for k in names:
+        assert k not in batch, f"side column {k!r} shadows a batch field"
+        dt = next(x[k].dtype for x in extras if k in x)
+        batch[k] = torch.from_numpy(np.stack(
+            [x[k] if k in x else np.full(width, _fill_value(dt), dt) for x in extras]))
+    return batch

@@ -6,22 +6,29 @@ the way `apply_chat_template(tokenize=True)` does (no added BOS/EOS), so the ids
 the ids an inference server (vLLM) builds from the same messages.
 
 Loss masks work for any template, including the real families' templates that carry no
-``{% generation %}`` markers (Qwen3, Llama 3.x, Gemma 3). Rendering each prefix of the
-conversation does not work for them: Qwen3 drops the ``<think>`` block of earlier assistant
-turns, so a prefix render is not a prefix of the full render. Instead:
+``{% generation %}`` markers (Qwen3, Llama 3.x, Gemma 3, GPT-OSS's harmony format). Rendering
+each prefix of the conversation does not work for them: Qwen3 and harmony drop the reasoning of
+earlier assistant turns, so a prefix render is not a prefix of the full render. Instead:
 
 1. Once per tokenizer, small probe conversations reveal the template's *turn layout*: the header
-   that opens an assistant turn (``<|im_start|>assistant\\n``, ``<start_of_turn>model\\n``, ...)
-   and the end-of-turn marker that closes it (the first special token after the content:
-   ``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``).
+   that opens an assistant turn (``<|im_start|>assistant\\n``, ``<start_of_turn>model\\n``,
+   ``<|start|>assistant``, ...) and the end-of-turn markers that close one (the first special
+   token after the content, in a middle turn and in the final one: ``<|im_end|>``,
+   ``<|eot_id|>``, ``<end_of_turn>``; harmony closes earlier turns with ``<|end|>`` and the
+   final one with ``<|return|>``).
 2. Per conversation, the full render R is scanned forward: each assistant message's region runs
-   from the end of its header to the end of its end-of-turn marker, and must contain the
-   message's (visible) content, else the row is rejected with a `DataError`.
+   from the end of its header to the end of the first end-of-turn marker. When the header
+   follows that marker at once and the next message is not an assistant's, the same message
+   goes on (harmony renders a final turn's analysis and final channels as two headed parts,
+   ``<|channel|>analysis<|message|>..<|end|><|start|>assistant<|channel|>final<|message|>..``),
+   and so does the region, to the next marker. A region must contain the message's (visible)
+   content and may not run into another turn, else the row is rejected with a `DataError`.
 3. R is tokenized once with offsets; a token is trained when it starts inside a trained region.
 
 So the mask covers exactly what the model generates in a turn: its content, any ``<think>``
-block the template renders for it, and the end-of-turn token; not role headers, not the
-template's glue after the end-of-turn token (e.g. the trailing newline), not other roles.
+block or analysis channel the template renders for it (channel tags included), and the
+end-of-turn token; not role headers, not the template's glue after the end-of-turn token (e.g.
+the trailing newline), not other roles.
 Content that contains a special token's text is rejected: it would render as a control token.
 """
 
@@ -107,11 +114,18 @@ class Encoded:
 
 @dataclass(frozen=True)
 class TurnLayout:
-    """How the template frames an assistant turn, found by probing it."""
+    """How the template frames an assistant turn, found by probing it.
+
+    `end_of_turn` closes the final assistant turn (where a generator stops); `turn_ends` are
+    all the markers that close one (earlier turns may end differently, as in harmony);
+    `turn_start` is the special token that opens every turn, when the header starts with one.
+    """
 
     header: str
     end_of_turn: str
     generation_prompt: str
+    turn_ends: tuple[str, ...]
+    turn_start: str | None = None
 
 
 class ChatTokenizer:
@@ -250,7 +264,8 @@ class ChatTokenizer:
 
     def _assistant_regions(self, text: str, messages: Sequence[Message], source: str | None,
                            line: int | None) -> list[tuple[int, int, int]]:
-        """(message index, start, end) of each assistant turn's generated text in `text`."""
+        """(message index, start, end) of each assistant turn's generated text in `text`
+        (see the module docstring)."""
         layout = self.layout
         regions = []
         cursor = 0
@@ -262,12 +277,21 @@ class ChatTokenizer:
             if head < 0:
                 raise DataError(f"the rendered conversation has no assistant turn for this message "
                                 f"(looked for {layout.header!r})", reason="turn_not_found", **where)
-            start = head + len(layout.header)
-            eot = text.find(layout.end_of_turn, start)
-            if eot < 0:
-                raise DataError(f"the assistant turn is not closed by {layout.end_of_turn!r}",
-                                reason="turn_not_found", **where)
-            end = eot + len(layout.end_of_turn)
+            start = end = head + len(layout.header)
+            goes_on = i + 1 == len(messages) or messages[i + 1]["role"] != "assistant"
+            while True:
+                close = _first_of(text, layout.turn_ends, end)
+                if close is None:
+                    raise DataError(f"the assistant turn is not closed by any of "
+                                    f"{list(layout.turn_ends)}", reason="turn_not_found", **where)
+                if layout.turn_start is not None and layout.turn_start in text[end:close[0]]:
+                    raise DataError("the assistant turn runs into another turn before it is "
+                                    "closed (a tool call this template frames differently?); "
+                                    "cannot build its loss mask", reason="turn_mismatch", **where)
+                end = close[0] + len(close[1])
+                if not (goes_on and text.startswith(layout.header, end)):
+                    break
+                end += len(layout.header)
             needle = _visible_content(message)
             if needle and needle not in text[start:end]:
                 raise DataError("the template did not render this assistant message's content where "
@@ -310,7 +334,7 @@ class ChatTokenizer:
             raise fail("missing or non-string 'content'", ".content", "invalid_content")
         if not isinstance(message.get("train", True), bool):
             raise fail("'train' must be true or false", ".train", "invalid_train")
-        for key in ("content", "reasoning_content"):
+        for key in ("content", "reasoning_content", "thinking"):
             value = message.get(key)
             if isinstance(value, str) and self._special_re is not None:
                 found = self._special_re.search(value)
@@ -340,6 +364,7 @@ class ChatTokenizer:
             "pad_token_id": self.pad_token_id,
             "end_of_turn": layout.end_of_turn,
             "end_of_turn_token_id": self.end_of_turn_token_id,
+            "turn_ends": list(layout.turn_ends),
             "assistant_header": layout.header,
             "generation_prompt": layout.generation_prompt,
             "chat_template_kwargs": dict(self.cfg.chat_template_kwargs),
@@ -359,11 +384,12 @@ def _load(path: str) -> Any:
 
 
 def _probe_layout(render: Any, special_tokens: frozenset[str]) -> TurnLayout:
-    """Find the assistant header, end-of-turn marker and generation prompt of a template.
+    """Find the assistant header, end-of-turn markers and generation prompt of a template.
 
     The header is what the generation prompt, a final assistant turn and a middle assistant turn
     have in common before the content; Qwen3 puts a ``<think>`` block after the header in the
-    final turn only, so the common prefix stops at the header proper.
+    final turn only, so the common prefix stops at the header proper. The end-of-turn markers
+    follow the content of the middle and of the final turn.
     """
     user = {"role": "user", "content": _PROBE_USER}
     answer = {"role": "assistant", "content": _PROBE_ANSWER}
@@ -381,11 +407,16 @@ def _probe_layout(render: Any, special_tokens: frozenset[str]) -> TurnLayout:
         raise ConfigError("chat template: found no common header that opens assistant turns "
                           f"(generation prompt {generation_prompt!r})")
     after = middle[middle.index(_PROBE_ANSWER) + len(_PROBE_ANSWER):]
-    end_of_turn = _first_special_token(after, special_tokens)
-    if end_of_turn is None:
+    middle_end = _first_special_token(after, special_tokens)
+    if middle_end is None:
         raise ConfigError("chat template: no special token closes an assistant turn "
                           f"(text after the content: {after[:40]!r})")
-    return TurnLayout(header=header, end_of_turn=end_of_turn, generation_prompt=generation_prompt)
+    end_of_turn = _first_special_token(last[last.index(_PROBE_ANSWER) + len(_PROBE_ANSWER):],
+                                       special_tokens) or middle_end
+    starts = [t for t in special_tokens if header.startswith(t)]
+    return TurnLayout(header=header, end_of_turn=end_of_turn, generation_prompt=generation_prompt,
+                      turn_ends=tuple(dict.fromkeys((end_of_turn, middle_end))),
+                      turn_start=max(starts, key=len) if starts else None)
 
 
 def _text_before_answer(base: str, rendered: str) -> str:
@@ -402,6 +433,15 @@ def _first_special_token(text: str, special_tokens: frozenset[str]) -> str | Non
         return None
     position, _, token = min(hits)
     return text[:position + len(token)]
+
+
+def _first_of(text: str, markers: Sequence[str], start: int) -> tuple[int, str] | None:
+    """The earliest (position, marker) of `markers` in `text` from `start` (longest on a tie)."""
+    hits = [(at, -len(m), m) for m in markers if (at := text.find(m, start)) >= 0]
+    if not hits:
+        return None
+    position, _, marker = min(hits)
+    return position, marker
 
 
 def _visible_content(message: Message) -> str:

@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from posttrain.errors import ConfigError, PosttrainError
 
-MESH_DIM_NAMES = ("dp_shard", "tp")
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+DP_DIM = "dp"        # dp_replicate x dp_shard flattened: the data-parallel ranks
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -105,31 +106,55 @@ def close_process_group() -> None:
     dist.destroy_process_group()
 
 
-def resolve_mesh_shape(world: int, dp_shard: int = -1, tp: int = 1) -> tuple[int, int]:
-    """(dp_shard, tp) with `dp_shard=-1` filled in; raises ConfigError if it cannot fit `world`."""
+def resolve_mesh_shape(world: int, dp_shard: int = -1, tp: int = 1,
+                       dp_replicate: int = 1) -> tuple[int, int]:
+    """(dp_shard, tp) with `dp_shard=-1` filled in (the world over dp_replicate x tp); raises
+    ConfigError if the layout cannot fit `world`."""
     if tp < 1:
         raise ConfigError(f"parallel.tp must be >= 1, got {tp}")
+    if dp_replicate < 1:
+        raise ConfigError(f"parallel.dp_replicate must be >= 1, got {dp_replicate}")
+    outer = tp * dp_replicate
     if dp_shard == -1:
-        if world % tp:
+        if world % outer:
             raise ConfigError(
+                f"parallel.dp_replicate={dp_replicate} x parallel.tp={tp} does not divide the "
+                f"world size {world}; choose values whose product divides {world}"
+                if dp_replicate > 1 else
                 f"parallel.tp={tp} does not divide the world size {world}; "
                 f"choose a tp that divides {world}")
-        dp_shard = world // tp
+        dp_shard = world // outer
     elif dp_shard < 1:
         raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (the rest), got {dp_shard}")
-    if dp_shard * tp != world:
+    if dp_shard * outer != world:
+        layout = f"parallel.dp_shard={dp_shard} x parallel.tp={tp}"
+        if dp_replicate > 1:
+            layout = f"parallel.dp_replicate={dp_replicate} x " + layout
         raise ConfigError(
-            f"parallel.dp_shard={dp_shard} x parallel.tp={tp} = {dp_shard * tp} processes, but the "
-            f"world size is {world}; make the product equal {world} (or set dp_shard=-1)")
+            f"{layout} = {dp_shard * outer} processes, but the world size is {world}; make "
+            f"the product equal {world} (or set dp_shard=-1)")
     return dp_shard, tp
 
 
-def build_mesh(dp_shard: int = -1, tp: int = 1) -> DeviceMesh:
-    """A 2-D device mesh with dims ("dp_shard", "tp"), tp innermost (neighbouring ranks).
+def build_mesh(dp_shard: int = -1, tp: int = 1, dp_replicate: int = 1) -> DeviceMesh:
+    """A 3-D device mesh ("dp_replicate", "dp_shard", "tp"), tp innermost (neighbouring ranks),
+    with the data-parallel dims also flattened into one "dp" dim.
 
-    `dp_shard=-1` takes the rest of the world. Joins the process group first if needed
-    (`init_process_group()`: a group of one in a plain single process).
+    FSDP2 shards over "dp_shard" and, with dp_replicate > 1, replicates over "dp_replicate"
+    (HSDP: shards within a node, replicas across nodes); tensor parallelism splits over "tp";
+    data (micro-batches, sums of losses) is dealt out over "dp". `dp_shard=-1` takes the rest
+    of the world. Joins the process group first if needed (`init_process_group()`: a group of
+    one in a plain single process).
     """
-    shape = resolve_mesh_shape(world_size(), dp_shard, tp)
+    dp_shard, tp = resolve_mesh_shape(world_size(), dp_shard, tp, dp_replicate)
     init_process_group()
-    return init_device_mesh(get_device().type, shape, mesh_dim_names=MESH_DIM_NAMES)
+    mesh = init_device_mesh(get_device().type, (dp_replicate, dp_shard, tp),
+                            mesh_dim_names=MESH_DIM_NAMES)
+    dp_mesh(mesh)
+    return mesh
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel ranks of `mesh` (from `build_mesh`) as one 1-D mesh: "dp_replicate" x
+    "dp_shard" flattened (created once, then returned again)."""
+    return mesh["dp_replicate", "dp_shard"]._flatten(DP_DIM)

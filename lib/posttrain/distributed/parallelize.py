@@ -7,7 +7,8 @@
       4. FSDP2: fully_shard every block, then the root  (apply_fsdp)
 
 The order matters: TP turns block weights into DTensors on the "tp" mesh dim, which FSDP then
-shards further along "dp_shard"; checkpointing and compile wrap a block *before* FSDP so that
+shards further along "dp_shard" (HSDP: sharded along "dp_shard", replicated along
+"dp_replicate"); checkpointing and compile wrap a block *before* FSDP so that
 FSDP's all-gather/free hooks sit outside the recomputed and compiled region.
 
 The root is the module whose forward runs the whole step. Under FSDP2 the parameters outside
@@ -20,13 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from posttrain.errors import ConfigError
 
@@ -42,7 +44,10 @@ class UnsupportedParallelismError(ConfigError, NotImplementedError):
 class ParallelConfig:
     """How to lay one model out over the devices.
 
-    dp_shard: FSDP2 shard degree; -1 takes the rest of the world after `tp`.
+    dp_shard: FSDP2 shard degree; -1 takes the rest of the world after `dp_replicate` x `tp`.
+    dp_replicate: HSDP replica count: the model is sharded over `dp_shard` ranks (within a
+        node) and that sharded copy replicated `dp_replicate` times (across nodes), gradients
+        all-reduced between replicas; 1 is plain FSDP.
     tp: tensor-parallel degree (attention heads and MLP columns split across ranks).
     activation_checkpointing: "full" recomputes every block's activations in backward;
         "selective" only every `ac_every`-th block's (blocks 0, k, 2k, ...), trading memory for
@@ -55,6 +60,7 @@ class ParallelConfig:
     """
 
     dp_shard: int = -1
+    dp_replicate: int = 1
     tp: int = 1
     activation_checkpointing: ActivationCheckpointing = "none"
     ac_every: int = 2                   # selective: checkpoint every k-th block
@@ -70,6 +76,8 @@ class ParallelConfig:
                                   f"got {getattr(self, name)!r}")
         if self.tp < 1:
             raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
+        if self.dp_replicate < 1:
+            raise ConfigError(f"parallel.dp_replicate must be >= 1, got {self.dp_replicate}")
         if self.ac_every < 1:
             raise ConfigError(f"parallel.ac_every must be >= 1, got {self.ac_every}")
         if self.dp_shard != -1 and self.dp_shard < 1:
@@ -90,40 +98,166 @@ _COLWISE = ("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up")
 _ROWWISE = ("attn.o", "mlp.down")
 
 
+def tp_plan(block: nn.Module) -> dict[str, Any]:
+    """The tensor-parallel plan of one native block, read from what the block holds:
+
+    | part | families | plan |
+    |---|---|---|
+    | attn.q/k/v (+ bias) | all | column-wise: this rank's heads |
+    | attn.o (+ bias) | all | row-wise: partial sums all-reduced |
+    | attn.q_norm/k_norm | Qwen3, Qwen3-MoE, Gemma 3 | weights replicated, input sharded on heads |
+    | attn.sinks | GPT-OSS | sharded with the heads (dim 0) |
+    | mlp.gate/up, mlp.down | dense MLPs | column-wise / row-wise |
+    | MoE router + experts | Qwen3-MoE, GPT-OSS | replicated over "tp" (every rank routes and runs the experts on the full activations; FSDP still shards them over the data-parallel dims; experts get their own mesh dim with expert parallelism) |
+    | norms (incl. Gemma's sandwich norms) | all | replicated: they act on full activations |
+
+    A LoRA-wrapped projection gets the same split, its adapters following the base weight
+    (`LoRAParallel`).
+    """
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel)
+    plan: dict[str, Any] = {}
+    names = [n for n in _COLWISE + _ROWWISE if _has_submodule(block, n)]
+    attn = block.get_submodule("attn")
+    for name in names:
+        if name.startswith("mlp.") and not _is_dense_mlp(block.get_submodule("mlp")):
+            continue
+        colwise = name in _COLWISE
+        layer = block.get_submodule(name)
+        if type(layer) is nn.Linear:
+            plan[name] = ColwiseParallel() if colwise else RowwiseParallel()
+        elif _is_lora_linear(layer):
+            plan[name] = LoRAParallel(colwise=colwise)
+        else:
+            raise UnsupportedParallelismError(
+                f"tensor parallelism has no plan for {name} of type {type(layer).__name__}; "
+                "set parallel.tp=1")
+    if getattr(attn, "q_norm", None) is not None:
+        # per-head q/k norms see this rank's heads only ([B, T, H/tp, D]): their weights are
+        # replicated DTensors and the input is sharded on the head dim, so each rank's weight
+        # gradient (its heads' part) is summed over "tp"
+        for name in ("attn.q_norm", "attn.k_norm"):
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if isinstance(getattr(attn, "sinks", None), nn.Parameter):
+        plan["attn"] = HeadShardedParameters(("sinks",))
+    return plan
+
+
+def _is_dense_mlp(mlp: nn.Module) -> bool:
+    return all(_has_submodule(mlp, n) for n in ("gate", "up", "down"))
+
+
+def _is_lora_linear(layer: nn.Module) -> bool:
+    from posttrain.models.lora import LoRALinear
+    return isinstance(layer, LoRALinear)
+
+
 def apply_tp(model: nn.Module, mesh: DeviceMesh, *, blocks_attr: str = "layers") -> None:
-    """Megatron-style TP inside each block: q/k/v/gate/up column-wise, o/down row-wise.
+    """Megatron-style TP inside each block (`tp_plan`): q/k/v/gate/up column-wise, o/down
+    row-wise, per-head parts with their heads.
 
     Each block takes and returns full (replicated) activations; the row-wise layers all-reduce.
     Embedding, final norm and LM head stay replicated across "tp" (FSDP still shards them).
     The attention must reshape with -1 heads (`view(B, T, -1, head_dim)`) so that it works
     with the local head count.
     """
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import parallelize_module
     tp_mesh = mesh["tp"]
-    tp = tp_mesh.size()
-    plan = {name: ColwiseParallel() for name in _COLWISE}
-    plan.update({name: RowwiseParallel() for name in _ROWWISE})
     for i, block in enumerate(_blocks(model, blocks_attr)):
-        _check_tp_block(block, i, tp)
-        block_plan = dict(plan)
-        if getattr(block.get_submodule("attn"), "q_norm", None) is not None:
-            # per-head q/k norms (Qwen3, Gemma 3) see this rank's heads only ([B, T, H/tp, D]):
-            # their weights are replicated DTensors and the input is sharded on the head dim,
-            # so each rank's weight gradient (its heads' part) is summed over "tp"
-            for name in ("attn.q_norm", "attn.k_norm"):
-                block_plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        parallelize_module(block, tp_mesh, block_plan)
+        _check_tp_block(block, i, tp_mesh.size())
+        frozen = {n for n, p in block.named_parameters() if not p.requires_grad}
+        parallelize_module(block, tp_mesh, tp_plan(block))
+        # some styles (SequenceParallel) re-create parameters as trainable: a frozen norm
+        # under LoRA must stay frozen
+        for n, p in block.named_parameters():
+            if n in frozen:
+                p.requires_grad_(False)
+
+
+class LoRAParallel(ParallelStyle):
+    """Column- or row-wise TP of a `LoRALinear` (torch's styles take only `nn.Linear`).
+
+    Column-wise: W, bias and B split on the output dim, A replicated: y_r = x W_r^T + s x A^T
+    B_r^T is this rank's slice of the output. Row-wise: W and A split on the input dim, B and
+    bias replicated: x_r W_r^T and (x_r A_r^T) B^T are partial sums, all-reduced once the
+    layer's output is formed. A merged update B A is split like W in both cases.
+    """
+
+    def __init__(self, colwise: bool):
+        super().__init__()
+        self.colwise = colwise
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return _distribute_lora(module, device_mesh, self.colwise)
+
+
+def _distribute_lora(module: nn.Module, mesh: DeviceMesh, colwise: bool) -> nn.Module:
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    layouts = ({"weight": Shard(0), "bias": Shard(0), "lora_A": Replicate(), "lora_B": Shard(0)}
+               if colwise else
+               {"weight": Shard(1), "bias": Replicate(), "lora_A": Shard(1),
+                "lora_B": Replicate()})
+
+    def partition(name: str, sub: nn.Module, device_mesh: DeviceMesh) -> None:
+        if sub is not module:
+            return
+        for pname, p in list(sub.named_parameters(recurse=False)):
+            sub.register_parameter(pname, nn.Parameter(
+                distribute_tensor(p, device_mesh, [layouts[pname]]),
+                requires_grad=p.requires_grad))
+
+    def prepare_input(mod: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, device_mesh, [Replicate() if colwise else Shard(-1)],
+                                   run_check=False)
+        return (x, *inputs[1:])
+
+    def prepare_output(mod: nn.Module, out: Any, device_mesh: DeviceMesh) -> torch.Tensor:
+        if not colwise:
+            out = out.redistribute(placements=[Replicate()])
+        return out.to_local()
+
+    return distribute_module(module, mesh, partition, prepare_input, prepare_output)
+
+
+class HeadShardedParameters(ParallelStyle):
+    """Shard a module's own per-head parameters (e.g. GPT-OSS's attention sinks [H]) on dim 0
+    over "tp", as the column-wise q projection splits the heads. The module reads them as local
+    tensors (`DTensor.to_local` in the op that uses them)."""
+
+    def __init__(self, names: tuple[str, ...]):
+        super().__init__()
+        self.names = names
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import Shard, distribute_tensor
+        for name in self.names:
+            p = getattr(module, name)
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(p, device_mesh, [Shard(0)]), requires_grad=p.requires_grad))
+        return module
 
 
 def _check_tp_block(block: nn.Module, index: int, tp: int) -> None:
-    for name in _COLWISE + _ROWWISE:
-        layer = block.get_submodule(name) if _has_submodule(block, name) else None
-        if type(layer) is not nn.Linear:
+    for name in ("attn.q", "attn.k", "attn.v", "attn.o"):
+        if not _has_submodule(block, name):
             raise UnsupportedParallelismError(
-                f"tensor parallelism needs block {index}.{name} to be an nn.Linear, found "
-                f"{type(layer).__name__ if layer is not None else 'nothing'} (MoE and custom "
-                "MLPs are not supported yet); set parallel.tp=1")
+                f"tensor parallelism needs block {index}.{name} (a Linear); found nothing; "
+                "set parallel.tp=1")
+    if _has_submodule(block, "mlp") and not _is_dense_mlp(block.get_submodule("mlp")) and not (
+            _has_submodule(block, "mlp.router") and _has_submodule(block, "mlp.experts")):
+        raise UnsupportedParallelismError(
+            f"tensor parallelism needs block {index}.mlp to be a gated MLP (gate, up, down) or "
+            f"a mixture of experts (router, experts), found "
+            f"{type(block.get_submodule('mlp')).__name__}; set parallel.tp=1")
+    for name in _COLWISE + _ROWWISE:
+        if _has_submodule(block, name):
+            layer = block.get_submodule(name)
+            if type(layer) is not nn.Linear and not _is_lora_linear(layer):
+                raise UnsupportedParallelismError(
+                    f"tensor parallelism needs block {index}.{name} to be an nn.Linear (or "
+                    f"LoRA on one), found {type(layer).__name__}; set parallel.tp=1")
     attn = block.get_submodule("attn")
     for attr in ("num_heads", "num_kv_heads", "n_heads", "n_kv_heads"):
         heads = getattr(attn, attr, None)
@@ -132,6 +266,8 @@ def _check_tp_block(block: nn.Module, index: int, tp: int) -> None:
                 f"block {index}: attn.{attr}={heads} is not divisible by parallel.tp={tp}; "
                 "choose a tp that divides the number of (key/value) heads")
     for name in _COLWISE:
+        if not _has_submodule(block, name):
+            continue
         out = block.get_submodule(name).out_features
         if out % tp:
             raise UnsupportedParallelismError(
@@ -181,6 +317,9 @@ def apply_compile(model: nn.Module, *, blocks_attr: str = "layers",
     """
     for block in _blocks(model, blocks_attr):
         block.compile(backend=backend, fullgraph=False)
+    if hasattr(model, "compiled_blocks"):
+        # tensor masks: a new packing of the same shape must not recompile the blocks
+        model.compiled_blocks = True
 
 
 # ------------------------------------------------------------------------------------- FSDP
@@ -194,13 +333,14 @@ def _mp_policy(mixed_precision: MixedPrecision):
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
                blocks_attr: str = "layers", root: nn.Module | None = None) -> None:
-    """fully_shard each block over the "dp_shard" mesh dim, then the root (`root` or `model`)."""
+    """fully_shard each block over the data-parallel mesh dims (`fsdp_mesh`), then the root
+    (`root` or `model`)."""
     from torch.distributed.fsdp import fully_shard
     root = model if root is None else root
     if not any(m is model for m in root.modules()):
         raise ConfigError("parallelize(root=...) must contain the model as a submodule "
                           "(the loss wrapper should hold the model it computes the loss of)")
-    dp_mesh = mesh["dp_shard"]
+    dp_mesh = fsdp_mesh(mesh)
     mp = _mp_policy(cfg.mixed_precision)
     blocks = _blocks(model, blocks_attr)
     for i, block in enumerate(blocks):
@@ -247,7 +387,7 @@ def shard_frozen(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
     if cfg.tp > 1:
         apply_tp(model, mesh, blocks_attr=blocks_attr)
     for block in _blocks(model, blocks_attr):
-        fully_shard(block, mesh=mesh["dp_shard"], mp_policy=_mp_policy(cfg.mixed_precision),
+        fully_shard(block, mesh=fsdp_mesh(mesh), mp_policy=_mp_policy(cfg.mixed_precision),
                     reshard_after_forward=True)
 
 
@@ -262,21 +402,29 @@ def parallelize_frozen(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, 
     shard_frozen(model, mesh, cfg, blocks_attr=blocks_attr)
     root = model if root is None else root
     root.requires_grad_(False)
-    fully_shard(root, mesh=mesh["dp_shard"], mp_policy=_mp_policy(cfg.mixed_precision),
+    fully_shard(root, mesh=fsdp_mesh(mesh), mp_policy=_mp_policy(cfg.mixed_precision),
                 reshard_after_forward=True)
     return root
 
 
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: "dp_shard", or ("dp_replicate", "dp_shard") for HSDP."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
 def _check_mesh(mesh: DeviceMesh, cfg: ParallelConfig) -> None:
     names = mesh.mesh_dim_names or ()
-    if "dp_shard" not in names or "tp" not in names:
-        raise ConfigError(f"the device mesh needs dims ('dp_shard', 'tp'), has {names}; "
-                          "build it with posttrain.distributed.build_mesh")
-    got = (mesh["dp_shard"].size(), mesh["tp"].size())
-    want_dp = got[0] if cfg.dp_shard == -1 else cfg.dp_shard
-    if got != (want_dp, cfg.tp):
-        raise ConfigError(f"the device mesh is dp_shard={got[0]} x tp={got[1]} but the "
-                          f"parallel config asks for dp_shard={cfg.dp_shard} x tp={cfg.tp}")
+    if not {"dp_replicate", "dp_shard", "tp"} <= set(names):
+        raise ConfigError(f"the device mesh needs dims ('dp_replicate', 'dp_shard', 'tp'), has "
+                          f"{names}; build it with posttrain.distributed.build_mesh")
+    got = (mesh["dp_replicate"].size(), mesh["dp_shard"].size(), mesh["tp"].size())
+    want_dp = got[1] if cfg.dp_shard == -1 else cfg.dp_shard
+    if got != (cfg.dp_replicate, want_dp, cfg.tp):
+        raise ConfigError(f"the device mesh is dp_replicate={got[0]} x dp_shard={got[1]} x "
+                          f"tp={got[2]} but the parallel config asks for dp_replicate="
+                          f"{cfg.dp_replicate} x dp_shard={cfg.dp_shard} x tp={cfg.tp}")
 
 
 # ----------------------------------------------------------------------------- inspection

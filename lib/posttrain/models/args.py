@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-Family = Literal["qwen3", "qwen3_moe", "llama", "gemma3"]
+Family = Literal["qwen3", "qwen3_moe", "llama", "gemma3", "gpt_oss"]
 
 
 def pad_to_multiple(n: int, multiple: int) -> int:
@@ -36,7 +36,7 @@ class ModelArgs:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10_000.0
-    rope_scaling: dict[str, Any] | None = None    # HF rope_scaling / rope_parameters (llama3, linear)
+    rope_scaling: dict[str, Any] | None = None    # HF rope_parameters (linear, llama3, yarn)
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -61,6 +61,13 @@ class ModelArgs:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0    # weight of the load-balancing loss (models/moe.py)
+    # GPT-OSS
+    attention_sinks: bool = False        # a learned logit per head joins every softmax
+    router_bias: bool = False
+    expert_bias: bool = False            # biases on the stacked expert projections
+    moe_routing: str = "softmax_topk"    # "softmax_topk" (Qwen3-MoE) | "topk_softmax" (GPT-OSS)
+    swiglu_limit: float | None = None    # experts use the clamped SwiGLU (models/moe.py) when set
+    swiglu_alpha: float = 1.702
     # anything a bridge needs to write config.json back unchanged
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

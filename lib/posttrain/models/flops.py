@@ -21,9 +21,10 @@ and in the first layer the base matmuls before the first adapter need no backwar
 input requires a gradient yet). Attention's backward is 2x its forward (dS, dV, dQ, dK), without
 the score recomputation of memory-efficient kernels (hardware FLOPs, not model FLOPs).
 
-LoRA targets follow `posttrain.models.lora`: a target names an `nn.Linear` by its last path
-component or a dotted suffix (`q`, `attn.q`, `router`); MoE expert weights are stacked
-parameters, not Linears, and take no adapter.
+LoRA targets follow `posttrain.models.lora.target_of`: a target names an `nn.Linear` by its last
+path component or a dotted suffix (`q`, `attn.q`, `router`), the stacked MoE expert weights with
+their `experts.` part (`experts.gate`); an expert adapter runs over the routed rows only, top_k
+per token, like its expert.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain.models.args import ModelArgs
+from posttrain.models.lora import target_of
 
 __all__ = ["attention_context_sum", "flops_breakdown", "flops_per_token"]
 
@@ -41,7 +43,7 @@ class _Linear:
     d_in: int
     d_out: int
     uses: float = 1.0   # applications per token (top_k for experts)
-    adaptable: bool = True
+    stacked: bool = False   # MoE expert weights (targeted as `experts.gate`)
 
 
 _ATTENTION = "attention"   # the stage of the score / value matmuls
@@ -59,9 +61,9 @@ def _stages(args: ModelArgs, layer: int) -> list[list[_Linear] | str]:
     if args.is_moe_layer(layer):
         k, inter = args.num_experts_per_tok, args.moe_intermediate_size
         stages += [[_Linear("mlp.router", H, args.num_experts),
-                    _Linear("mlp.experts.gate", H, inter, k, adaptable=False),
-                    _Linear("mlp.experts.up", H, inter, k, adaptable=False)],
-                   [_Linear("mlp.experts.down", inter, H, k, adaptable=False)]]
+                    _Linear("mlp.experts.gate", H, inter, k, stacked=True),
+                    _Linear("mlp.experts.up", H, inter, k, stacked=True)],
+                   [_Linear("mlp.experts.down", inter, H, k, stacked=True)]]
     else:
         inter = args.intermediate_size
         stages += [[_Linear("mlp.gate", H, inter), _Linear("mlp.up", H, inter)],
@@ -74,10 +76,6 @@ def attention_context_sum(length: int, window: int | None = None) -> int:
     if window is None or window >= length:
         return length * (length + 1) // 2
     return window * (window + 1) // 2 + (length - window) * window
-
-
-def _matches(path: str, targets: tuple[str, ...]) -> bool:
-    return any(path == t or path.endswith("." + t) for t in targets)
 
 
 def flops_breakdown(args: ModelArgs, seq_len: int, *, training: bool = True,
@@ -94,14 +92,14 @@ def flops_breakdown(args: ModelArgs, seq_len: int, *, training: bool = True,
         raise ValueError(f"lora_rank={lora_rank} and lora_targets={lora_targets}: give both "
                          "(LoRA) or neither (full fine-tuning)")
     lora = lora_rank > 0
-    paths = [f"layers.{i}.{lin.path}" for i in range(args.num_layers)
-             for stage in _stages(args, i) if stage != _ATTENTION for lin in stage
-             if lin.adaptable]
-    unknown = [t for t in lora_targets if not any(_matches(p, (t,)) for p in paths)]
+    paths = [(f"layers.{i}.{lin.path}", lin.stacked) for i in range(args.num_layers)
+             for stage in _stages(args, i) if stage != _ATTENTION for lin in stage]
+    unknown = [t for t in lora_targets
+               if not any(target_of(p, (t,), stacked=stacked) for p, stacked in paths)]
     if unknown:
         raise ValueError(f"lora_targets {unknown} match no linear layer of this {args.family} "
-                         "model (MoE experts take no adapter); use names such as 'q', 'attn.o', "
-                         "'gate', 'router'")
+                         "model; use names such as 'q', 'attn.o', 'gate', 'router', or "
+                         "'experts.gate' for MoE expert weights")
 
     out = {"linear": 0.0, "attention": 0.0, "head": 0.0, "lora": 0.0}
     # does the activation entering the current matmul carry a gradient? With full fine-tuning
@@ -120,7 +118,8 @@ def flops_breakdown(args: ModelArgs, seq_len: int, *, training: bool = True,
                 fwd = 2.0 * lin.d_in * lin.d_out * lin.uses
                 bwd = (fwd * flowing + fwd * (not lora)) if training else 0.0
                 out["linear"] += fwd + bwd
-                if lora and lin.adaptable and _matches(f"layers.{i}.{lin.path}", lora_targets):
+                if lora and target_of(f"layers.{i}.{lin.path}", lora_targets,
+                                      stacked=lin.stacked):
                     adapted = True
                     a_fwd = 2.0 * lin.d_in * lora_rank * lin.uses
                     b_fwd = 2.0 * lora_rank * lin.d_out * lin.uses

@@ -3,7 +3,9 @@
 `load_hf` reads `config.json` and the safetensors files (one file, or shards listed in
 `model.safetensors.index.json`) one tensor at a time; the model is built on the meta device and
 only the parameters a rank owns (`param_filter`) get storage. Embedding and head rows are padded
-to `vocab_multiple` with zero rows.
+to `vocab_multiple` with zero rows. MXFP4 tensors (`X_blocks` + `X_scales`, GPT-OSS's experts)
+are dequantized to bf16 as they are read (`models/mxfp4.py`). The family bridge maps names and
+layouts (`families/base.py`: one to one, stacked slices, fused tensors).
 
 `save_hf` writes the reverse: the original config.json (real vocab size), tensors under their
 HF names, shapes (padding stripped) and dtype, sharded with an index past `max_shard_bytes`,
@@ -25,6 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from posttrain.errors import ConfigError, PosttrainError
+from posttrain.models import mxfp4
 from posttrain.models.args import ModelArgs, pad_to_multiple
 from posttrain.models.families import FamilyBridge, bridge_for_config, bridge_for_family
 from posttrain.models.families.base import VOCAB_PARAMS
@@ -86,31 +89,45 @@ def iter_hf_tensors(hf_dir: str | Path, args: ModelArgs, *,
     `names` restricts what is read. A tied checkpoint's `lm_head.weight`, if present, is
     skipped (the native head shares the embedding). Distributed loaders use this to fill
     their shards without ever holding the whole model. Parameters stored as one HF tensor per
-    slice (MoE experts) are stacked and yielded once their last slice has been read.
+    slice (MoE experts) are stacked and yielded once their last slice has been read; an HF
+    tensor that holds several native ones (GPT-OSS's fused experts) yields each.
     """
     bridge = bridge_for_family(args.family)
-    by_file: dict[Path, list[tuple[str, str]]] = defaultdict(list)
-    for hf_name, file in weight_map(hf_dir).items():
-        native = bridge.to_native(hf_name)
-        if native is None or (args.tie_word_embeddings and native == "head.weight"):
-            continue
-        if names is None or native in names:
-            by_file[file].append((hf_name, native))
+    files = weight_map(hf_dir)
+    quantized = mxfp4.quantized_names(files)
+    for name in quantized:
+        files[name] = files.pop(name + mxfp4.BLOCKS)
+        del files[name + mxfp4.SCALES]
+
+    def wanted(native: str) -> bool:
+        return ((names is None or native in names)
+                and not (args.tie_word_embeddings and native == "head.weight"))
+
+    by_file: dict[Path, list[tuple[str, list[str]]]] = defaultdict(list)
+    for hf_name, file in files.items():
+        natives = bridge.native_names(hf_name)
+        if any(wanted(native) for native in natives):
+            by_file[file].append((hf_name, natives))
     slices: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     for file, entries in by_file.items():
         with safe_open(file, framework="pt", device="cpu") as f:
-            for hf_name, native in entries:
-                t = f.get_tensor(hf_name)
+            for hf_name, natives in entries:
+                t = (mxfp4.read(hf_name, *quantized[hf_name]) if hf_name in quantized
+                     else f.get_tensor(hf_name))
                 index = bridge.stack_index(hf_name)
                 if index is not None:
+                    (native,) = natives
                     slices[native][index] = t
                     if len(slices[native]) == len(bridge.hf_names(native, args)):
                         parts = slices.pop(native)
                         yield native, torch.stack([parts[i] for i in range(len(parts))])
                     continue
-                if native in VOCAB_PARAMS:
-                    t = _pad_rows(t, args.padded_vocab_size)
-                yield native, t
+                for native, t in bridge.to_native_tensors(hf_name, t):
+                    if not wanted(native):
+                        continue
+                    if native in VOCAB_PARAMS:
+                        t = _pad_rows(t, args.padded_vocab_size)
+                    yield native, t
     if slices:
         native, parts = next(iter(slices.items()))
         missing = [name for name in bridge.hf_names(native, args)
@@ -179,24 +196,34 @@ def _hf_tensors(model: Transformer, bridge: FamilyBridge,
     if not isinstance(model.head, LMHead):
         raise PosttrainError("save_hf writes causal-LM checkpoints; this model has a custom "
                              f"head ({type(model.head).__name__}); save it separately")
-    for name, value in model.state_dict(keep_vars=True).items():
+    state = model.state_dict(keep_vars=True)
+    for name, value in state.items():
         if args.tie_word_embeddings and name == "head.weight":
             continue   # HF ties lm_head to embed_tokens on load
-        rows = args.vocab_size if name in VOCAB_PARAMS else None
-        shape = (rows, *value.shape[1:]) if rows is not None else tuple(value.shape)
-        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
 
         hf_names = bridge.hf_names(name, args)
         if len(hf_names) > 1:       # stacked (MoE experts): one HF tensor per slice
             yield from _slice_tensors(value, hf_names, dtype)
             continue
+        hf_name = hf_names[0]
+        natives = bridge.native_names(hf_name)    # several for a fused HF tensor
+        if natives[0] != name:
+            continue                # written with the first of them
+        rows = args.vocab_size if name in VOCAB_PARAMS else None
+        shape = (rows, *value.shape[1:]) if rows is not None else tuple(value.shape)
+        nbytes = dtype.itemsize * sum(int(torch.Size(shape).numel()) if n == name
+                                      else state[n].numel() for n in natives)
 
-        def thunk(value: torch.Tensor = value, rows: int | None = rows) -> torch.Tensor:
-            t = _full_tensor(value)
-            t = t[:rows] if rows is not None else t
-            return t.to(device="cpu", dtype=dtype).contiguous().clone()
+        def thunk(hf_name: str = hf_name, natives: list[str] = natives,
+                  rows: int | None = rows) -> torch.Tensor:
+            parts = {}
+            for native in natives:
+                t = _full_tensor(state[native])
+                t = t[:rows] if rows is not None else t
+                parts[native] = t.to(device="cpu", dtype=dtype)
+            return bridge.to_hf_tensor(hf_name, parts).contiguous().clone()
 
-        yield hf_names[0], thunk, nbytes
+        yield hf_name, thunk, nbytes
 
 
 def _slice_tensors(value: torch.Tensor, hf_names: list[str], dtype: torch.dtype,
@@ -229,6 +256,7 @@ def hf_named_tensors(args: ModelArgs, named_tensors: Iterable[tuple[str, torch.T
     disk. Tensors stay on their device; `dtype` casts them when given.
     """
     bridge = bridge_for_family(args.family)
+    fusing: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)   # fused HF tensors' parts
     for name, tensor in named_tensors:
         if args.tie_word_embeddings and name == "head.weight":
             continue
@@ -241,8 +269,14 @@ def hf_named_tensors(args: ModelArgs, named_tensors: Iterable[tuple[str, torch.T
         if len(hf_names) > 1:
             assert t.shape[0] == len(hf_names), (name, tuple(t.shape), len(hf_names))
             yield from zip(hf_names, t.unbind(0))
-        else:
-            yield hf_names[0], t
+            continue
+        parts = fusing[hf_names[0]]
+        parts[name] = t
+        if len(parts) == len(bridge.native_names(hf_names[0])):
+            yield hf_names[0], bridge.to_hf_tensor(hf_names[0], fusing.pop(hf_names[0]))
+    if fusing:
+        raise PosttrainError(f"hf_named_tensors: {sorted(fusing)[:4]} lack some of the native "
+                             "tensors they are made of")
 
 
 def _copy_tokenizer_files(tokenizer_dir: Path, out_dir: Path) -> None:

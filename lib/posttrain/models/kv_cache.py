@@ -23,10 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from posttrain.models.layers import apply_rope
 from posttrain.models.transformer import Transformer
+from posttrain.ops.attention import masked_attention
 
 __all__ = ["KVCache", "forward_with_cache"]
 
@@ -93,9 +93,8 @@ def _cached_attention(attn: torch.nn.Module, x_BTH: torch.Tensor,
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     keys[:, :, start:end] = k
     values[:, :, start:end] = v
-    out = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end],
-                                         attn_mask=mask_B1TS, scale=attn.scale,
-                                         enable_gqa=attn.num_heads != attn.num_kv_heads)
+    out = masked_attention(q, keys[:, :, :end], values[:, :, :end], mask_B1TS,
+                           scale=attn.scale, sinks=getattr(attn, "sinks", None))
     return attn.o(out.transpose(1, 2).reshape(B, T, -1))
 
 

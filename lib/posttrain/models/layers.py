@@ -52,7 +52,7 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None,
                   ) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] (fp32, CPU) for plain, linear or llama3 RoPE.
+    """Inverse frequencies [head_dim // 2] (fp32, CPU) for plain, linear, llama3 or yarn RoPE.
 
     `scaling` is the HF `rope_parameters` dict without its base (`rope_type`, `factor`, ...).
     """
@@ -76,9 +76,55 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(medium, blended, scaled)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, exponents)
     raise ConfigError(
         f"rope_type '{rope_type}' is not supported by the native models (supported: default, "
-        "linear, llama3); add it to posttrain/models/layers.py:rope_inv_freq")
+        "linear, llama3, yarn); add it to posttrain/models/layers.py:rope_inv_freq")
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any],
+                   exponents: torch.Tensor) -> torch.Tensor:
+    """YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension"), as transformers
+    computes it: frequencies that turn fewer than `beta_slow` times over the original context
+    are interpolated by `factor`, those turning more than `beta_fast` times are kept, and a
+    linear ramp over the dimension index blends the band between."""
+    if scaling.get("factor") is None:
+        raise ConfigError("yarn rope_parameters need a 'factor'")
+    factor = scaling["factor"]
+    old_len = scaling["original_max_position_embeddings"]
+
+    def dim_turning(turns: float) -> float:   # the dimension whose frequency turns this often
+        return head_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = dim_turning(scaling.get("beta_fast") or 32)
+    high = dim_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((dims - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** exponents
+    kept = 1 - ramp                           # weight of the original frequency
+    return 1.0 / (factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (its `attention_factor`, else
+    0.1 ln(factor) + 1, or DeepSeek's mscale ratio), 1 for every other rope type."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    assert scaling is not None
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -95,6 +141,7 @@ class RotaryEmbedding(nn.Module):
         self.scaling = scaling
         self._inv_freq_cpu = rope_inv_freq(head_dim, theta, scaling)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self.attention_factor = rope_attention_factor(scaling)
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq:
@@ -106,7 +153,10 @@ class RotaryEmbedding(nn.Module):
         """position_ids [B, T] -> (cos, sin), each [B, T, head_dim] in `dtype`."""
         freqs = position_ids[..., None].float() * self.inv_freq(position_ids.device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}, scaling={self.scaling}"
@@ -124,7 +174,8 @@ def apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tenso
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention with optional per-head q/k norm and a sliding window.
+    """Causal GQA self-attention with optional per-head q/k norm, a sliding window and
+    attention sinks (`sinks` [H], GPT-OSS).
 
     The kernel is `posttrain.ops.attention.attention`, which applies the causal mask, the
     document mask of packed rows and the sliding window itself.
@@ -148,9 +199,19 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, offset=args.norm_offset)
         else:
             self.q_norm = self.k_norm = None
+        # GPT-OSS: a learned logit per query head in every softmax denominator
+        self.sinks = nn.Parameter(torch.empty(args.num_heads)) if args.attention_sinks else None
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """The sinks (the projections and norms are initialised as modules of their own)."""
+        if self.sinks is not None:
+            nn.init.normal_(self.sinks, std=std)
 
     def forward(self, x_BTH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                document_lengths: list[list[int]] | None = None) -> torch.Tensor:
+                mask: attention_ops.DocumentMask | None = None) -> torch.Tensor:
+        """`mask`: the batch's mask for this layer's kind (`Transformer.forward` builds it
+        once); None is one causal document per row."""
         B, T, _ = x_BTH.shape
         q = self.q(x_BTH).view(B, T, -1, self.head_dim)
         k = self.k(x_BTH).view(B, T, -1, self.head_dim)
@@ -160,8 +221,11 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention_ops.attention(q, k, v, document_lengths=document_lengths,
-                                      sliding_window=self.sliding_window, scale=self.scale)
+        if mask is None:
+            mask = attention_ops.build_mask(None, B, T, x_BTH.device,
+                                            sliding_window=self.sliding_window,
+                                            sinks=self.sinks is not None)
+        out = attention_ops.attention(q, k, v, mask=mask, scale=self.scale, sinks=self.sinks)
         return self.o(out.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -23,6 +23,20 @@ before FSDP / activation checkpointing / compile.
 
 `disable_adapters(model)` runs the base model through the same weights (the DPO / KL reference
 without a second copy of the model).
+
+MoE experts. The stacked expert weights of `posttrain.models.moe.Experts` (`experts.gate`,
+`experts.up` [E, I, H], `experts.down` [E, H, I]) take stacked adapters, one pair per expert:
+expert e computes with W_e + (alpha / r) B_e A_e, A [E, r, in], B [E, out, r], stored as
+`experts.gate_lora_A` / `experts.gate_lora_B`. A target names them with their `experts.` part
+(`experts.gate`, `mlp.experts.down`), so that `gate` keeps meaning the dense MLP's Linear. The
+`LoRAExperts` wrapper runs the update as a low-rank path inside the experts' own dispatch
+(`Experts.project`: grouped matmuls or the loop), x A_e^T B_e^T over each expert's rows:
+2 r (in + out) FLOPs per routed row and an [rows, r] activation (the loop where r's rows are
+not whole 16 bytes, which `torch._grouped_mm` requires). Folding B_e A_e into W at every
+step instead would cost 2 E r in out FLOPs and a weight-sized temporary (and its gradient) per
+projection; for Qwen3-30B-A3B's experts that is 200 M elements per projection and layer, so
+only `merge` folds. PEFT expresses these adapters with `target_parameters`
+(`save_peft_adapter`); it refuses dropout on them, and so does `check_peft_export`.
 """
 
 from __future__ import annotations
@@ -40,19 +54,23 @@ from safetensors.torch import save_file
 from torch import nn
 
 from posttrain.errors import ConfigError
+from posttrain.models.moe import Experts
 
-__all__ = ["LoRALinear", "LoraConfig", "apply_lora", "disable_adapters", "flops_kwargs",
-           "init_lora_weights", "lora_modules", "lora_state_dict", "merge_lora",
-           "save_merged_hf", "save_peft_adapter", "unmerge_lora"]
+__all__ = ["EXPERT_PROJECTIONS", "LoRAExperts", "LoRALinear", "LoraConfig", "apply_lora",
+           "check_peft_export", "disable_adapters", "flops_kwargs", "fold_adapters",
+           "init_lora_weights", "is_adapter_name", "lora_modules", "lora_state_dict",
+           "merge_lora", "save_merged_hf", "save_peft_adapter", "target_of", "unmerge_lora"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+EXPERT_PROJECTIONS = ("gate", "up", "down")
 
 
 @dataclass(frozen=True)
 class LoraConfig:
     """rank r, alpha (scaling = alpha / r), dropout on the adapter input, target module names
-    (last path component, or a dotted suffix), and a seed for A's init (None: global RNG)."""
+    (last path component, or a dotted suffix; `experts.gate` etc. for MoE expert weights), and
+    a seed for A's init (None: global RNG)."""
 
     rank: int = 16
     alpha: float = 32.0
@@ -75,7 +93,70 @@ class LoraConfig:
             raise ConfigError("lora.targets is empty; name at least one module, e.g. ['q', 'v']")
 
 
-class LoRALinear(nn.Module):
+class _Adapted:
+    """What `LoRALinear` and `LoRAExperts` share: the merge state, the on/off switch, init,
+    merge and unmerge over their (base weight, adapter) pairs."""
+
+    merged: bool
+    adapters_enabled: bool
+    dropout: nn.Module
+
+    def adapter_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(local name, parameter) of every adapter tensor, A before B."""
+        raise NotImplementedError
+
+    def _deltas(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """(base weight, its update B A * scaling in fp32), one pair at a time."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def init_adapters(self, generator: torch.Generator | None = None) -> None:
+        """A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform with a=sqrt(5)), B = 0."""
+        if self.merged:
+            raise RuntimeError(f"{type(self).__name__}.init_adapters on a merged layer; "
+                               "unmerge first")
+        for name, p in self.adapter_parameters():
+            p.copy_(adapter_init_tensor(name, tuple(p.shape), generator))
+
+    def _adapt(self, out: torch.Tensor, x: torch.Tensor,
+               update: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`out` (the base weights applied to `x`) with the adapters' `update(x)` as the state
+        asks: added while on and unmerged, taken out again while merged but switched off."""
+        if self.adapters_enabled and not self.merged:
+            return out + update(self.dropout(x)).to(out.dtype)
+        if self.merged and not self.adapters_enabled:
+            # the update lives in the weight; take it out again (no second weight copy)
+            return out - update(x).to(out.dtype)
+        return out
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold the update into the base weights (computed in fp32, stored in their dtype)."""
+        if self.merged:
+            return
+        for weight, delta in self._deltas():
+            weight.copy_((weight.float() + delta).to(weight.dtype))
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Exact inverse of `merge` for fp32 weights up to rounding."""
+        if not self.merged:
+            return
+        for weight, delta in self._deltas():
+            weight.copy_((weight.float() - delta).to(weight.dtype))
+        self.merged = False
+
+    @contextmanager
+    def disable_adapters(self) -> Iterator[Any]:
+        previous, self.adapters_enabled = self.adapters_enabled, False
+        try:
+            yield self
+        finally:
+            self.adapters_enabled = previous
+
+
+class LoRALinear(_Adapted, nn.Module):
     """A frozen Linear plus a trainable low-rank update; see the module docstring.
 
     `weight` / `bias` are the wrapped Linear's own Parameter objects (not copies). `merged`
@@ -97,57 +178,24 @@ class LoRALinear(nn.Module):
         self.merged = False
         self.adapters_enabled = True
 
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform with a=sqrt(5)), B = 0."""
-        if self.merged:
-            raise RuntimeError("LoRALinear.init_weights on a merged layer; unmerge first")
-        bound = 1.0 / math.sqrt(self.in_features)
-        a = torch.empty(self.lora_A.shape, dtype=torch.float32).uniform_(-bound, bound,
-                                                                         generator=generator)
-        self.lora_A.copy_(a)
-        self.lora_B.zero_()
+    def adapter_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [("lora_A", self.lora_A), ("lora_B", self.lora_B)]
+
+    init_weights = _Adapted.init_adapters
 
     def _update(self, x: torch.Tensor) -> torch.Tensor:
         h = F.linear(F.linear(x.to(self.lora_A.dtype), self.lora_A), self.lora_B)
         return h * self.scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
-        if self.adapters_enabled and not self.merged:
-            return out + self._update(self.dropout(x)).to(out.dtype)
-        if self.merged and not self.adapters_enabled:
-            # the update lives in `weight`; take it out again (no second weight copy)
-            return out - self._update(x).to(out.dtype)
-        return out
+        return self._adapt(F.linear(x, self.weight, self.bias), x, self._update)
 
     def delta_weight(self) -> torch.Tensor:
         """B A * scaling in fp32, [out, in]."""
         return (self.lora_B.float() @ self.lora_A.float()) * self.scaling
 
-    @torch.no_grad()
-    def merge(self) -> None:
-        """Fold the update into `weight` (computed in fp32, stored in the weight's dtype)."""
-        if self.merged:
-            return
-        self.weight.copy_((self.weight.float() + self.delta_weight()).to(self.weight.dtype))
-        self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        """Exact inverse of `merge` for fp32 weights up to rounding."""
-        if not self.merged:
-            return
-        self.weight.copy_((self.weight.float() - self.delta_weight()).to(self.weight.dtype))
-        self.merged = False
-
-    @contextmanager
-    def disable_adapters(self) -> Iterator["LoRALinear"]:
-        previous, self.adapters_enabled = self.adapters_enabled, False
-        try:
-            yield self
-        finally:
-            self.adapters_enabled = previous
+    def _deltas(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        yield self.weight, self.delta_weight()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -155,40 +203,141 @@ class LoRALinear(nn.Module):
                 f"merged={self.merged}")
 
 
+class LoRAExperts(_Adapted, Experts):
+    """MoE experts whose `projections` (of "gate", "up", "down") carry stacked adapters
+    `{p}_lora_A` [E, r, in] and `{p}_lora_B` [E, out, r]; see the module docstring.
+
+    It holds the wrapped `Experts`' own parameters, buffers and attributes (the same objects,
+    under the same names, whatever activation or biases the experts have) and overrides only
+    `Experts.project`, so both dispatch paths (grouped matmuls, the loop) run the adapters.
+    """
+
+    def __init__(self, base: Experts, projections: tuple[str, ...], rank: int, alpha: float,
+                 dropout: float = 0.0):
+        nn.Module.__init__(self)
+        own = set(self.__dict__)
+        self.__dict__.update({k: v for k, v in base.__dict__.items() if k not in own})
+        self.training = base.training
+        self._parameters.update(base._parameters)
+        self._buffers.update(base._buffers)
+        self._non_persistent_buffers_set.update(base._non_persistent_buffers_set)
+        self._modules.update(base._modules)
+        unknown = set(projections) - set(EXPERT_PROJECTIONS)
+        assert not unknown, unknown
+        self.projections = tuple(p for p in EXPERT_PROJECTIONS if p in projections)
+        self.rank, self.alpha = rank, float(alpha)
+        self.scaling = self.alpha / rank
+        for p in self.projections:
+            w = getattr(self, p)
+            num_experts, d_out, d_in = w.shape
+            factory = dict(device=w.device, dtype=w.dtype)
+            setattr(self, f"{p}_lora_A",
+                    nn.Parameter(torch.empty(num_experts, rank, d_in, **factory)))
+            setattr(self, f"{p}_lora_B",
+                    nn.Parameter(torch.empty(num_experts, d_out, rank, **factory)))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.merged = False
+        self.adapters_enabled = True
+
+    def adapter_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(f"{p}_lora_{ab}", getattr(self, f"{p}_lora_{ab}"))
+                for p in self.projections for ab in "AB"]
+
+    def project(self, name: str, x_sorted: torch.Tensor,
+                groups: torch.Tensor | list[int]) -> torch.Tensor:
+        out = super().project(name, x_sorted, groups)
+        if name not in self.projections:
+            return out
+        return self._adapt(out, x_sorted, lambda x: self._update(name, x, groups))
+
+    def _update(self, name: str, x_sorted: torch.Tensor,
+                groups: torch.Tensor | list[int]) -> torch.Tensor:
+        a, b = getattr(self, f"{name}_lora_A"), getattr(self, f"{name}_lora_B")
+        if isinstance(groups, torch.Tensor) and (self.rank * a.element_size()) % 16:
+            # torch._grouped_mm needs row strides of whole 16 bytes ([rows, r] here): loop
+            groups = torch.diff(groups, prepend=groups.new_zeros(1)).tolist()
+        h = self.expert_matmul(x_sorted.to(a.dtype), a, groups)
+        return self.expert_matmul(h, b, groups) * self.scaling
+
+    def delta_weight(self, name: str) -> torch.Tensor:
+        """B_e A_e * scaling of projection `name` for every expert e, fp32, [E, out, in]."""
+        a, b = getattr(self, f"{name}_lora_A"), getattr(self, f"{name}_lora_B")
+        return torch.bmm(b.float(), a.float()) * self.scaling
+
+    def _deltas(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        for p in self.projections:
+            yield getattr(self, p), self.delta_weight(p)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, adapted={list(self.projections)}, rank={self.rank}, "
+                f"alpha={self.alpha}, merged={self.merged}")
+
+
 # ------------------------------------------------------------------------------- applying
 
-def _matches(name: str, targets: tuple[str, ...]) -> str | None:
+def _names_experts(target: str) -> bool:
+    """Whether `target` names stacked expert weights: its second-to-last part is `experts`."""
+    return target.rpartition(".")[0].rpartition(".")[2] == "experts"
+
+
+def target_of(name: str, targets: tuple[str, ...], *, stacked: bool = False) -> str | None:
+    """The first of `targets` naming `name`: its last path component or a dotted suffix
+    (`q`, `attn.q`). A stacked expert weight (`stacked`, e.g. `layers.1.mlp.experts.gate`) is
+    named only with its `experts.` part (`experts.gate`), never by `gate` alone."""
     for target in targets:
-        if name == target or name.endswith("." + target):
+        if (name == target or name.endswith("." + target)) and (
+                not stacked or _names_experts(target)):
             return target
     return None
 
 
-def _unknown_targets_error(model: nn.Module, unknown: list[str], linear_names: list[str]
-                           ) -> ConfigError:
+def _unknown_targets_error(model: nn.Module, unknown: list[str], linear_names: list[str],
+                           expert_names: list[str]) -> ConfigError:
     available = sorted({n.rpartition(".")[2] for n in linear_names})
+    kinds = "nn.Linear or MoE expert weight" if expert_names else "nn.Linear"
+    msg = (f"lora.targets {unknown} match no {kinds} of this {type(model).__name__}; "
+           f"its Linear modules are named {available}")
+    expert_like: list[str] = []
+    if expert_names:
+        msg += f", its MoE expert weights {[f'experts.{p}' for p in EXPERT_PROJECTIONS]}"
+        expert_like = [t for t in unknown if t.rpartition(".")[2] in EXPERT_PROJECTIONS
+                       and not _names_experts(t)]
+    if expert_like:
+        msg += (f". {expert_like} name no dense MLP here; MoE expert weights are targeted with "
+                f"their experts. part, e.g. 'experts.{expert_like[0].rpartition('.')[2]}'")
     leaf_names = ({n.rpartition(".")[2] for n, _ in model.named_modules()}
                   | {n.rpartition(".")[2] for n, _ in model.named_parameters()})
-    not_linear = sorted(set(unknown) & leaf_names)
-    msg = (f"lora.targets {unknown} match no nn.Linear of this {type(model).__name__}; "
-           f"its Linear modules are named {available}")
+    not_linear = sorted((set(unknown) & leaf_names) - set(expert_like))
     if not_linear:
-        msg += (f". {not_linear} exist but are not nn.Linear (e.g. norms or MoE expert "
-                "weights), which LoRA does not adapt")
+        msg += (f". {not_linear} exist but are not nn.Linear (e.g. norms), which LoRA does "
+                "not adapt")
     return ConfigError(msg)
 
 
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), leaf, module)
+
+
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
-    """Wrap every matching `nn.Linear` of `model` in place in a `LoRALinear` and freeze all
-    other parameters. Returns `model`. On the meta device A and B stay uninitialised: call
-    `init_lora_weights` after materialising."""
+    """Wrap every matching `nn.Linear` of `model` in place in a `LoRALinear`, every `Experts`
+    with a matching projection in a `LoRAExperts`, and freeze all other parameters. Returns
+    `model`. On the meta device A and B stay uninitialised: call `init_lora_weights` after
+    materialising."""
     if lora_modules(model):
         raise ConfigError("apply_lora: the model already has LoRA adapters")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    chosen = {name: t for name in linears if (t := _matches(name, cfg.targets)) is not None}
-    unknown = [t for t in cfg.targets if t not in chosen.values()]
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
+    chosen = {name: t for name in linears if (t := target_of(name, cfg.targets)) is not None}
+    chosen_experts = {name: tuple(p for p in EXPERT_PROJECTIONS
+                                  if target_of(f"{name}.{p}", cfg.targets, stacked=True))
+                      for name in experts}
+    chosen_experts = {name: projs for name, projs in chosen_experts.items() if projs}
+    hit = set(chosen.values()) | {target_of(f"{name}.{p}", cfg.targets, stacked=True)
+                                  for name, projs in chosen_experts.items() for p in projs}
+    unknown = [t for t in cfg.targets if t not in hit]
     if unknown:
-        raise _unknown_targets_error(model, unknown, list(linears))
+        raise _unknown_targets_error(model, unknown, list(linears), list(experts))
     head_weight = getattr(getattr(model, "head", None), "weight", None)
     on_head = [name for name in chosen if linears[name].weight is head_weight]
     if on_head:
@@ -197,9 +346,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     for name in chosen:
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, leaf, LoRALinear(linears[name], cfg.rank, cfg.alpha, cfg.dropout))
+        _replace(model, name, LoRALinear(linears[name], cfg.rank, cfg.alpha, cfg.dropout))
+    for name, projs in chosen_experts.items():
+        _replace(model, name, LoRAExperts(experts[name], projs, cfg.rank, cfg.alpha,
+                                          cfg.dropout))
     if not any(p.is_meta for p in model.parameters()):
         init_lora_weights(model, seed=cfg.init_seed)
     return model
@@ -209,27 +359,33 @@ def init_lora_weights(model: nn.Module, seed: int | None = None) -> None:
     """(Re)initialise every adapter: A kaiming-uniform (from `seed` if given), B zero."""
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     for _, module in lora_modules(model):
-        module.init_weights(generator)
+        module.init_adapters(generator)
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether parameter `name` is a LoRA adapter (`...q.lora_A`, `...experts.gate_lora_B`)."""
+    return name.endswith(("lora_A", "lora_B"))
 
 
 def adapter_init_tensor(name: str, shape: tuple[int, ...],
                         generator: torch.Generator | None = None) -> torch.Tensor:
-    """The full initial value of adapter parameter `name` (`...lora_A` or `...lora_B`).
+    """The full initial value of adapter parameter `name` (`...lora_A` or `...lora_B`; A is
+    [r, in] or stacked [E, r, in]).
 
     For models materialized from the meta device and sharded before they have storage: each
     rank builds the same full tensor from the same generator and keeps its shard. Same
-    distribution as `LoRALinear.init_weights`.
+    distribution as `init_lora_weights`.
     """
     if name.endswith("lora_B"):
         return torch.zeros(shape)
     if name.endswith("lora_A"):
-        bound = 1.0 / math.sqrt(shape[1])
+        bound = 1.0 / math.sqrt(shape[-1])
         return torch.empty(shape).uniform_(-bound, bound, generator=generator)
     raise KeyError(f"{name} is not a LoRA adapter parameter")
 
 
-def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear | LoRAExperts]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, _Adapted)]
 
 
 def merge_lora(model: nn.Module) -> None:
@@ -253,8 +409,24 @@ def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Native name (`layers.0.attn.q.lora_A`) -> adapter tensor (detached, not copied)."""
-    return {name: p.detach() for name, p in model.named_parameters()
-            if name.endswith((".lora_A", ".lora_B"))}
+    return {name: p.detach() for name, p in model.named_parameters() if is_adapter_name(name)}
+
+
+def fold_adapters(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """A full native state dict with the adapters folded into their base weights and left out:
+    `X.lora_A` / `X.lora_B` into `X.weight`, stacked `E.p_lora_A` / `E.p_lora_B` into `E.p`
+    (B_e A_e per expert), in fp32, stored in the base weight's dtype."""
+    out = {}
+    for name, t in state.items():
+        if is_adapter_name(name):
+            continue
+        a_name = (f"{name.removesuffix('.weight')}.lora_A" if name.endswith(".weight")
+                  else f"{name}_lora_A")
+        if a_name in state:
+            a, b = state[a_name].float(), state[a_name[:-1] + "B"].float()
+            t = (t.float() + (b @ a) * scaling).to(t.dtype)
+        out[name] = t
+    return out
 
 
 def flops_kwargs(cfg: LoraConfig | None) -> dict[str, Any]:
@@ -283,6 +455,17 @@ def _default_hf_names(model: nn.Module) -> Callable[[str], str]:
     return bridge_for_family(args.family).to_hf
 
 
+def check_peft_export(targets: tuple[str, ...] | list[str], dropout: float) -> None:
+    """Raise a ConfigError where a PEFT adapter cannot express LoRA on `targets` with
+    `dropout` (checked at config time by `posttrain.train.recipe.check_export`)."""
+    stacked = [t for t in targets if _names_experts(t)]
+    if stacked and dropout > 0:
+        raise ConfigError(
+            f"lora.targets {stacked} adapt MoE expert weights, which PEFT adapts through "
+            f"target_parameters without dropout (it refuses to load them with lora_dropout="
+            f"{dropout}); set lora.dropout: 0, or export merged weights (export.format: merged)")
+
+
 def save_peft_adapter(model: nn.Module, out_dir: str | Path, *, base_model_name_or_path: str,
                       hf_names: Callable[[str], str] | None = None) -> Path:
     """Write `adapter_config.json` + `adapter_model.safetensors` that
@@ -291,6 +474,8 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *, base_model_name_
     `hf_names` maps a native parameter name (`layers.0.attn.q.weight`) to its HF checkpoint
     key (`model.layers.0.self_attn.q_proj.weight`); by default the model family's bridge.
     Unmerged adapters are written; a merged model is written the same way (A and B are kept).
+    Stacked expert adapters become PEFT `target_parameters` (`_peft_experts`); PEFT cannot
+    give them dropout, which `check_peft_export` refuses.
     """
     modules = lora_modules(model)
     if not modules:
@@ -299,14 +484,17 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *, base_model_name_
              for _, m in modules}
     assert len(hyper) == 1, f"adapters with different rank/alpha/dropout: {hyper}"
     (rank, alpha, dropout), = hyper
+    experts = [(n, m) for n, m in modules if isinstance(m, LoRAExperts)]
+    check_peft_export([f"{n}.{p}" for n, m in experts for p in m.projections], dropout)
     to_hf = hf_names or _default_hf_names(model)
     tensors: dict[str, torch.Tensor] = {}
     target_modules: set[str] = set()
     for name, module in modules:
-        hf_module = to_hf(f"{name}.weight").removesuffix(".weight")
-        target_modules.add(hf_module.rpartition(".")[2])
-        tensors[f"base_model.model.{hf_module}.lora_A.weight"] = _full_cpu(module.lora_A)
-        tensors[f"base_model.model.{hf_module}.lora_B.weight"] = _full_cpu(module.lora_B)
+        if isinstance(module, LoRALinear):
+            hf_module = to_hf(f"{name}.weight").removesuffix(".weight")
+            target_modules.add(hf_module.rpartition(".")[2])
+            tensors[f"base_model.model.{hf_module}.lora_A.weight"] = _full_cpu(module.lora_A)
+            tensors[f"base_model.model.{hf_module}.lora_B.weight"] = _full_cpu(module.lora_B)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
@@ -316,6 +504,10 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *, base_model_name_
         "modules_to_save": None, "inference_mode": True, "rank_pattern": {},
         "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None,
     }
+    if experts:
+        config["target_parameters"] = []
+        for name, module in experts:
+            _peft_experts(model, name, module, tensors, config)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
@@ -323,12 +515,63 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *, base_model_name_
     return out_dir
 
 
+def _peft_experts(model: nn.Module, name: str, module: LoRAExperts,
+                  tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Add the stacked adapters of `module` (native `name`) to a PEFT adapter's `tensors` and
+    `config`, as PEFT's `target_parameters` on transformers 5's fused Qwen3-MoE experts.
+
+    There `mlp.experts.gate_up_proj` is [E, 2I, H] (gate rows, then up rows) and `down_proj`
+    [E, H, I]. PEFT's adapter on a 3-D parameter is one Linear pair per parameter: A [E*R, in]
+    with expert e's rows at e*R..e*R+R-1, B [out, R*E] with expert e's column j at j*E + e.
+    Separate gate and up adapters share that fused parameter as one block-diagonal adapter of
+    rank 2r (rank_pattern) with alpha 2 alpha (alpha_pattern), so the scaling stays alpha / r.
+    PEFT wraps the targeted parameters of a module in their registration order, the later
+    outermost: with both, gate_up_proj's tensors sit under `base_layer.`.
+    """
+    family = getattr(getattr(model, "args", None), "family", None)
+    if family != "qwen3_moe":
+        raise ConfigError(f"save_peft_adapter: LoRA on the MoE experts of a {family} model has "
+                          "no known PEFT layout; export merged weights instead (export.format: "
+                          "merged, `save_merged_hf`)")
+    from posttrain.models.families import bridge_for_family
+
+    hf_experts, found, _ = bridge_for_family(family).hf_names(
+        f"{name}.gate", model.args)[0].rpartition(".0.gate_proj.weight")
+    assert found, name
+    rank, (num_experts, inter, _) = module.rank, module.gate.shape
+    wrapped = []          # (HF parameter, A [E, R, in], B [E, out, R], R / r), inner first
+    fused = [p for p in ("gate", "up") if p in module.projections]
+    if fused:
+        b = module.gate.new_zeros(num_experts, 2 * inter, rank * len(fused))
+        for j, p in enumerate(fused):
+            rows = slice(0, inter) if p == "gate" else slice(inter, 2 * inter)
+            b[:, rows, j * rank:(j + 1) * rank] = getattr(module, f"{p}_lora_B")
+        a = torch.cat([getattr(module, f"{p}_lora_A") for p in fused], dim=1)
+        wrapped.append(("gate_up_proj", a, b, len(fused)))
+    if "down" in module.projections:
+        wrapped.append(("down_proj", module.down_lora_A, module.down_lora_B, 1))
+    for depth, (param, a, b, mult) in enumerate(reversed(wrapped)):
+        a, b = _full_cpu(a), _full_cpu(b)
+        prefix = f"base_model.model.{hf_experts}.{'base_layer.' * depth}"
+        tensors[f"{prefix}lora_A.weight"] = a.reshape(-1, a.shape[-1])
+        tensors[f"{prefix}lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], -1)
+        key = f"{hf_experts}.{param}"
+        config["target_parameters"].append(key)
+        if mult > 1:
+            config["rank_pattern"][key] = mult * module.rank
+            config["alpha_pattern"][key] = mult * module.alpha
+
+
 @contextmanager
-def _plain_linears(model: nn.Module) -> Iterator[None]:
-    """Temporarily put plain nn.Linear modules (same Parameter objects) in place of the
-    LoRALinear ones, so that exporters see only base parameter names."""
-    swapped = []
+def _base_only(model: nn.Module) -> Iterator[None]:
+    """Temporarily show exporters only the base parameters: plain nn.Linear modules (same
+    Parameter objects) in place of the LoRALinear ones, the stacked expert adapters hidden."""
+    swapped, hidden = [], []
     for name, module in lora_modules(model):
+        if isinstance(module, LoRAExperts):
+            adapters = {n: module._parameters.pop(n) for n, _ in module.adapter_parameters()}
+            hidden.append((module, adapters))
+            continue
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         plain = nn.Linear(module.in_features, module.out_features,
@@ -343,6 +586,8 @@ def _plain_linears(model: nn.Module) -> Iterator[None]:
     finally:
         for parent, leaf, module in swapped:
             setattr(parent, leaf, module)
+        for module, adapters in hidden:
+            module._parameters.update(adapters)
 
 
 def save_merged_hf(model: nn.Module, out_dir: str | Path, **save_hf_kwargs: Any) -> Path:
@@ -354,7 +599,7 @@ def save_merged_hf(model: nn.Module, out_dir: str | Path, **save_hf_kwargs: Any)
     for m in was_unmerged:
         m.merge()
     try:
-        with _plain_linears(model):
+        with _base_only(model):
             return save_hf(model, out_dir, **save_hf_kwargs)
     finally:
         for m in was_unmerged:

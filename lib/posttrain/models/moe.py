@@ -1,18 +1,25 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE) and its load-balancing loss.
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, GPT-OSS) and its load-balancing loss.
 
-Module tree of one MoE layer (names are the contract for LoRA, sharding and the HF name map):
+Module tree of one MoE layer (names are the contract for LoRA, sharding and the HF name maps
+of `families/qwen3_moe.py` and `families/gpt_oss.py`):
 
-    layers[i].mlp.router        nn.Linear [num_experts, hidden], no bias (HF `mlp.gate`)
-    layers[i].mlp.experts.gate  Parameter [E, I, H]   (HF `mlp.experts.{e}.gate_proj.weight`)
-    layers[i].mlp.experts.up    Parameter [E, I, H]   (HF `mlp.experts.{e}.up_proj.weight`)
-    layers[i].mlp.experts.down  Parameter [E, H, I]   (HF `mlp.experts.{e}.down_proj.weight`)
+    layers[i].mlp.router        nn.Linear [num_experts, hidden], bias with `router_bias`
+    layers[i].mlp.experts.gate  Parameter [E, I, H]
+    layers[i].mlp.experts.up    Parameter [E, I, H]
+    layers[i].mlp.experts.down  Parameter [E, H, I]
+    layers[i].mlp.experts.{gate,up,down}_bias   [E, I], [E, I], [E, H] with `expert_bias`
 
-Routing, as transformers' Qwen3-MoE does it, per token x:
+Routing per token x, by `moe_routing`:
 
     logits = router(x)                                   (model dtype)
-    p = softmax(logits) in fp32;  w, e = top_k(p)
-    w = w / sum(w)  if norm_topk_prob;  w cast back to the model dtype
-    y = sum_j w_j * down_{e_j}(act(gate_{e_j}(x)) * up_{e_j}(x))
+    "softmax_topk" (Qwen3-MoE): p = softmax(logits) in fp32;  w, e = top_k(p);
+        w = w / sum(w) if norm_topk_prob;  w cast back to the model dtype
+    "topk_softmax" (GPT-OSS): l, e = top_k(logits);  w = softmax(l) in the model dtype
+    y = sum_j w_j * down_{e_j}(glu(gate_{e_j}(x), up_{e_j}(x)))
+
+The gated unit `glu(g, u)` is act(g) * u (`hidden_act`), or with `swiglu_limit` GPT-OSS's
+clamped SwiGLU: g = min(g, limit), u = clamp(u, -limit, limit), (u + 1) * g * sigmoid(alpha g).
+Expert biases are added per sorted row, gathered by the row's expert id.
 
 Dispatch sorts the (token, expert) pairs by expert and runs every expert over exactly its tokens
 (`index_select` in, `index_add` out): an expert with no tokens costs nothing, and the FLOPs are
@@ -20,12 +27,14 @@ those of top_k dense MLPs of width I per token. The three projections are groupe
 (`torch._grouped_mm`: one kernel for all experts, the groups given by the tokens' offsets)
 where the device and dtype support it, forward and backward (probed once per device and
 dtype); elsewhere a loop over the experts, whose stacked weights are `unbind`-ed once per
-forward so that the backward writes each expert's gradient into one stacked buffer. Both give
-the same numbers within 1e-5 (`tests/lib/models/test_moe.py`); `Experts.impl` forces one.
+projection so that the backward writes each expert's gradient into one stacked buffer. Both give
+the same numbers within 1e-5 (`tests/lib/models/test_moe.py`); `Experts.impl` forces one. Each
+projection goes through `Experts.project`, the hook stacked LoRA adapters override.
 
 Every MoE block keeps its last router logits (`router_logits_NE`, with their graph), from which
 `load_balancing_loss` computes the Switch-Transformer auxiliary loss exactly as transformers'
-`load_balancing_loss_func` does; `moe_aux_loss(model)` scales it by `router_aux_loss_coef`;
+`load_balancing_loss_func` does (GPT-OSS's too: it also pools softmax(logits) over all experts,
+router bias included); `moe_aux_loss(model)` scales it by `router_aux_loss_coef`;
 `router_z_loss` is ST-MoE's. The engine adds both to the training loss with the configured
 coefficients (`ModelConfig.moe_aux_loss_coef`, `moe_z_loss_coef`; `posttrain.train.engine`).
 """
@@ -40,8 +49,11 @@ from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
 from posttrain.models.layers import _ACTIVATIONS
 
-__all__ = ["Experts", "MoEBlock", "build_moe", "grouped_mm_available", "grouped_mm_flops",
-           "load_balancing_loss", "moe_aux_loss", "router_logits", "router_z_loss"]
+__all__ = ["Experts", "MoEBlock", "build_moe", "clamped_swiglu", "grouped_mm_available",
+           "grouped_mm_flops", "load_balancing_loss", "moe_aux_loss", "router_logits",
+           "router_z_loss"]
+
+ROUTINGS = ("softmax_topk", "topk_softmax")
 
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
@@ -62,10 +74,15 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _GROUPED_OK[key]
 
 
+@torch.compiler.disable
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
-    # the first MoE forward may run under no_grad or inference_mode: probe outside them; no
-    # random numbers (the global RNG drives dropout)
-    with torch.inference_mode(False), torch.enable_grad():
+    # The first MoE forward may run under no_grad or inference_mode, inside an activation-
+    # checkpointed block (whose saved-tensor hooks would count the probe's tensors as the
+    # block's, and recomputation would then find fewer) or a compiled one: probe outside all
+    # of them. No random numbers (the global RNG drives dropout).
+    keep = (lambda t: t, lambda t: t)
+    with (torch.inference_mode(False), torch.enable_grad(),
+          torch.autograd.graph.saved_tensors_hooks(*keep)):
         x = torch.ones(6, 16, device=device, dtype=dtype, requires_grad=True)
         w = torch.ones(3, 16, 16, device=device, dtype=dtype, requires_grad=True)
         offs = torch.tensor([2, 2, 6], device=device, dtype=torch.int32)
@@ -93,30 +110,57 @@ def _gmm(x_NH: torch.Tensor, w_EOH: torch.Tensor, offs_E: torch.Tensor) -> torch
     return y
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float,
+                   alpha: float = 1.702) -> torch.Tensor:
+    """GPT-OSS's expert unit: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+    g = min(gate, limit)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class Experts(nn.Module):
     """`num_experts` gated MLPs stored as stacked tensors (grouped matmuls, expert sharding).
 
+    The unit is act(gate) * up, or `clamped_swiglu` when `swiglu_limit` is set; `bias` adds
+    `gate_bias`, `up_bias` [E, I] and `down_bias` [E, H].
     `impl`: "auto" (grouped matmuls where available, else the loop), "grouped" or "loop".
     """
 
     impl: str = "auto"
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 hidden_act: str):
+                 hidden_act: str, *, bias: bool = False, swiglu_limit: float | None = None,
+                 swiglu_alpha: float = 1.702):
         super().__init__()
-        if hidden_act not in _ACTIVATIONS:
+        if swiglu_limit is None and hidden_act not in _ACTIVATIONS:
             raise ConfigError(f"hidden_act '{hidden_act}' is not supported; "
                               f"use one of {sorted(_ACTIVATIONS)}")
-        self.act = _ACTIVATIONS[hidden_act]
+        self.act = _ACTIVATIONS.get(hidden_act)
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
         self.num_experts = num_experts
         self.gate = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.up = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        if bias:
+            self.gate_bias = nn.Parameter(torch.empty(num_experts, intermediate_size))
+            self.up_bias = nn.Parameter(torch.empty(num_experts, intermediate_size))
+            self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+        else:
+            self.gate_bias = self.up_bias = self.down_bias = None
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
         for p in (self.gate, self.up, self.down):
             nn.init.normal_(p, std=std)
+        for p in (self.gate_bias, self.up_bias, self.down_bias):
+            if p is not None:
+                nn.init.zeros_(p)
+
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.swiglu_limit is not None:
+            return clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha)
+        return self.act(gate) * up
 
     def forward(self, x_NH: torch.Tensor, expert_NK: torch.Tensor,
                 weight_NK: torch.Tensor) -> torch.Tensor:
@@ -129,35 +173,46 @@ class Experts(nn.Module):
         x_sorted = x_NH.index_select(0, token_idx)
         grouped = self.impl == "grouped" or (
             self.impl == "auto" and grouped_mm_available(x_NH.device, self.gate.dtype))
-        if grouped:
-            offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-            h = self.act(_gmm(x_sorted, self.gate, offs_E)) * _gmm(x_sorted, self.up, offs_E)
-            y_sorted = _gmm(h, self.down, offs_E)
-        else:
-            y_sorted = self._loop(x_sorted, counts_E.tolist())
-            if y_sorted is None:
-                return torch.zeros_like(x_NH)
+        groups = torch.cumsum(counts_E, 0).to(torch.int32) if grouped else counts_E.tolist()
+        gate, up = self.project("gate", x_sorted, groups), self.project("up", x_sorted, groups)
+        if self.gate_bias is not None:          # the three biases come together
+            expert_sorted = flat_expert[order]
+            gate = gate + self.gate_bias.index_select(0, expert_sorted)
+            up = up + self.up_bias.index_select(0, expert_sorted)
+        y_sorted = self.project("down", self._glu(gate, up), groups)
+        if self.down_bias is not None:
+            y_sorted = y_sorted + self.down_bias.index_select(0, expert_sorted)
         y_sorted = y_sorted * weight_NK.reshape(-1)[order, None]
         return torch.zeros_like(x_NH).index_add(0, token_idx, y_sorted.to(x_NH.dtype))
 
-    def _loop(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
-        """Each expert over its rows of `x_sorted` in turn (None when no row was routed)."""
-        gates, ups, downs = self.gate.unbind(0), self.up.unbind(0), self.down.unbind(0)
-        outs = []
-        for e, x_e in enumerate(x_sorted.split(counts)):
-            if x_e.shape[0] == 0:
-                continue
-            h = self.act(F.linear(x_e, gates[e])) * F.linear(x_e, ups[e])
-            outs.append(F.linear(h, downs[e]))
-        return torch.cat(outs) if outs else None
+    def project(self, name: str, x_sorted: torch.Tensor,
+                groups: torch.Tensor | list[int]) -> torch.Tensor:
+        """The rows of `x_sorted` (sorted by expert) times their expert's `name` weight ("gate",
+        "up", "down"). Adapters join the dispatch here (`posttrain.models.lora.LoRAExperts`)."""
+        return self.expert_matmul(x_sorted, getattr(self, name), groups)
+
+    @staticmethod
+    def expert_matmul(x_sorted: torch.Tensor, w_EOI: torch.Tensor,
+                      groups: torch.Tensor | list[int]) -> torch.Tensor:
+        """Row block e of `x_sorted` [N, I] times w[e]^T -> [N, O]. `groups`: the blocks'
+        cumulative ends (int32 tensor: one grouped matmul) or their sizes (list: a loop over the
+        experts that skips empty blocks)."""
+        if isinstance(groups, torch.Tensor):
+            return _gmm(x_sorted, w_EOI, groups)
+        w_e = w_EOI.unbind(0)
+        outs = [F.linear(x_e, w_e[e]) for e, x_e in enumerate(x_sorted.split(groups))
+                if x_e.shape[0]]
+        return torch.cat(outs) if outs else x_sorted.new_zeros(0, w_EOI.shape[1])
 
     def extra_repr(self) -> str:
         e, i, h = self.gate.shape
-        return f"num_experts={e}, hidden={h}, intermediate={i}"
+        unit = "act*up" if self.swiglu_limit is None else f"clamped_swiglu({self.swiglu_limit})"
+        return (f"num_experts={e}, hidden={h}, intermediate={i}, unit={unit}, "
+                f"bias={self.gate_bias is not None}")
 
 
 class MoEBlock(nn.Module):
-    """Top-k softmax router + experts; keeps the last router logits for the auxiliary loss."""
+    """Top-k router + experts; keeps the last router logits for the auxiliary loss."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -166,16 +221,23 @@ class MoEBlock(nn.Module):
                               f"and num_experts={args.num_experts}")
         if args.moe_intermediate_size <= 0:
             raise ConfigError("a mixture-of-experts layer needs moe_intermediate_size > 0")
+        if args.moe_routing not in ROUTINGS:
+            raise ConfigError(f"moe_routing '{args.moe_routing}' is not one of {list(ROUTINGS)}")
         self.top_k = args.num_experts_per_tok
         self.norm_topk_prob = args.norm_topk_prob
-        self.router = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.routing = args.moe_routing
+        self.router = nn.Linear(args.hidden_size, args.num_experts, bias=args.router_bias)
         self.experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size,
-                               args.hidden_act)
+                               args.hidden_act, bias=args.expert_bias,
+                               swiglu_limit=args.swiglu_limit, swiglu_alpha=args.swiglu_alpha)
         self.router_logits_NE: torch.Tensor | None = None
 
     def route(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (router logits [N, E], chosen experts [N, k], their weights [N, k])."""
         logits = self.router(x_NH)
+        if self.routing == "topk_softmax":
+            top, expert = torch.topk(logits, self.top_k, dim=-1)
+            return logits, expert, torch.softmax(top, dim=-1, dtype=top.dtype)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weight, expert = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -1,10 +1,12 @@
-"""The native decoder-only transformer shared by Qwen3, Llama 3.x and Gemma 3 (text).
+"""The native decoder-only transformer shared by Qwen3, Llama 3.x, Gemma 3 (text), Qwen3-MoE
+and GPT-OSS.
 
 Module tree (names are the contract for LoRA, sharding and the HF name maps):
 
     embed                       nn.Embedding [padded_vocab, hidden]
     layers[i].attn_norm         RMSNorm
     layers[i].attn.{q,k,v,o}    nn.Linear   (+ q_norm, k_norm with qk-norm families)
+    layers[i].attn.sinks        Parameter [heads]   (GPT-OSS attention sinks only)
     layers[i].post_attn_norm    RMSNorm     (Gemma sandwich norms only)
     layers[i].mlp_norm          RMSNorm
     layers[i].mlp               dense: {gate,up,down}; MoE: router + experts (models/moe.py)
@@ -29,6 +31,7 @@ from torch import nn
 from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
 from posttrain.models.layers import Attention, FeedForward, RMSNorm, RotaryEmbedding
+from posttrain.ops.attention import DocumentMask, build_mask
 from posttrain.ops.vocab import mask_padded_logits
 
 MLPFactory = Callable[[ModelArgs, int], nn.Module]
@@ -70,8 +73,8 @@ class TransformerBlock(nn.Module):
             self.post_attn_norm = self.post_mlp_norm = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                document_lengths: list[list[int]] | None = None) -> torch.Tensor:
-        h = self.attn(self.attn_norm(x), rope, document_lengths)
+                mask: DocumentMask | None = None) -> torch.Tensor:
+        h = self.attn(self.attn_norm(x), rope, mask)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
@@ -153,6 +156,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock(args, i, mlp_factory) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=args.norm_offset)
+        # set by `posttrain.distributed.apply_compile`: the blocks then see tensor masks only
+        self.compiled_blocks = False
         self.head: nn.Module = LMHead(args.hidden_size, args.padded_vocab_size, args.vocab_size,
                                       softcap=args.final_logit_softcapping)
         self.tie_weights()
@@ -185,9 +190,23 @@ class Transformer(nn.Module):
                             else torch.arange(T, device=input_ids.device).expand(B, T))
         h = self.embed_tokens(input_ids)
         tables = {name: rope(position_ids, h.dtype) for name, rope in self.rope.items()}
+        masks = self.attention_masks(document_lengths, B, T, input_ids.device)
         for layer in self.layers:
-            h = layer(h, tables[layer.layer_type], document_lengths)
+            h = layer(h, tables[layer.layer_type], masks[layer.layer_type])
         return self.norm(h)
+
+    def attention_masks(self, document_lengths: list[list[int]] | None, batch: int,
+                        seq_len: int, device: torch.device) -> dict[str, DocumentMask]:
+        """One mask per kind of layer (full, sliding), built once per batch and shared by the
+        layers; compiled blocks get tensor masks (`compiled_blocks`), so that a new packing
+        does not recompile them."""
+        windows = {FULL: None}
+        if SLIDING in self.rope:
+            windows[SLIDING] = self.args.sliding_window
+        return {kind: build_mask(document_lengths, batch, seq_len, device, sliding_window=window,
+                                 tensors_only=self.compiled_blocks,
+                                 sinks=self.args.attention_sinks)
+                for kind, window in windows.items()}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, H] -> head output; [B, T, padded_vocab] for an `LMHead`."""

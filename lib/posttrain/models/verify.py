@@ -56,16 +56,27 @@ _TINY: dict[str, dict[str, Any]] = {
                       num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[2],
                       rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}),
+    # 4 experts, top-2, alternating sliding (window 6, shorter than the test rows) and full
+    # layers, YaRN with GPT-OSS's parameters (its ramp spans dims 2-4 of 8 at head_dim 16)
+    "gpt_oss": dict(num_hidden_layers=4, tie_word_embeddings=False, intermediate_size=32,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                    max_position_embeddings=131_072,
+                    layer_types=["sliding_attention", "full_attention"] * 2,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150_000.0,
+                                     "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False,
+                                     "original_max_position_embeddings": 4096}),
 }
 _NOT_CONFIG_KWARGS = ("model_type", "architectures", "transformers_version")
 
 
 def tiny_hf_config(family: str, **overrides: Any) -> Any:
     """A tiny transformers config (hidden 64, 2-4 layers, vocab 250) of `family`."""
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import (Gemma3TextConfig, GptOssConfig, LlamaConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
     classes = {"qwen3": Qwen3Config, "llama": LlamaConfig, "gemma3": Gemma3TextConfig,
-               "qwen3_moe": Qwen3MoeConfig}
+               "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig}
     if family not in classes:
         raise ConfigError(f"no tiny config for family '{family}'; known: {sorted(classes)}")
     kwargs = {**_TINY_COMMON, **_TINY[family]}
@@ -78,7 +89,8 @@ def random_hf_model(config: Any, *, seed: int = 0,
     """A transformers causal LM with random fp32 weights from `seed`.
 
     Norm weights are perturbed too: transformers initialises them to exactly 1 (0 with Gemma's
-    1 + w), which would hide a wrong norm convention.
+    1 + w), which would hide a wrong norm convention; so are biases and attention sinks (0 or
+    tiny), which would hide a wrong bias layout.
     """
     from transformers import AutoModelForCausalLM
 
@@ -90,6 +102,8 @@ def random_hf_model(config: Any, *, seed: int = 0,
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("bias", "sinks")):
+                p.add_(0.5 * torch.randn(p.shape, generator=gen))
     return model.eval()
 
 
@@ -191,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--hf-dir", help="Hugging Face checkpoint directory")
-    where.add_argument("--family", choices=["qwen3", "llama", "gemma3", "qwen3_moe"],
+    where.add_argument("--family", choices=["qwen3", "llama", "gemma3", "qwen3_moe", "gpt_oss"],
                        help="random tiny model of this family")
     parser.add_argument("--config", help="with --family: HF config fields (JSON or a file)")
     parser.add_argument("--seq-len", type=int, default=64)

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-__all__ = ["chunked_cross_entropy", "chunked_entropy", "chunked_logprobs",
+__all__ = ["chunked_argmax", "chunked_cross_entropy", "chunked_entropy", "chunked_logprobs",
            "naive_cross_entropy", "naive_logprobs"]
 
 IGNORE_INDEX = -100
@@ -120,6 +120,23 @@ def chunked_entropy(hidden: torch.Tensor, weight: torch.Tensor, *,
         out.append(-(logp_cV.exp() * logp_cV).sum(-1))
     entropy_N = torch.cat(out) if out else hidden_NH.new_zeros(0, dtype=torch.float32)
     return entropy_N.view(hidden.shape[:-1])
+
+
+@torch.no_grad()
+def chunked_argmax(hidden: torch.Tensor, weight: torch.Tensor, *,
+                   real_vocab_size: int | None = None, chunk_tokens: int = 1024,
+                   softcap: float | None = None, bias: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """The most likely next token per position, over the real vocabulary (for top-1 accuracy).
+
+    A metric (not differentiable). `hidden` is [N, H] or [B, T, H]; returns int64 [N] or [B, T].
+    """
+    hidden_NH = hidden.reshape(-1, hidden.shape[-1])
+    real = _real_vocab(weight, real_vocab_size)
+    out = [_chunk_logits(h_cH, weight, bias, real, softcap, 1.0)[0].argmax(dim=-1)
+           for h_cH in hidden_NH.split(_check_chunk(chunk_tokens))]
+    ids_N = torch.cat(out) if out else hidden_NH.new_zeros(0, dtype=torch.int64)
+    return ids_N.view(hidden.shape[:-1])
 
 
 # --------------------------------------------------------------------------- references

@@ -237,7 +237,7 @@ class Distill(Recipe):
                                    param_filter=lambda name: False,
                                    vocab_multiple=self.cfg.model.vocab_multiple)
             parallel = self.cfg.train.engine.parallel
-            shard_frozen(self.teacher, build_mesh(parallel.dp_shard, parallel.tp), parallel)
+            shard_frozen(self.teacher, build_mesh(parallel.dp_shard, parallel.tp, parallel.dp_replicate), parallel)
         return DistillLoss(model, self.teacher, self.cfg.loss, self.cfg.model.loss_chunk_tokens)
 
     def ready(self) -> None:

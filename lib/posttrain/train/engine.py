@@ -11,12 +11,12 @@ optimizer step over the micro-batches it is given:
 
 `N_global` is the number of loss units in the whole step across data-parallel ranks (loss
 tokens for SFT, pairs for DPO and reward models), so the gradient is the one of a single big
-batch however the step is split (FSDP averages gradients over the "dp_shard" ranks, hence the
+batch however the step is split (FSDP averages gradients over the data-parallel ranks, hence the
 `* dp_size`).
 
 Data goes by *data-parallel* rank (`Engine.dp`): the ranks of one tensor-parallel group hold
 different slices of the same weights, so they must see the same micro-batches; a step's
-micro-batches are dealt out over the "dp_shard" dim of the mesh (`dp.share`), and sums over
+micro-batches are dealt out over the "dp" dim of the mesh (`dp.share`), and sums over
 the data (losses, stats, eval) are taken over that dim only (`dp.sum`). With `tp=1` the
 data-parallel rank is the global rank.
 
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from posttrain.distributed.env import build_mesh, get_device
+from posttrain.distributed.env import build_mesh, dp_mesh, get_device
 from posttrain.distributed.materialize import materialize
 from posttrain.distributed.parallelize import (ParallelConfig, count_params, parallelize,
                                                parallelize_frozen)
@@ -60,17 +60,17 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class DataParallel:
-    """This rank's place on the data-parallel ("dp_shard") dim of the device mesh: which share
+    """This rank's place on the data-parallel ("dp") dim of the device mesh: which share
     of a step's data it takes, and the group over which sums of that data are taken. The ranks
     of one tensor-parallel group have the same `rank` and see the same data."""
 
     rank: int
     size: int
-    group: Any = None             # the process group of the "dp_shard" dim (None: no group)
+    group: Any = None             # the process group of the "dp" dim (None: no group)
 
     @classmethod
     def of_mesh(cls, mesh: Any) -> "DataParallel":
-        dim = mesh["dp_shard"]
+        dim = dp_mesh(mesh)          # dp_replicate x dp_shard
         return cls(dim.get_local_rank(), dim.size(), dim.get_group() if dim.size() > 1 else None)
 
     def share(self, items: Sequence[T]) -> list[T]:
@@ -218,7 +218,8 @@ class Engine:
                                "one)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = get_device()
-        self.mesh = build_mesh(cfg.parallel.dp_shard, cfg.parallel.tp)
+        self.mesh = build_mesh(cfg.parallel.dp_shard, cfg.parallel.tp,
+                               cfg.parallel.dp_replicate)
         self.dp = DataParallel.of_mesh(self.mesh)
         self.model, self.root = build_sharded(
             model_cfg, cfg.parallel, hf_dir, self.device,
@@ -248,7 +249,9 @@ class Engine:
     def _init_missing(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """Deterministic init of parameters the checkpoint lacks (LoRA adapters, custom head)."""
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + _stable_hash(name))
-        if name.startswith("head."):
+        # a custom head replacing the LM head (a reward model's), or heads beside it (the
+        # sequence recipe's per-position heads, `posttrain.models.heads`)
+        if name.startswith(("head.", "heads.")):
             if name.endswith(".bias"):
                 return torch.zeros(param.shape)
             return torch.randn(tuple(param.shape), generator=gen) / math.sqrt(param.shape[-1])
@@ -338,7 +341,7 @@ class Engine:
         params = [p for p in self.root.parameters() if p.grad is not None]
         max_norm = self.cfg.grad_clip_norm or math.inf
         # clip_grad_norm_ in steps: under TP + FSDP the tensor-parallel weights live on the 2-D
-        # mesh and the rest (embedding, norms, head) on its "dp_shard" dim, and DTensor cannot
+        # mesh and the rest (embedding, norms, head) on its data-parallel dims, and DTensor cannot
         # stack norms of different meshes, so each mesh's norm is reduced on its own first
         by_mesh: dict[Any, list[torch.Tensor]] = {}
         for p in params:
@@ -422,7 +425,8 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
                                dropout=model_cfg.lora.dropout, targets=model_cfg.lora.targets)
         lora.apply_lora(model, lcfg)
     root = loss_factory(model)
-    mesh = mesh if mesh is not None else build_mesh(parallel.dp_shard, parallel.tp)
+    mesh = mesh if mesh is not None else build_mesh(parallel.dp_shard, parallel.tp,
+                                                    parallel.dp_replicate)
     root = (parallelize_frozen if frozen else parallelize)(model, mesh, parallel, root=root)
     dtype = DTYPES[model_cfg.dtype]
     # a custom head (a reward model's scalar projection) replaces the LM head: it is
@@ -468,7 +472,8 @@ def _build_fallback(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: st
     if frozen:
         model.requires_grad_(False)
     root = loss_factory(model)
-    mesh = mesh if mesh is not None else build_mesh(parallel.dp_shard, parallel.tp)
+    mesh = mesh if mesh is not None else build_mesh(parallel.dp_shard, parallel.tp,
+                                                    parallel.dp_replicate)
     root = (parallelize_frozen if frozen else parallelize)(model, mesh, parallel, root=root)
     return model, root
 

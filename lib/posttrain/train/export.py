@@ -71,6 +71,27 @@ def export_worker(engine, cfg, prepared_dir: str, out_dir: str) -> str | None:
                      base_dir=engine.hf_dir)
 
 
+def write_weight_index(out: Path, *, exclude: set[str]) -> None:
+    """Name the LM's tensors in a safetensors index (unless the export wrote one), so that
+    readers which glob ``*.safetensors`` (vLLM) do not take the files in `exclude` (a custom
+    head saved beside the checkpoint) for part of the LM."""
+    import json
+
+    from safetensors import safe_open
+
+    from posttrain.models.hf_io import INDEX_FILE
+    if (out / INDEX_FILE).is_file():
+        return
+    weight_map = {}
+    for file in sorted(out.glob("*.safetensors")):
+        if file.name in exclude:
+            continue
+        with safe_open(file, framework="pt") as f:
+            weight_map.update({name: file.name for name in f.keys()})
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
+                                             indent=2))
+
+
 def export_fallback(state: dict[str, torch.Tensor], base_dir: str, out_dir: str, *,
                     tokenizer_dir: str | None = None, dtype: str | None = None) -> str:
     """Write a transformers-trained model (`posttrain.models.fallback`, names ``hf.<its own>``)

@@ -400,17 +400,8 @@ class GRPOWorker:
         lora = self.cfg.model.lora
         if lora is None:
             return state
-        scaling = lora.alpha / lora.rank
-        merged = {}
-        for name, t in state.items():
-            if name.endswith((".lora_A", ".lora_B")):
-                continue
-            prefix = name[:-len(".weight")] if name.endswith(".weight") else None
-            if prefix and f"{prefix}.lora_A" in state:
-                a, b = state[f"{prefix}.lora_A"].float(), state[f"{prefix}.lora_B"].float()
-                t = (t.float() + (b @ a) * scaling).to(t.dtype)
-            merged[name] = t
-        return merged
+        from posttrain.models.lora import fold_adapters
+        return fold_adapters(state, lora.alpha / lora.rank)
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """Full weights on CPU for separate engines: on rank 0, {} elsewhere (a collective)."""

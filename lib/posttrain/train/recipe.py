@@ -105,9 +105,13 @@ class ExportConfig:
 
 
 def check_export(export: ExportConfig, lora: Any) -> None:
-    """export.format must match whether the model has LoRA adapters."""
+    """export.format must match whether the model has LoRA adapters, and a PEFT adapter must
+    be able to express them (`posttrain.models.lora.check_peft_export`)."""
     if export.format in ("merged", "peft") and lora is None:
         raise ValueError(f"export.format: {export.format} needs model.lora")
+    if export.format == "peft":
+        from posttrain.models.lora import check_peft_export
+        check_peft_export(lora.targets, lora.dropout)
     if export.format == "full" and lora is not None:
         # else the run would train, then fail in export on the adapter parameters
         raise ValueError("export.format: full cannot write a LoRA model; set export.format "
@@ -120,7 +124,9 @@ def check_step_split(micro_batches: int, run: RunConfig, parallel: Any, streams:
     processes over `parallel.tp`-wide tensor-parallel groups (ranks of a group share data);
     with `streams` S > 1, over the streams (G / S each), and the streams over the ranks."""
     from posttrain.distributed.env import resolve_mesh_shape
-    dp, tp = resolve_mesh_shape(run.num_workers, parallel.dp_shard, parallel.tp)
+    dp_shard, tp = resolve_mesh_shape(run.num_workers, parallel.dp_shard, parallel.tp,
+                                      parallel.dp_replicate)
+    dp = parallel.dp_replicate * dp_shard
     ranks = (f"run.num_workers={run.num_workers}" if tp == 1 else
              f"{dp} data-parallel ranks (run.num_workers={run.num_workers} / "
              f"parallel.tp={tp})")
@@ -211,6 +217,11 @@ class Recipe:
         except DataError as e:
             log.warning("no eval split: %s", e)
             return []
+
+    def train_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """A step's metrics as logged, from the engine's, whose loss-root stats are sums over
+        the step divided by its units (e.g. a ratio of two stats); default: as they are."""
+        return metrics
 
     def eval_metrics(self, sums: dict[str, float], units: int) -> dict[str, float]:
         """Held-out metrics from the loss root's sums over the eval units."""
@@ -398,7 +409,8 @@ class RecipeWorker:
             counts = dp.sum_all(counts)
         mine = batches if per_rank else dp.share(batches)
         units = int(counts["units"])
-        metrics = self.engine.train_step([recipe.inputs(b, "train") for b in mine], units)
+        metrics = recipe.train_metrics(
+            self.engine.train_step([recipe.inputs(b, "train") for b in mine], units))
         seconds = time.perf_counter() - t0
         metrics.update(step_metrics(counts, seconds=seconds, data_wait_s=data_s,
                                     flops=counts["flops"],
@@ -443,8 +455,11 @@ class RecipeWorker:
             for k, v in self.engine.eval_sums(recipe.inputs(b, split)).items():
                 sums[k] = sums.get(k, 0.0) + v
         for _ in range(dp.rounds(len(batches)) - len(mine)):
-            self.engine.eval_sums(recipe.inputs(batches[0], split))
-        return {k: dp.sum(v) for k, v in sorted(sums.items())}
+            padding = self.engine.eval_sums(recipe.inputs(batches[0], split))
+            # a rank without a batch of its own (more ranks than batches) still needs the keys
+            for k in padding:
+                sums.setdefault(k, 0.0)
+        return dp.sum_all(sums)
 
     def export(self, out_dir: str) -> str | None:
         return self.recipe.export(out_dir)

@@ -136,7 +136,7 @@ def export_reward_model(state: dict[str, torch.Tensor], engine: Any, out_dir: st
 
     from posttrain.models.hf_io import iter_hf_tensors
     from posttrain.train.engine import _fit_vocab
-    from posttrain.train.export import export_hf
+    from posttrain.train.export import export_hf, write_weight_index
     head = {k[len("head."):]: state.pop(k) for k in list(state) if k.startswith("head.")}
     args = engine.args
     if not args.tie_word_embeddings:         # keep the starting LM head: a loadable CausalLM
@@ -147,7 +147,7 @@ def export_reward_model(state: dict[str, torch.Tensor], engine: Any, out_dir: st
             state[name] = _fit_vocab(name, t, base_args, args)
     export_hf(state, args, out_dir, fmt="full", tokenizer_dir=tokenizer_dir)
     out = Path(out_dir)
-    _index_body(out)
+    write_weight_index(out, exclude={HEAD_FILE})
     save_file({k: v.contiguous() for k, v in head.items()}, str(out / HEAD_FILE))
     (out / HEAD_JSON).write_text(json.dumps({
         "kind": "scalar_reward_head", "hidden_size": args.hidden_size, "bias": "bias" in head,
@@ -155,24 +155,6 @@ def export_reward_model(state: dict[str, torch.Tensor], engine: Any, out_dir: st
         "input": "chat template of prompt + one assistant turn (the tokenizer in this dir)",
         "loss": "bradley_terry"}, indent=2))
     return str(out)
-
-
-def _index_body(out: Path) -> None:
-    """Name the body's tensors in an index, so that readers which glob ``*.safetensors`` do
-    not take the reward head for part of the LM."""
-    from safetensors import safe_open
-
-    from posttrain.models.hf_io import INDEX_FILE
-    if (out / INDEX_FILE).is_file():
-        return
-    weight_map = {}
-    for file in sorted(out.glob("*.safetensors")):
-        if file.name == HEAD_FILE:
-            continue
-        with safe_open(file, framework="pt") as f:
-            weight_map.update({name: file.name for name in f.keys()})
-    (out / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
-                                             indent=2))
 
 
 def load_reward_model(model_dir: str, *, device: str = "cpu"

@@ -413,3 +413,69 @@ def test_padded_rows_put_each_segment_in_its_own_row_of_the_same_batch():
     for r, s in zip(rows, [p for u in units for p in _split(u)]):
         n = len(s.input_ids)
         assert np.array_equal(r.input_ids[:n], s.input_ids)
+
+
+# ---------------------------------------------------------------------------- side columns
+def make_labelled(lengths: list[int], seed: int) -> list[Sample]:
+    """Samples with an integer and a float side column whose values name their token."""
+    samples = make_samples(lengths, seed)
+    for s in samples:
+        s.extras = {"label_cls": s.input_ids.astype(np.int64) % 7,
+                    "label_val": (s.input_ids.astype(np.float32) / 4)}
+        s.extras["label_val"][::3] = np.nan              # positions without a label
+    return samples
+
+
+def _extras_of(row: PackedRow) -> tuple:
+    return tuple((k, v.tobytes()) for k, v in sorted(row.extras.items()))
+
+
+@PROPERTY
+@given(cfg=configs, lengths=length_lists, seed=seeds)
+def test_side_columns_travel_with_their_tokens(cfg, lengths, seed):
+    samples = make_labelled(lengths, seed)
+    by_id = {s.sample_id: s for s in samples}
+    rows = list(Packer(ListStream(samples), cfg))
+    for row in rows:
+        assert set(row.extras) == {"label_cls", "label_val"}
+        for (s, e), sid in itertools.zip_longest(segments(row), row.sample_ids):
+            cls, val = row.extras["label_cls"][s:e], row.extras["label_val"][s:e]
+            if sid is None:                               # the pad tail holds the fill
+                assert (cls == IGNORE_INDEX).all() and np.isnan(val).all()
+                continue
+            src = by_id[sid].extras
+            assert np.array_equal(cls, src["label_cls"][:e - s])
+            assert np.array_equal(val, src["label_val"][:e - s], equal_nan=True)
+    if rows:                                              # packed rows are all full width
+        batch = collate(rows)
+        assert batch["label_cls"].dtype == torch.int64
+        assert batch["label_val"].dtype == torch.float32
+        assert batch["label_cls"].shape == batch["input_ids"].shape
+
+
+@PROPERTY
+@given(cfg=configs, lengths=length_lists, seed=seeds, cut=st.integers(0, 12))
+def test_resume_with_side_columns_in_the_buffer_is_exact(cfg, lengths, seed, cut):
+    samples = make_labelled(lengths, seed)
+    full = [(_row_tuple(r), _extras_of(r)) for r in Packer(ListStream(samples), cfg)]
+    head, tail, _ = _resume_run(Packer, samples, cfg, cut)
+    assert [(_row_tuple(r), _extras_of(r)) for r in head + tail] == full
+
+
+def test_a_document_without_a_column_gets_the_fill_and_padded_rows_keep_columns():
+    cfg = PackingConfig(max_tokens_per_pack=16)
+    a, b = make_labelled([5, 4], seed=0)
+    b.extras = None
+    (row,) = list(Packer(ListStream([a, b]), cfg))
+    assert row.sample_ids == [0, 1] and row.num_pad == 7
+    assert row.extras["label_cls"].tolist() == a.extras["label_cls"].tolist() + [-100] * 11
+    rows = list(pad_rows([a, b], cfg, rows_per_batch=2))
+    assert rows[0].extras["label_cls"].tolist() == a.extras["label_cls"].tolist()
+    assert rows[1].extras == {}
+    batch = collate(rows)
+    assert batch["label_cls"][1].tolist() == [-100] * 5
+    assert torch.isnan(batch["label_val"][1]).all()
+    bad = Sample(np.arange(4, dtype=np.int32), np.ones(4, np.uint8), sample_id=3,
+                 extras={"label_cls": np.zeros(3, np.int64)})
+    with pytest.raises(DataError, match="side column 'label_cls'"):
+        list(Packer(ListStream([bad]), cfg))

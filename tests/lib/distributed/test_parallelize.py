@@ -300,7 +300,7 @@ def test_tp_refuses_blocks_without_linear_mlp():
     from posttrain.distributed.parallelize import _check_tp_block
     block = _Block()
     block.mlp = nn.Sequential(nn.Linear(HIDDEN, HIDDEN))
-    with pytest.raises(UnsupportedParallelismError, match="mlp.gate"):
+    with pytest.raises(UnsupportedParallelismError, match="gated MLP"):
         _check_tp_block(block, 0, 2)
     with pytest.raises(UnsupportedParallelismError, match="num_heads=4"):
         _check_tp_block(_Block(), 0, 3)
@@ -346,7 +346,7 @@ def test_plain_single_process_forms_a_group_of_one_and_matches(monkeypatch):
     ref_losses, ref_sd = _reference()
     try:
         mesh = build_mesh()
-        assert dist.get_world_size() == 1 and tuple(mesh.shape) == (1, 1)
+        assert dist.get_world_size() == 1 and tuple(mesh.shape) == (1, 1, 1)
         model = _make_model()
         cfg = ParallelConfig(activation_checkpointing="full")
         root = parallelize(model, mesh, cfg, root=LossWrapper(model))
@@ -378,11 +378,14 @@ def test_mesh_that_does_not_match_the_config_is_refused():
     from posttrain.distributed.parallelize import _check_mesh
 
     class _FakeMesh:
-        mesh_dim_names = ("dp_shard", "tp")
+        mesh_dim_names = ("dp_replicate", "dp_shard", "tp")
 
         def __getitem__(self, name):
-            return type("M", (), {"size": lambda self: {"dp_shard": 2, "tp": 1}[name]})()
+            sizes = {"dp_replicate": 1, "dp_shard": 2, "tp": 1}
+            return type("M", (), {"size": lambda self: sizes[name]})()
 
-    with pytest.raises(ConfigError, match="mesh is dp_shard=2 x tp=1"):
+    with pytest.raises(ConfigError, match="mesh is dp_replicate=1 x dp_shard=2 x tp=1"):
         _check_mesh(_FakeMesh(), ParallelConfig(tp=2))
+    with pytest.raises(ConfigError, match="dp_replicate=2"):
+        _check_mesh(_FakeMesh(), ParallelConfig(dp_replicate=2))
     _check_mesh(_FakeMesh(), ParallelConfig())

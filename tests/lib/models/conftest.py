@@ -7,7 +7,9 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from safetensors import safe_open
 
+from posttrain.models.hf_io import weight_map
 from posttrain.models.verify import random_hf_model, tiny_hf_config
 
 FAMILIES = ("qwen3", "llama", "gemma3")
@@ -27,4 +29,18 @@ def make_hf_dir(tmp_path: Path) -> Callable[..., tuple[Path, torch.nn.Module]]:
         return out, model
 
     return make
+
+
+@pytest.fixture
+def read_checkpoint() -> Callable[[Path], dict[str, torch.Tensor]]:
+    """read_checkpoint(hf_dir) -> every tensor of the checkpoint, by HF name."""
+
+    def read(hf_dir: Path) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, file in weight_map(hf_dir).items():
+            with safe_open(file, framework="pt") as f:
+                out[name] = f.get_tensor(name)
+        return out
+
+    return read
 

@@ -76,9 +76,9 @@ def test_unsupported_configs_fail_with_a_message() -> None:
         ModelArgs.from_hf_config({"model_type": "mistral"})
     with pytest.raises(ConfigError, match="multimodal"):
         ModelArgs.from_hf_config({"model_type": "gemma3", "text_config": {}})
-    cfg = tiny_hf_config("llama", rope_parameters={"rope_type": "yarn", "factor": 4.0,
+    cfg = tiny_hf_config("llama", rope_parameters={"rope_type": "dynamic", "factor": 4.0,
                                                     "rope_theta": 1e4}).to_dict()
-    with pytest.raises(ConfigError, match="rope_type 'yarn'"):
+    with pytest.raises(ConfigError, match="rope_type 'dynamic'"):
         build_model(ModelArgs.from_hf_config(cfg))
 
 

@@ -59,7 +59,8 @@ def _counted_flops(model, args: ModelArgs, docs: list[int] | None) -> tuple[floa
     ids = torch.randint(0, args.vocab_size, (BATCH, SEQ_LEN),
                         generator=torch.Generator().manual_seed(0))
     rows = [docs] * BATCH if docs is not None else None
-    from posttrain.models.moe import grouped_mm_flops
+    from posttrain.models.moe import grouped_mm_available, grouped_mm_flops
+    grouped_mm_available(ids.device, torch.float32)     # its one-time probe is not the model's
     with FlopCounterMode(display=False, custom_mapping={
             SDPA_FWD: _sdpa_fwd, SDPA_BWD: _sdpa_bwd,
             aten._grouped_mm: grouped_mm_flops}) as counter:     # the grouped MoE experts
@@ -95,6 +96,8 @@ def test_full_finetune_matches_flop_counter(family, packed) -> None:
     ("llama", ("o", "down")),              # first adapter after the attention of layer 0
     ("gemma3", ("q", "k", "v", "o", "gate", "up", "down")),
     ("qwen3_moe", ("q", "router", "gate")),
+    ("qwen3_moe", ("o", "experts.gate", "experts.down")),     # stacked expert adapters
+    ("qwen3_moe", ("experts.up",)),        # the first adapter inside the first MoE layer
 ])
 def test_lora_matches_flop_counter(family, targets) -> None:
     from posttrain.models.lora import LoraConfig, apply_lora, flops_kwargs

@@ -7,26 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from posttrain.errors import ConfigError
 from posttrain.models import load_hf, resize_vocab, save_hf
-from posttrain.models.hf_io import weight_map
 
 FAMILIES = ("qwen3", "llama", "gemma3")
 
 
 def _ids(seq_len: int = 20, vocab: int = 250, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(seed))
-
-
-def _tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, file in weight_map(hf_dir).items():
-        with safe_open(file, framework="pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
 
 
 def _tiny_tokenizer(out: Path) -> None:
@@ -39,7 +29,8 @@ def _tiny_tokenizer(out: Path) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_save_hf_loads_in_transformers_with_same_logits(family, make_hf_dir, tmp_path) -> None:
+def test_save_hf_loads_in_transformers_with_same_logits(family, make_hf_dir, read_checkpoint,
+                                                        tmp_path) -> None:
     hf_dir, ref = make_hf_dir(family)
     native = load_hf(hf_dir, dtype=torch.float32)
     assert torch.all(native.embed.weight[250:] == 0)          # zero padding rows
@@ -47,7 +38,7 @@ def test_save_hf_loads_in_transformers_with_same_logits(family, make_hf_dir, tmp
     _tiny_tokenizer(tok_dir)
     out = save_hf(native, tmp_path / "export", tokenizer_dir=tok_dir)
 
-    original, exported = _tensors(hf_dir), _tensors(out)
+    original, exported = read_checkpoint(hf_dir), read_checkpoint(out)
     assert exported.keys() == original.keys()
     for name, t in original.items():
         assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), name
@@ -64,20 +55,20 @@ def test_save_hf_loads_in_transformers_with_same_logits(family, make_hf_dir, tmp
         assert (native_logits - reloaded(ids).logits).abs().max() <= 1e-4
 
 
-def test_bf16_checkpoint_keeps_its_dtype(make_hf_dir, tmp_path) -> None:
+def test_bf16_checkpoint_keeps_its_dtype(make_hf_dir, read_checkpoint, tmp_path) -> None:
     hf_dir, ref = make_hf_dir("qwen3")
     ref.to(torch.bfloat16).save_pretrained(hf_dir)
     native = load_hf(hf_dir)                                    # checkpoint dtype by default
     assert native.embed.weight.dtype == torch.bfloat16
     out = save_hf(native, tmp_path / "export")
-    original, exported = _tensors(hf_dir), _tensors(out)
+    original, exported = read_checkpoint(hf_dir), read_checkpoint(out)
     assert all(exported[n].dtype == torch.bfloat16 and torch.equal(exported[n], t)
                for n, t in original.items())
     fp32 = save_hf(load_hf(hf_dir, dtype=torch.float32), tmp_path / "fp32", dtype=torch.float32)
     assert json.loads((fp32 / "config.json").read_text())["dtype"] == "float32"
 
 
-def test_sharded_round_trip(make_hf_dir, tmp_path) -> None:
+def test_sharded_round_trip(make_hf_dir, read_checkpoint, tmp_path) -> None:
     hf_dir, ref = make_hf_dir("gemma3", save_kwargs={"max_shard_size": "60KB"})
     assert (hf_dir / "model.safetensors.index.json").is_file()     # HF-sharded input
     native = load_hf(hf_dir, dtype=torch.float32)
@@ -87,7 +78,7 @@ def test_sharded_round_trip(make_hf_dir, tmp_path) -> None:
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     assert not (out / "model.safetensors").exists()
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size()
-                                                  for t in _tensors(out).values())
+                                                  for t in read_checkpoint(out).values())
     again = load_hf(out, dtype=torch.float32)
     for (name, a), (_, b) in zip(native.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), name

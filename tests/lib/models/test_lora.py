@@ -1,4 +1,6 @@
-"""LoRA: init equals base, merge/unmerge, frozen base, disable_adapters, PEFT and merged export."""
+"""LoRA: init equals base, merge/unmerge, frozen base, disable_adapters, PEFT and merged export;
+the same for the stacked adapters on MoE expert weights (`LoRAExperts`), plus both expert
+dispatch paths, PEFT's target_parameters layout, the refusals and the weight-sync fold."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ from safetensors import safe_open
 
 from posttrain.errors import ConfigError
 from posttrain.models import load_hf
-from posttrain.models.lora import (LoRALinear, LoraConfig, apply_lora, disable_adapters,
-                                   flops_kwargs, lora_modules, lora_state_dict, merge_lora,
+from posttrain.models.lora import (LoRAExperts, LoraConfig, apply_lora,
+                                   check_peft_export, disable_adapters, flops_kwargs,
+                                   fold_adapters, lora_modules, lora_state_dict, merge_lora,
                                    save_merged_hf, save_peft_adapter, unmerge_lora)
+from posttrain.models.moe import Experts, grouped_mm_available
 
 FAMILIES = ("qwen3", "llama")
 VOCAB = 250
@@ -30,29 +34,86 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def _randomize_b(model: torch.nn.Module, seed: int = 1) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for _, m in lora_modules(model):
-            m.lora_B.copy_(0.05 * torch.randn(m.lora_B.shape, generator=gen))
+        for name, p in lora_state_dict(model).items():
+            if name.endswith("lora_B"):
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+
+
+def _loss(model: torch.nn.Module) -> torch.Tensor:
+    ids = _ids(seed=5)
+    logits = model.logits(model(ids[:, :-1]))[..., :VOCAB]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
 
 def _train(model: torch.nn.Module, steps: int = 3) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
-    ids = _ids(seed=5)
     for _ in range(steps):
-        logits = model.logits(model(ids[:, :-1]))[..., :VOCAB]
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss = _loss(model)
         opt.zero_grad()
         loss.backward()
         opt.step()
 
 
+def _check_only_adapters_train(model: torch.nn.Module, base_logits: torch.Tensor) -> None:
+    """Two optimizer steps: every adapter gets a gradient, nothing else does, the logits move."""
+    _train(model, steps=2)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+        else:
+            assert p.grad is None, name
+    assert not torch.allclose(_logits(model, _ids()), base_logits, atol=1e-4)
+
+
+def _check_merge_unmerge_disable(model: torch.nn.Module, base_logits: torch.Tensor) -> None:
+    """With random B: disabled adapters give the base (merged or not), merging keeps the
+    logits and changes the base weights, unmerging restores them."""
+    _randomize_b(model)
+    ids = _ids()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    adapted = _logits(model, ids)
+    assert (adapted - base_logits).abs().max() > 1e-2                # the check is not vacuous
+
+    with disable_adapters(model):
+        assert torch.equal(_logits(model, ids), base_logits)
+    assert torch.equal(_logits(model, ids), adapted)                  # restored on exit
+
+    merge_lora(model)
+    assert all(m.merged for _, m in lora_modules(model))
+    assert any(not torch.equal(p, weights[n]) for n, p in model.named_parameters()
+               if n in weights)                                       # folded into the base
+    assert (_logits(model, ids) - adapted).abs().max() <= 1e-5
+    with disable_adapters(model):                                      # also while merged
+        assert (_logits(model, ids) - base_logits).abs().max() <= 1e-5
+    unmerge_lora(model)
+    assert not any(m.merged for _, m in lora_modules(model))
+    for n, p in model.named_parameters():
+        if n in weights:
+            torch.testing.assert_close(p, weights[n], atol=1e-6, rtol=0)
+    assert (_logits(model, ids) - adapted).abs().max() <= 1e-5
+
+
+def _hf_logits(hf_dir, ids: torch.Tensor, adapter=None) -> torch.Tensor:
+    """Logits of the transformers model in `hf_dir` (fp32, eager), with PEFT `adapter` on it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                 attn_implementation="eager")
+    if adapter is not None:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, adapter)
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
 @pytest.fixture
 def lora_model(make_hf_dir):
-    def make(family: str, **cfg):
+    def make(family: str, rank: int = 4, **cfg):
         hf_dir, ref = make_hf_dir(family)
         model = load_hf(hf_dir, dtype=torch.float32).eval()
         base_logits = _logits(model, _ids())
-        apply_lora(model, LoraConfig(rank=4, alpha=8.0, init_seed=0, **cfg))
+        apply_lora(model, LoraConfig(rank=rank, alpha=8.0, init_seed=0, **cfg))
         return hf_dir, ref, model, base_logits
     return make
 
@@ -67,47 +128,17 @@ def test_init_equals_base_and_only_adapters_train(family, lora_model) -> None:
     assert trainable == set(lora_state_dict(model)) and len(trainable) == 2 * 2 * 7
     # native parameter names of the base are unchanged by wrapping
     assert "layers.0.attn.q.weight" in dict(model.named_parameters())
-
-    _train(model, steps=2)
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            assert p.grad is not None and p.grad.abs().sum() > 0, name
-        else:
-            assert p.grad is None, name
-    assert not torch.allclose(_logits(model, _ids()), base_logits, atol=1e-4)
+    _check_only_adapters_train(model, base_logits)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_merge_unmerge_and_disable(family, lora_model) -> None:
     _, _, model, base_logits = lora_model(family)
-    _randomize_b(model)
-    ids = _ids()
-    weights = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    adapted = _logits(model, ids)
-    assert (adapted - base_logits).abs().max() > 1e-2                # the check is not vacuous
-
-    with disable_adapters(model):
-        assert torch.equal(_logits(model, ids), base_logits)
-    assert torch.equal(_logits(model, ids), adapted)                  # restored on exit
-
-    merge_lora(model)
-    assert all(m.merged for _, m in lora_modules(model))
-    assert (_logits(model, ids) - adapted).abs().max() <= 1e-5
-    with disable_adapters(model):                                      # also while merged
-        assert (_logits(model, ids) - base_logits).abs().max() <= 1e-5
-    unmerge_lora(model)
-    assert not any(m.merged for _, m in lora_modules(model))
-    for n, p in model.named_parameters():
-        if n in weights:
-            torch.testing.assert_close(p, weights[n], atol=1e-6, rtol=0)
-    assert (_logits(model, ids) - adapted).abs().max() <= 1e-5
+    _check_merge_unmerge_disable(model, base_logits)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_peft_export_loads_with_peft(family, lora_model, tmp_path) -> None:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     hf_dir, _, model, base_logits = lora_model(family)
     _train(model, steps=3)
     model.eval()
@@ -127,34 +158,30 @@ def test_peft_export_loads_with_peft(family, lora_model, tmp_path) -> None:
     assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in keys
     assert len(keys) == 2 * 2 * 7
 
-    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                                attn_implementation="eager")
-    peft_model = PeftModel.from_pretrained(base, out).eval()
-    with torch.no_grad():
-        peft_logits = peft_model(input_ids=ids).logits
-    assert (peft_logits - adapted).abs().max() <= 1e-4
+    assert (_hf_logits(hf_dir, ids, adapter=out) - adapted).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_merged_hf_export(family, lora_model, tmp_path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    _, _, model, _ = lora_model(family, targets=("q", "v", "down"))
+@pytest.mark.parametrize("family,targets", [
+    ("qwen3", ("q", "v", "down")), ("llama", ("q", "v", "down")),
+    ("qwen3_moe", ("v", "experts.gate", "experts.up", "experts.down"))])
+def test_merged_hf_export(family, targets, lora_model, tmp_path) -> None:
+    _, _, model, _ = lora_model(family, targets=targets)
     _randomize_b(model)
     ids = _ids()
     adapted = _logits(model, ids)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    wrappers = {n: type(m) for n, m in lora_modules(model)}
 
     out = save_merged_hf(model, tmp_path / "merged")
     assert not any(m.merged for _, m in lora_modules(model))          # left as it was
+    assert {n: type(m) for n, m in lora_modules(model)} == wrappers
+    assert set(dict(model.named_parameters())) == set(weights)         # adapters back
     for n, p in model.named_parameters():
         torch.testing.assert_close(p, weights[n], atol=1e-6, rtol=0)
-    assert all(isinstance(m, LoRALinear) for _, m in lora_modules(model))
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert not any("lora" in k for k in f.keys())
 
-    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                    attn_implementation="eager").eval()
-    with torch.no_grad():
-        assert (reloaded(ids).logits - adapted).abs().max() <= 1e-4
+    assert (_hf_logits(out, ids) - adapted).abs().max() <= 1e-5
 
 
 def test_bad_configs_fail_with_names(make_hf_dir) -> None:
@@ -191,3 +218,144 @@ def test_seeded_init_dropout_and_flops_kwargs(make_hf_dir) -> None:
     assert flops_kwargs(LoraConfig(rank=8, targets=("q", "v"))) == {
         "lora_rank": 8, "lora_targets": ("q", "v")}
     assert flops_kwargs(None) == {}
+
+
+# ------------------------------------------------------------- MoE experts (stacked adapters)
+
+EXPERTS = ("experts.gate", "experts.up", "experts.down")
+MOE_LAYERS = (0, 1, 3)          # the tiny Qwen3-MoE: layer 2 is dense (mlp_only_layers)
+
+
+def test_experts_init_equals_base_and_only_adapters_train(lora_model) -> None:
+    _, _, model, base_logits = lora_model("qwen3_moe", targets=("q", *EXPERTS))
+    assert torch.equal(_logits(model, _ids()), base_logits)              # B = 0 at init
+    experts = {n: m for n, m in lora_modules(model) if isinstance(m, LoRAExperts)}
+    assert sorted(experts) == [f"layers.{i}.mlp.experts" for i in MOE_LAYERS]
+    params = dict(model.named_parameters())
+    assert tuple(params["layers.1.mlp.experts.gate_lora_A"].shape) == (8, 4, 64)    # [E, r, H]
+    assert tuple(params["layers.1.mlp.experts.gate_lora_B"].shape) == (8, 32, 4)    # [E, I, r]
+    assert tuple(params["layers.1.mlp.experts.down_lora_A"].shape) == (8, 4, 32)
+    assert tuple(params["layers.1.mlp.experts.down_lora_B"].shape) == (8, 64, 4)
+    assert params["layers.1.mlp.experts.gate"] is experts["layers.1.mlp.experts"].gate
+    assert "layers.2.mlp.gate.lora_A" not in params          # `experts.gate` is not `gate`
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    assert trainable == set(lora_state_dict(model))
+    assert len(trainable) == 2 * 4 + 3 * 3 * 2               # q in 4 layers, 3 per MoE layer
+    _check_only_adapters_train(model, base_logits)
+
+
+@pytest.mark.parametrize("rank", [4, 2], ids=["aligned", "unaligned_rank"])
+def test_experts_grouped_and_loop_agree_with_gradients(rank, lora_model, monkeypatch) -> None:
+    """Both dispatch paths run the adapters; rank 2 (8-byte rows, which torch._grouped_mm
+    refuses) takes the loop for the adapter inside the grouped path."""
+    if not grouped_mm_available(torch.device("cpu"), torch.float32):
+        pytest.skip("torch._grouped_mm does not run on this CPU build")
+    _, _, model, _ = lora_model("qwen3_moe", rank=rank, targets=EXPERTS)
+    _randomize_b(model)
+    results = {}
+    for impl in ("loop", "grouped"):
+        monkeypatch.setattr(Experts, "impl", impl)
+        model.zero_grad()
+        loss = _loss(model)
+        loss.backward()
+        results[impl] = loss.detach(), {n: p.grad.clone() for n, p in
+                                        model.named_parameters() if p.requires_grad}
+    (loop_loss, loop_grads), (grouped_loss, grouped_grads) = results["loop"], results["grouped"]
+    assert (loop_loss - grouped_loss).abs() <= 1e-5
+    assert set(loop_grads) == set(grouped_grads) and len(loop_grads) == 3 * 3 * 2
+    for name, g in loop_grads.items():
+        assert g.abs().sum() > 0, name
+        assert (g - grouped_grads[name]).abs().max() <= 1e-5, name
+
+
+def test_experts_merge_unmerge_disable_and_fold(lora_model) -> None:
+    _, _, model, base_logits = lora_model("qwen3_moe", targets=EXPERTS)
+    _check_merge_unmerge_disable(model, base_logits)
+    # the full-weight fold of GRPO's rollout weight sync gives the merged weights
+    folded = fold_adapters({n: p.detach() for n, p in model.state_dict().items()}, 8.0 / 4)
+    assert not any("lora" in n for n in folded)
+    merge_lora(model)
+    for n, t in folded.items():
+        torch.testing.assert_close(t, model.state_dict()[n], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("targets", [("q", *EXPERTS), ("experts.up", "o")],
+                         ids=["gate_up_down", "up_only"])
+def test_experts_peft_export_reproduces_the_logits(targets, lora_model, tmp_path) -> None:
+    """PEFT's target_parameters on transformers' fused experts: gate and up share
+    gate_up_proj as one block-diagonal adapter of rank 2r (rank_pattern, alpha_pattern)."""
+    hf_dir, _, model, base_logits = lora_model("qwen3_moe", targets=targets)
+    _randomize_b(model)
+    ids = _ids()
+    adapted = _logits(model, ids)
+    assert (adapted - base_logits).abs().max() > 1e-2
+
+    out = save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(hf_dir))
+    config = json.loads((out / "adapter_config.json").read_text())
+    fused = "experts.gate" in targets
+    assert set(config["target_parameters"]) == (
+        {f"model.layers.{i}.mlp.experts.{p}" for i in MOE_LAYERS
+         for p in (("gate_up_proj", "down_proj") if fused else ("gate_up_proj",))})
+    assert config["rank_pattern"] == ({f"model.layers.{i}.mlp.experts.gate_up_proj": 8
+                                       for i in MOE_LAYERS} if fused else {})
+    with safe_open(out / "adapter_model.safetensors", framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    prefix = "base_model.model.model.layers.1.mlp.experts."
+    if fused:      # gate_up_proj wrapped first (inner), down_proj around it
+        assert shapes[prefix + "base_layer.lora_A.weight"] == (8 * 8, 64)
+        assert shapes[prefix + "base_layer.lora_B.weight"] == (2 * 32, 8 * 8)
+        assert shapes[prefix + "lora_A.weight"] == (8 * 4, 32)
+        assert shapes[prefix + "lora_B.weight"] == (64, 8 * 4)
+    else:
+        assert shapes[prefix + "lora_B.weight"] == (2 * 32, 8 * 4)
+
+    assert (_hf_logits(hf_dir, ids, adapter=out) - adapted).abs().max() <= 1e-5
+
+
+def test_experts_recipe_export_from_a_state_dict(lora_model, tmp_path) -> None:
+    """The recipes' export path (`export_hf`: rebuild on meta, adapters applied, the gathered
+    state assigned) writes both formats for expert adapters."""
+    from posttrain.train.engine import LoraSettings
+    from posttrain.train.export import export_hf
+
+    targets = ("k", "experts.up", "experts.down")
+    hf_dir, _, model, _ = lora_model("qwen3_moe", targets=targets)
+    _randomize_b(model)
+    ids = _ids()
+    adapted = _logits(model, ids)
+    state = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    lora = LoraSettings(rank=4, alpha=8.0, targets=targets)
+    merged = export_hf(state, model.args, str(tmp_path / "merged"), fmt="merged", lora=lora)
+    adapter = export_hf(state, model.args, str(tmp_path / "peft"), fmt="peft", lora=lora,
+                        base_dir=str(hf_dir))
+    assert (_hf_logits(merged, ids) - adapted).abs().max() <= 1e-5
+    assert (_hf_logits(hf_dir, ids, adapter=adapter) - adapted).abs().max() <= 1e-5
+
+
+def test_experts_refusals_name_the_fix(make_hf_dir, tmp_path) -> None:
+    from posttrain.train.engine import LoraSettings
+    from posttrain.train.recipe import ExportConfig, check_export
+
+    hf_dir, _ = make_hf_dir("qwen3_moe", mlp_only_layers=[])            # no dense MLP at all
+    model = load_hf(hf_dir, dtype=torch.float32)
+    with pytest.raises(ConfigError, match=r"\['gate'\] name no dense MLP.*'experts.gate'"):
+        apply_lora(model, LoraConfig(targets=("q", "gate")))
+    assert all(p.requires_grad for p in model.parameters())             # nothing changed
+
+    apply_lora(model, LoraConfig(rank=4, alpha=8.0, dropout=0.1, targets=("experts.down",)))
+    with pytest.raises(ConfigError, match=r"dropout.*export.format: merged"):
+        save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(hf_dir))
+    assert not (tmp_path / "adapter").exists()
+
+    # and at config time, before any step runs
+    lora = LoraSettings(rank=4, alpha=8.0, dropout=0.1, targets=("q", "mlp.experts.up"))
+    with pytest.raises(ValueError, match=r"\['mlp.experts.up'\].*lora.dropout: 0"):
+        check_export(ExportConfig(format="peft"), lora)
+    check_export(ExportConfig(format="merged"), lora)
+    check_peft_export(("q", "mlp.experts.gate"), 0.0)
+    check_peft_export(("q", "gate"), 0.05)                              # dense: PEFT has it
+
+    dense_dir, _ = make_hf_dir("qwen3", name="dense")
+    with pytest.raises(ConfigError, match=r"\['experts.gate'\] match no nn.Linear"):
+        apply_lora(load_hf(dense_dir, dtype=torch.float32),
+                   LoraConfig(targets=("experts.gate",)))

@@ -1,5 +1,6 @@
-"""Qwen3-MoE: logits, gradients and aux loss against transformers; checkpoint round trips;
-the dispatch only computes the experts tokens were routed to."""
+"""Qwen3-MoE: logits, gradients and aux loss against transformers; checkpoint round trips (and
+GPT-OSS's fused layout); the dispatch only computes the experts tokens were routed to; grouped
+experts equal the loop (GPT-OSS's biases and clamp too)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from posttrain.models import ModelArgs, build_model, load_hf, save_hf
-from posttrain.models.hf_io import weight_map
+from posttrain.models.hf_io import hf_named_tensors, weight_map
 from posttrain.models.layers import FeedForward
 from posttrain.models.moe import MoEBlock, load_balancing_loss, router_logits
 from posttrain.models.verify import verify
@@ -25,16 +26,6 @@ SLIDING = {"use_sliding_window": True, "sliding_window": 8}
 
 def _ids(seq_len: int = 24, vocab: int = 250, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(seed))
-
-
-def _tensors(hf_dir) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out = {}
-    for name, file in weight_map(hf_dir).items():
-        with safe_open(file, framework="pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
 
 
 @pytest.mark.parametrize("overrides", [{}, SPARSE_STEP, SLIDING],
@@ -63,18 +54,29 @@ def test_dense_and_moe_layers_follow_the_config(overrides, moe_layers, make_hf_d
     assert native.args.router_aux_loss_coef == ref.config.router_aux_loss_coef
 
 
-def test_save_round_trips_per_expert_checkpoint(make_hf_dir, tmp_path) -> None:
-    hf_dir, ref = make_hf_dir("qwen3_moe")
+@pytest.mark.parametrize("family,keys,config", [
+    ("qwen3_moe", ["model.layers.1.mlp.experts.7.down_proj.weight",
+                   "model.layers.1.mlp.gate.weight"], {"mlp_only_layers": [2]}),  # per expert
+    ("gpt_oss", ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.self_attn.sinks"],
+     {"num_local_experts": 4}),                                # fused, interleaved gate/up
+])
+def test_save_round_trips_the_expert_layout(family, keys, config, make_hf_dir, read_checkpoint,
+                                            tmp_path) -> None:
+    """Load + save writes the checkpoint's tensors back bit for bit (and so does the streamed
+    export for an engine); transformers loads the export with the original logits."""
+    hf_dir, ref = make_hf_dir(family)
     native = load_hf(hf_dir, dtype=torch.float32)
     out = save_hf(native, tmp_path / "export")
-    original, exported = _tensors(hf_dir), _tensors(out)
-    assert "model.layers.1.mlp.experts.7.down_proj.weight" in original
-    assert "model.layers.1.mlp.gate.weight" in original
+    original, exported = read_checkpoint(hf_dir), read_checkpoint(out)
+    assert set(keys) <= original.keys()
     assert exported.keys() == original.keys()
     for name, t in original.items():
         assert torch.equal(exported[name], t), name
-    config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "qwen3_moe" and config["mlp_only_layers"] == [2]
+    streamed = dict(hf_named_tensors(native.args, native.state_dict().items()))
+    assert streamed.keys() == original.keys()
+    assert all(torch.equal(streamed[name], t) for name, t in original.items())
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == family and config.items() <= written.items()
 
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                     attn_implementation="eager").eval()
@@ -100,12 +102,36 @@ def test_sharded_checkpoint_with_experts_split_across_files(make_hf_dir, tmp_pat
     assert meta.layers[3].mlp.router.weight.is_meta
 
 
-def test_built_model_saves_a_checkpoint_transformers_loads(tmp_path) -> None:
-    args = ModelArgs(family="qwen3_moe", vocab_size=100, hidden_size=32, intermediate_size=64,
-                     num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True,
-                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                     mlp_only_layers=(0,), router_aux_loss_coef=0.01)
-    native = build_model(args, seed=0).eval()
+BUILT = {
+    "qwen3_moe": ModelArgs(family="qwen3_moe", vocab_size=100, hidden_size=32,
+                           intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                           head_dim=16, qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=16, mlp_only_layers=(0,),
+                           router_aux_loss_coef=0.01),
+    "gpt_oss": ModelArgs(family="gpt_oss", vocab_size=100, hidden_size=32, intermediate_size=16,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                         rms_norm_eps=1e-5, rope_theta=150_000.0, attention_bias=True,
+                         max_position_embeddings=8192,
+                         rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                       "beta_slow": 1.0, "truncate": False,
+                                       "original_max_position_embeddings": 1024},
+                         sliding_window=4, layer_types=("sliding_attention", "full_attention"),
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                         attention_sinks=True, router_bias=True, expert_bias=True,
+                         moe_routing="topk_softmax", swiglu_limit=7.0,
+                         router_aux_loss_coef=0.01),
+}
+
+
+@pytest.mark.parametrize("family", BUILT)
+def test_built_model_saves_a_checkpoint_transformers_loads(family, tmp_path) -> None:
+    """A model built from args alone: its config.json (the bridge's `config_from_args`) and
+    tensors make the same model in transformers."""
+    native = build_model(BUILT[family], seed=0).eval()
+    with torch.no_grad():                   # biases and sinks start at 0: make them matter
+        for name, p in native.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.normal_(std=0.5)
     out = save_hf(native, tmp_path / "scratch", dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                attn_implementation="eager").eval()
@@ -179,13 +205,19 @@ def test_only_routed_experts_cost_flops() -> None:
     assert touched.nonzero().flatten().tolist() == [3, 5]
 
 
-def test_grouped_experts_equal_the_loop(make_hf_dir, monkeypatch) -> None:
+# GPT-OSS: expert biases (gathered per row on the grouped path) and a clamp that bites
+GPT_OSS_CLAMPED = {"swiglu_limit": 1.0, "num_hidden_layers": 2, "sliding_window": 3,
+                   "layer_types": ["sliding_attention", "full_attention"]}
+
+
+@pytest.mark.parametrize("family,overrides", [("qwen3_moe", {}), ("gpt_oss", GPT_OSS_CLAMPED)])
+def test_grouped_experts_equal_the_loop(family, overrides, make_hf_dir, monkeypatch) -> None:
     """The grouped-matmul experts (one `torch._grouped_mm` per projection) against the loop
     over experts: logits and every gradient within 1e-5 on a packed batch (fp32, CPU)."""
     from posttrain.models.moe import Experts, grouped_mm_available
     if not grouped_mm_available(torch.device("cpu"), torch.float32):
         pytest.skip("torch._grouped_mm does not run on this CPU build")
-    hf_dir, _ = make_hf_dir("qwen3_moe")
+    hf_dir, _ = make_hf_dir(family, **overrides)
     ids = _ids(seq_len=32)
     results = {}
     for impl in ("loop", "grouped"):
@@ -200,3 +232,23 @@ def test_grouped_experts_equal_the_loop(make_hf_dir, monkeypatch) -> None:
     assert (loop_logits - grouped_logits).abs().max() <= 1e-5
     for name, g in loop_grads.items():
         assert (g - grouped_grads[name]).abs().max() <= 1e-5, name
+
+
+def test_first_moe_forward_inside_a_checkpointed_block_trains(monkeypatch) -> None:
+    """The one-time grouped-matmul probe runs in the first MoE forward; under full activation
+    checkpointing its tensors must not be counted as the block's (recomputation would find
+    fewer and the first backward fail), and the gradients are those without checkpointing."""
+    from posttrain.distributed import apply_activation_checkpointing
+    from posttrain.models import moe
+    from posttrain.models.verify import tiny_hf_config
+
+    monkeypatch.setattr(moe, "_GROUPED_OK", {})          # the probe has not run yet
+    args = ModelArgs.from_hf_config(tiny_hf_config("qwen3_moe").to_dict())
+    ref, model = build_model(args, seed=0), build_model(args, seed=0)
+    apply_activation_checkpointing(model, "full")
+    ids = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    for m in (model, ref):
+        m(ids).square().mean().backward()
+    assert moe._GROUPED_OK
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

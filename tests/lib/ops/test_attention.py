@@ -1,4 +1,5 @@
-"""Document-masked attention equals per-document attention, built from transformers' own masks."""
+"""Document-masked attention equals per-document attention, built from transformers' own masks;
+attention sinks against transformers' GPT-OSS eager formula."""
 
 from __future__ import annotations
 
@@ -30,14 +31,20 @@ def hf_mask(lengths: list[list[int]], seq_len: int, window: int | None) -> torch
                      allow_is_causal_skip=False)
 
 
-def hf_eager(q, k, v, mask, scale, softcap):
-    """transformers' eager attention (Gemma 3 style: scale, softcap, mask, softmax), in float64."""
+def hf_eager(q, k, v, mask, scale, softcap, sinks=None):
+    """transformers' eager attention (Gemma 3 style: scale, softcap, mask, softmax; GPT-OSS
+    style with sinks: the sink is one more column of the scores, dropped after the softmax),
+    in float64."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = q @ k.transpose(-1, -2) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    return torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1) @ v
+    scores = scores.masked_fill(~mask, -math.inf)
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ v
+    sink = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ v
 
 
 def make_qkv(batch, heads, kv_heads, seq_len, head_dim=16, seed=0):
@@ -49,19 +56,22 @@ def make_qkv(batch, heads, kv_heads, seq_len, head_dim=16, seed=0):
 
 
 def check_against_hf(q, k, v, lengths, *, window=None, softcap=None, backend="auto",
-                     scale=None):
-    """Forward and grads w.r.t. q, k, v against the float64 transformers-mask reference."""
+                     scale=None, sinks=None):
+    """Forward and grads w.r.t. q, k, v (and sinks) against the float64 transformers-mask
+    reference."""
     seq_len = q.shape[2]
     out = attention(q, k, v, document_lengths=lengths, sliding_window=window, softcap=softcap,
-                    scale=scale, backend=backend)
+                    scale=scale, backend=backend, sinks=sinks)
     grad_out = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    grads = torch.autograd.grad(out, inputs, grad_out)
 
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
     rows = lengths if lengths is not None else [[seq_len]] * q.shape[0]
     scale64 = q.shape[-1] ** -0.5 if scale is None else scale
-    ref = hf_eager(q64, k64, v64, hf_mask(rows, seq_len, window), scale64, softcap)
-    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad_out.double())
+    ref = hf_eager(*inputs64[:3], hf_mask(rows, seq_len, window), scale64, softcap,
+                   sinks=inputs64[3] if sinks is not None else None)
+    ref_grads = torch.autograd.grad(ref, inputs64, grad_out.double())
 
     torch.testing.assert_close(out, ref.float(), **TOL)
     for got, want in zip(grads, ref_grads):
@@ -99,6 +109,37 @@ def test_softcap(backend, window):
         q.mul_(4.0)  # large scores, so that the cap bites
     check_against_hf(q, k, v, [SPLITS[0], SPLITS[1]], window=window, softcap=2.0,
                      backend=backend, scale=0.3)
+
+
+def make_sinks(heads, seed=0):
+    """Sink logits around the size of the scores, so that they take a visible share."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(heads, generator=g) + 1.0).requires_grad_()
+
+
+@pytest.mark.parametrize("backend", ["auto", *CPU_BACKENDS])
+@pytest.mark.parametrize("lengths,window,softcap", [
+    (None, None, None), ([SPLITS[0], SPLITS[2]], None, None), ([SPLITS[0], SPLITS[1]], 5, None),
+    ([SPLITS[2], SPLITS[0]], 3, 2.0)], ids=["one-doc", "packed", "packed-window", "softcap"])
+def test_sinks_match_transformers_eager(backend, lengths, window, softcap):
+    """Forward and backward (q, k, v and the sinks) with one sink logit per query head, GQA."""
+    q, k, v = make_qkv(2, 4, 2, 40, seed=7)
+    check_against_hf(q, k, v, lengths, window=window, softcap=softcap, backend=backend,
+                     sinks=make_sinks(4))
+
+
+def test_sinks_with_a_prebuilt_causal_mask():
+    """A model's mask built without `sinks=True` is plain causal; sinks still apply."""
+    q, k, v = make_qkv(2, 4, 2, 24, seed=8)
+    sinks = make_sinks(4, seed=1)
+    mask = attention_module.build_mask(None, 2, 24, "cpu")
+    assert mask.backend == "causal"
+    got = attention(q, k, v, mask=mask, sinks=sinks)
+    want = reference_attention(q, k, v, sinks=sinks)
+    torch.testing.assert_close(got, want, **TOL)
+    assert attention_module.build_mask(None, 2, 24, "cpu", sinks=True).backend == "split"
+    with pytest.raises(ValueError, match="one logit per query head"):
+        attention(q, k, v, sinks=sinks[:2])
 
 
 def test_window_of_one_sees_only_itself():
@@ -141,21 +182,30 @@ def test_module_reference_matches_transformers_mask():
     got = reference_attention(q, k, v, document_lengths=lengths, sliding_window=6, softcap=3.0)
     want = hf_eager(q.double(), k.double(), v.double(), hf_mask(lengths, 40, 6), 0.25, 3.0)
     torch.testing.assert_close(got, want.float(), **TOL)
+    sinks = make_sinks(4).detach()
+    got = reference_attention(q, k, v, document_lengths=lengths, sliding_window=6, sinks=sinks)
+    want = hf_eager(q.double(), k.double(), v.double(), hf_mask(lengths, 40, 6), 0.25, None,
+                    sinks=sinks.double())
+    torch.testing.assert_close(got, want.float(), **TOL)
 
 
-@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 2.0), (3, 2.0)])
-def test_flex_mask_and_score_mods_eager_forward(window, softcap):
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (5, None, False),
+                                                  (None, 2.0, False), (3, 2.0, False),
+                                                  (5, None, True)])
+def test_flex_mask_and_score_mods_eager_forward(window, softcap, sinks):
     """The FlexAttention block mask and softcap score_mod, run eagerly on CPU (forward only:
     FlexAttention has no CPU backward in torch 2.13; the compiled path is tested on GPU)."""
     if not attention_module.flex_available():
         pytest.skip("no FlexAttention in this torch")
     q, k, v = (t.detach() for t in make_qkv(2, 4, 2, 40, seed=6))
     lengths = [SPLITS[0], SPLITS[2]]
+    sink_logits = make_sinks(4).detach() if sinks else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = attention(q, k, v, document_lengths=lengths, sliding_window=window,
-                        softcap=softcap, backend="flex", compile_flex=False)
-    want = hf_eager(q.double(), k.double(), v.double(), hf_mask(lengths, 40, window), 0.25, softcap)
+                        softcap=softcap, backend="flex", compile_flex=False, sinks=sink_logits)
+    want = hf_eager(q.double(), k.double(), v.double(), hf_mask(lengths, 40, window), 0.25, softcap,
+                    sinks=None if sink_logits is None else sink_logits.double())
     torch.testing.assert_close(got, want.float(), **TOL)
 
 
@@ -168,6 +218,8 @@ def test_auto_backend_choice():
     assert choose(cpu, [[32, 32]], 64, None, None) == "split"
     want_gpu = "flex" if attention_module.flex_available() else "masked_sdpa"
     assert choose(cuda, [[32, 32]], 64, None, 2.0) == want_gpu
+    assert choose(cpu, None, 64, None, None, sinks=True) == "split"
+    assert choose(cuda, None, 64, None, None, sinks=True) == want_gpu
 
 
 @pytest.mark.parametrize("lengths,match", [([[10, 5]], "summing"), ([[20], [20]], "rows"),
@@ -187,16 +239,20 @@ def test_bad_head_counts():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("window,softcap", [(None, None), (64, None), (None, 20.0)])
-def test_flex_compiled_on_gpu(window, softcap):
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (64, None, False),
+                                                  (None, 20.0, False), (64, None, True)])
+def test_flex_compiled_on_gpu(window, softcap, sinks):
     q, k, v = (t.detach().cuda().requires_grad_() for t in make_qkv(2, 8, 2, 512, head_dim=64))
+    sink_logits = make_sinks(8).detach().cuda().requires_grad_() if sinks else None
+    inputs = (q, k, v) if sink_logits is None else (q, k, v, sink_logits)
     lengths = [[100, 3, 300, 109], [512]]
-    out = attention(q, k, v, document_lengths=lengths, sliding_window=window, softcap=softcap)
+    out = attention(q, k, v, document_lengths=lengths, sliding_window=window, softcap=softcap,
+                    sinks=sink_logits)
     ref = reference_attention(q, k, v, document_lengths=lengths, sliding_window=window,
-                              softcap=softcap)
+                              softcap=softcap, sinks=sink_logits)
     grad_out = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), grad_out)
-    want = torch.autograd.grad(ref, (q, k, v), grad_out)
+    got = torch.autograd.grad(out, inputs, grad_out)
+    want = torch.autograd.grad(ref, inputs, grad_out)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrain.ops.cross_entropy import (chunked_cross_entropy, chunked_entropy, chunked_logprobs,
-                                         naive_cross_entropy, naive_logprobs)
+from posttrain.ops.cross_entropy import (chunked_argmax, chunked_cross_entropy, chunked_entropy,
+                                         chunked_logprobs, naive_cross_entropy, naive_logprobs)
 from posttrain.ops.vocab import mask_padded_logits, sample_next_token
 
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -223,3 +223,16 @@ def test_autograd_saves_no_logits():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         naive_cross_entropy(hidden, weight, labels, real_vocab_size=REAL)
     assert max(saved) >= N * REAL > limit  # the check can tell the difference
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1024])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_argmax_is_the_full_logits_argmax_over_the_real_vocabulary(chunk, softcap):
+    hidden, weight, bias, _ = make(bias=True)
+    with torch.no_grad():
+        weight[REAL:] = 100.0                # padding rows would win if they were projected
+        logits = mask_padded_logits(F.linear(hidden, weight, bias), REAL)
+    got = chunked_argmax(hidden.view(1, N, HIDDEN), weight, real_vocab_size=REAL,
+                         chunk_tokens=chunk, softcap=softcap, bias=bias)
+    assert got.shape == (1, N) and got.dtype == torch.int64
+    assert torch.equal(got[0], logits.argmax(dim=-1))

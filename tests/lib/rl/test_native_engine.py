@@ -33,6 +33,16 @@ def tiny_args(family: str, **overrides) -> ModelArgs:
                        rope_theta=1e6, rope_local_theta=1e4, query_pre_attn_scalar=20.0,
                        embed_scale=True, norm_offset=True, sandwich_norm=True,
                        final_logit_softcapping=5.0, tie_word_embeddings=True),
+        # sinks, alternating window / full layers, yarn rope, biased experts, clamped SwiGLU
+        "gpt_oss": dict(attention_bias=True, attention_sinks=True, sliding_window=4,
+                        layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+                        rope_theta=150_000.0,
+                        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "truncate": False,
+                                      "original_max_position_embeddings": 64},
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        router_bias=True, expert_bias=True, moe_routing="topk_softmax",
+                        swiglu_limit=7.0),
     }
     return ModelArgs(family=family, **{**common, **per_family[family], **overrides})
 
@@ -73,7 +83,7 @@ def naive_logprobs(model: Transformer, seq: list[int], prompt_len: int,
     return [float(logp[t - 1, seq[t]]) for t in range(prompt_len, len(seq))]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3", "qwen3_moe", "gpt_oss"])
 def test_greedy_with_cache_equals_full_recompute(family: str) -> None:
     model = tiny_model(family)
     engine = NativeEngine(model)

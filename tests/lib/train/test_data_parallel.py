@@ -7,6 +7,7 @@ data-parallel ranks only. Three layouts of the same run, on real gloo process gr
     1 rank                 the reference
     dp_shard=2, tp=1       2 ranks, each its half of the step's micro-batches
     dp_shard=2, tp=2       4 ranks; ranks {0,1} and {2,3} are tensor-parallel pairs
+    dp_replicate=2 x dp_shard=2   4 ranks, HSDP (SFT only): two sharded replicas, 4 DP ranks
 
 must give the same per-step losses (1e-5, fp32) and the same exported weights (1e-5), for SFT
 (chunked cross-entropy over packed documents) and DPO (packed pairs, precomputed reference),
@@ -30,7 +31,10 @@ from posttrain.distributed.env import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 STEPS = 3
-LAYOUTS = {"1": (1, 1, 1), "dp2": (2, 2, 1), "dp2_tp2": (4, 2, 2)}   # world, dp_shard, tp
+# world, dp_shard, tp, dp_replicate
+LAYOUTS = {"1": (1, 1, 1, 1), "dp2": (2, 2, 1, 1), "dp2_tp2": (4, 2, 2, 1),
+           "hsdp": (4, 2, 1, 2)}
+ONLY = {"hsdp": ("sft",)}           # the recipes a layout runs (default: all)
 FAMILIES = ("qwen3", "llama")
 RECIPES = ("sft", "dpo")
 ATOL = 1e-5
@@ -48,7 +52,7 @@ _LOADER = {"rows_per_batch": 1, "shuffle_buffer_samples": 16, "seed": 0, "epochs
 
 
 def _config(recipe: str, family: str, world: int, dp_shard: int, tp: int,
-            data: Path = ROOT / "assets" / "data") -> dict:
+            data: Path = ROOT / "assets" / "data", dp_replicate: int = 1) -> dict:
     """The recipe's config: 4 micro-batches of 1 x 128 tokens per step, data under `data`."""
     common = {
         "run": {"num_workers": world, "launcher": "ray" if world > 1 else "inline"},
@@ -57,7 +61,8 @@ def _config(recipe: str, family: str, world: int, dp_shard: int, tp: int,
                   "dtype": "float32", "loss_chunk_tokens": 64},
         "eval": {"max_batches": 3},
     }
-    parallel = {"dp_shard": dp_shard, "tp": tp, "activation_checkpointing": "none"}
+    parallel = {"dp_shard": dp_shard, "tp": tp, "dp_replicate": dp_replicate,
+                "activation_checkpointing": "none"}
     if recipe == "sft":
         return {**common,
                 "data": {"format": "chat", "max_tokens_per_sample": 128,
@@ -112,11 +117,13 @@ def _rank(rank: int, world: int, port: int, layout: str, root: str, inputs: dict
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    _, dp_shard, tp = LAYOUTS[layout]
+    _, dp_shard, tp, dp_replicate = LAYOUTS[layout]
     for (recipe, family), (prepared, hf_dir) in sorted(inputs.items()):
+        if recipe not in ONLY.get(layout, RECIPES):
+            continue
         from posttrain.train.recipe import RecipeWorker
         run_dir = Path(root) / layout / f"{recipe}_{family}"
-        cfg = _config(recipe, family, world, dp_shard, tp, Path(root) / "data")
+        cfg = _config(recipe, family, world, dp_shard, tp, Path(root) / "data", dp_replicate)
         worker = RecipeWorker(_recipe(recipe), cfg, hf_dir, prepared, str(run_dir))
         worker.before_training()
         steps = [worker.train_step() for _ in range(STEPS)]
@@ -136,7 +143,7 @@ def _rank(rank: int, world: int, port: int, layout: str, root: str, inputs: dict
 def layouts(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dp")
     inputs = _prepare(root)
-    for layout, (world, _, _) in LAYOUTS.items():
+    for layout, (world, *_) in LAYOUTS.items():
         mp.spawn(_rank, args=(world, free_port(), layout, str(root), inputs), nprocs=world,
                  join=True)
     return root
@@ -150,8 +157,10 @@ def _result(root: Path, layout: str, recipe: str, family: str) -> tuple[dict, di
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("layout", ["dp2", "dp2_tp2"])
+@pytest.mark.parametrize("layout", ["dp2", "dp2_tp2", "hsdp"])
 def test_layout_trains_like_one_rank(layouts, recipe, family, layout):
+    if recipe not in ONLY.get(layout, RECIPES):
+        pytest.skip(f"{layout} runs {ONLY[layout]} only")
     ref, ref_w = _result(layouts, "1", recipe, family)
     got, got_w = _result(layouts, layout, recipe, family)
     print(f"{recipe}/{family}/{layout}: losses {got['losses']} (1 rank: {ref['losses']}); "
@@ -185,6 +194,8 @@ def _hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
 def test_rank0_of_a_tensor_parallel_layout_is_data_parallel_rank0(layouts):
     got, _ = _result(layouts, "dp2_tp2", "sft", "qwen3")
     assert got["dp"] == [0, 2]
+    got, _ = _result(layouts, "hsdp", "sft", "qwen3")
+    assert got["dp"] == [0, 4]                  # replicas x shards: four data-parallel ranks
 
 
 def test_a_step_that_does_not_split_over_the_data_parallel_ranks_is_refused():

@@ -2,9 +2,10 @@
 
 One real training step of every recipe, through its `RecipeWorker` on the tiny model, runs
 under `FlopCounterMode`; the recipe's `flops(batch)` must match what was executed within 1%:
-the policy's forward and backward over packed documents, LoRA's adapters, DPO's in-step
-reference (lora_base), the online teacher's forward in distillation, the LM head over the
-labelled positions only.
+the policy's forward and backward over packed documents, LoRA's adapters (also stacked on MoE
+experts), DPO's in-step reference (lora_base), the online teacher's forward in distillation,
+the LM head over the labelled positions only, the sequence recipe's per-position heads over
+theirs.
 
 Two differences between executed and model FLOPs are taken out of the count, both measured,
 not assumed (as in tests/lib/models/test_flops.py):
@@ -39,6 +40,7 @@ RTOL = 0.01
 _MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
           "tie_word_embeddings": False}
+_MOE = {**_MODEL, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 _TEACHER = {**_MODEL, "hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 3}
 _TRAIN = {"max_steps": 2, "tokens_per_step": 256, "optimizer": {"lr": 1e-3},
           "parallel": {"activation_checkpointing": "none"}, "checkpoint_every_steps": 100}
@@ -59,6 +61,16 @@ def _config(kind: str, **extra) -> dict:
               "model": {"init": {"family": "qwen3", "seed": 0, "overrides": _MODEL},
                         "loss_chunk_tokens": 32}}
     data = ROOT / "assets" / "data"
+    if kind == "events":
+        return {"run": {"launcher": "inline"}, **extra,
+                "vocab": {"num_items": 100},
+                "heads": {"per_position": {
+                    "event_type": {"kind": "classification", "num_classes": 4, "weight": 0.5},
+                    "dwell": {"kind": "regression", "target": "current"}}},
+                "model": common["model"],
+                "data": {"format": "sequence",
+                         "train": [{"name": "ev", "path": str(data / "events/train.jsonl")}]},
+                "train": {**_TRAIN, "loader": {"packing": {"max_tokens_per_pack": 256}}}}
     if kind == "chat":
         return {**common, **extra,
                 "data": {"format": "chat", "max_tokens_per_sample": 128,
@@ -79,6 +91,12 @@ CASES = {
                                            "lora": {"rank": 4, "alpha": 8.0,
                                                     "targets": ["q", "v", "down"]}},
                                  "export": {"format": "peft"}}),
+    "sft_moe_lora": ("sft", "chat", {"model": {"init": {"family": "qwen3_moe", "seed": 0,
+                                                        "overrides": _MOE},
+                                               "loss_chunk_tokens": 32,
+                                               "lora": {"rank": 4, "alpha": 8.0, "targets": [
+                                                   "o", "experts.gate", "experts.down"]}},
+                                     "export": {"format": "peft"}}),
     "dpo": ("dpo", "preference", {}),
     "dpo_lora_base": ("dpo", "preference", {
         "model": {"init": {"family": "qwen3", "seed": 0, "overrides": _MODEL},
@@ -87,6 +105,7 @@ CASES = {
     "reward": ("reward", "preference", {}),
     "distill": ("distill", "chat", {"teacher": {"init": {"family": "qwen3", "seed": 1,
                                                          "overrides": _TEACHER}}}),
+    "sequence": ("sequence", "events", {}),
 }
 
 
@@ -94,8 +113,10 @@ def _recipe(name: str) -> type:
     from posttrain.train.distill import Distill
     from posttrain.train.dpo import DPO
     from posttrain.train.reward import Reward
+    from posttrain.train.sequence import Sequence
     from posttrain.train.sft import SFT
-    return {"sft": SFT, "dpo": DPO, "reward": Reward, "distill": Distill}[name]
+    return {"sft": SFT, "dpo": DPO, "reward": Reward, "distill": Distill,
+            "sequence": Sequence}[name]
 
 
 def _unpadded(batch: dict) -> dict:
@@ -131,6 +152,7 @@ def workdir(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("case", list(CASES))
 def test_counted_step_flops_match_the_flop_counter(case, workdir):
     from posttrain.config.loader import build, to_dict
+    from posttrain.models.moe import grouped_mm_available, grouped_mm_flops
     from posttrain.train.recipe import RecipeWorker
     from steps.common import base_model_dir, ensure_prepared
     from steps.train_distill import teacher
@@ -148,7 +170,9 @@ def test_counted_step_flops_match_the_flop_counter(case, workdir):
         batch = _unpadded(next(iter(worker.loader)))
         inputs = worker.recipe.inputs(batch, "train")
         units = int(batch[recipe.unit_field])
-        mapping = {SDPA_FWD: _sdpa_fwd, SDPA_BWD: _sdpa_bwd, aten.addmm_: _addmm_}
+        mapping = {SDPA_FWD: _sdpa_fwd, SDPA_BWD: _sdpa_bwd, aten.addmm_: _addmm_,
+                   aten._grouped_mm: grouped_mm_flops}          # MoE experts and their adapters
+        grouped_mm_available(torch.device("cpu"), torch.float32)   # probe outside the counter
         with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
             worker.engine.train_step([inputs], units)
         by_op = counter.get_flop_counts()["Global"]

@@ -7,12 +7,14 @@ from typing import Any
 from posttrain.errors import ConfigError
 from posttrain.models.families.base import FamilyBridge
 from posttrain.models.families.gemma3 import Gemma3Bridge
+from posttrain.models.families.gpt_oss import GptOssBridge
 from posttrain.models.families.llama import LlamaBridge
 from posttrain.models.families.qwen3 import Qwen3Bridge
 from posttrain.models.families.qwen3_moe import Qwen3MoeBridge
 
 BRIDGES: dict[str, FamilyBridge] = {b.family: b for b in (Qwen3Bridge(), LlamaBridge(),
-                                                          Gemma3Bridge(), Qwen3MoeBridge())}
+                                                          Gemma3Bridge(), Qwen3MoeBridge(),
+                                                          GptOssBridge())}
 
 
 def register_bridge(bridge: FamilyBridge) -> None:

@@ -4,12 +4,19 @@ A bridge translates one Hugging Face `model_type` to and from the native model: 
 to `ModelArgs` (and back for models built from args alone), and parameter names both ways. The
 HF config is first parsed by transformers' own config class, so that old (`rope_theta`,
 `rope_scaling`) and new (`rope_parameters`) spellings of a `config.json` read the same.
+
+Tensors usually map one to one by name. Two other layouts are supported: a native parameter
+stacked from one HF tensor per slice (`hf_names` / `stack_index`, Qwen3-MoE's experts), and one
+HF tensor that holds several native parameters or a transposed one (`native_names` /
+`to_native_tensors` / `to_hf_tensor`, GPT-OSS's fused `gate_up_proj`).
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+import torch
 
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.models.args import ModelArgs
@@ -85,6 +92,23 @@ class FamilyBridge:
         its index along dim 0; None for keys that map one to one."""
         return None
 
+    # ---- HF tensors in another layout --------------------------------------------------------
+    def native_names(self, hf: str) -> list[str]:
+        """The native parameters HF key `hf` holds, in `to_native_tensors` order: `to_native(hf)`
+        by default, none for keys that carry no weights we use, several for a fused tensor."""
+        native = self.to_native(hf)
+        return [] if native is None else [native]
+
+    def to_native_tensors(self, hf: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """HF tensor `hf` as the native (name, tensor) pairs it holds; unchanged by default."""
+        (native,) = self.native_names(hf)
+        return [(native, tensor)]
+
+    def to_hf_tensor(self, hf: str, natives: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The reverse of `to_native_tensors`: HF tensor `hf` from all of `native_names(hf)`."""
+        (tensor,) = natives.values()
+        return tensor
+
     # ---- configs -------------------------------------------------------------------------
     def args_from_hf(self, config: dict[str, Any], *, vocab_multiple: int = 64) -> ModelArgs:
         raise NotImplementedError
@@ -113,6 +137,7 @@ class FamilyBridge:
         """config.json for `args`: the original one (or one made from the args) with the
         (possibly resized) real vocab."""
         cfg = dict(args.hf_config) if args.hf_config else self.config_from_args(args)
+        cfg.pop("quantization_config", None)      # weights are written dequantized
         cfg["vocab_size"] = args.vocab_size
         cfg["tie_word_embeddings"] = args.tie_word_embeddings
         if not cfg.get("architectures"):
@@ -131,7 +156,16 @@ def parse_hf_config(config: dict[str, Any]) -> Any:
 
 
 def common_fields(cfg: Any, *, vocab_multiple: int) -> dict[str, Any]:
-    """ModelArgs fields every family reads the same way from a transformers config."""
+    """ModelArgs fields every family reads the same way from a transformers config; refuses
+    quantized checkpoints other than MXFP4 (which `hf_io` dequantizes on load)."""
+    quant = getattr(cfg, "quantization_config", None) or {}
+    method = (quant.get("quant_method") if isinstance(quant, dict)
+              else getattr(quant, "quant_method", None))
+    if quant and method != "mxfp4":
+        raise ConfigError(f"config.json: quantization_config.quant_method {method!r} is not "
+                          "supported by the native models (only 'mxfp4' is dequantized on "
+                          "load); dequantize the checkpoint to bf16 first, or use the "
+                          "transformers fallback")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return dict(
         vocab_size=cfg.vocab_size,

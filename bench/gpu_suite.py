@@ -1,0 +1,310 @@
+"""The prepared GPU benchmark: bf16 SFT and native rollout throughput, one JSON line per case.
+
+Cases (random weights from `ModelArgs`, nothing downloaded; `--cases` picks some):
+
+* ``sft_qwen3_0.6b``, ``sft_qwen3_1.7b``: the Qwen3-0.6B / -1.7B shapes (28 layers, 16 query and
+  8 KV heads of 128, vocabulary 151,936, tied embeddings; hidden 1024 / 2048, MLP 3072 / 6144).
+* ``sft_qwen3_moe``: Qwen3-30B-A3B's layer shape (hidden 2048, 32 query / 4 KV heads of 128,
+  128 experts of width 768, top-8) with `--moe-layers` of its 48 layers (default 4); all
+  experts are kept, so routing is as sparse as in the full model.
+* ``rollout_qwen3_0.6b``: `NativeEngine.generate` (KV cache, batched sampling) on the 0.6B shape
+  in bf16: generated tokens/s.
+
+Each SFT case is one `posttrain.train.engine.Engine` as the recipes build it: the random model
+is written as an HF checkpoint (bf16) and loaded the sharded way (FSDP2 over the one GPU, bf16
+compute, fp32 master weights and AdamW), full activation checkpointing, the chunked loss, and
+the attention backend the library picks for the device (FlexAttention, compiled, on CUDA; the
+per-document split on CPU). Rows are packed to `--pack` tokens (8192) from lognormal-length
+synthetic documents (`posttrain.data.packing`), one row per micro-batch, `--rows-per-step` per
+step. After `--warmup` steps (FlexAttention compiles there), `--steps` timed steps, each ended
+by a device synchronize: real (non-padding) tokens/s, MFU = model FLOPs of those tokens
+(`posttrain.train.recipe.policy_flops`: packed attention, LM head over the loss tokens) over
+the device's dense bf16 peak (`posttrain.train.metrics.device_peak_flops`: 989 TFLOP/s on an
+H200), and the peak allocated memory. A case that fails prints a line with its error and the
+suite goes on; a case that would start past `--budget-s` prints a skipped line.
+
+Run on the GPU machine (no Ray, Metaflow or vLLM needed; nothing here imports them), as
+`bench/run_gpu_suite.sh` does:
+
+    PYTHONPATH=lib python bench/gpu_suite.py --out $OUT/gpu_suite.jsonl
+
+and on a CPU, the same code paths on tiny shapes in seconds (fp32; tests/bench/test_gpu_suite.py):
+
+    PYTHONPATH=lib python bench/gpu_suite.py --device cpu --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+QWEN3 = dict(family="qwen3", vocab_size=151_936, num_layers=28, num_heads=16, num_kv_heads=8,
+             head_dim=128, tie_word_embeddings=True, qk_norm=True, rope_theta=1_000_000.0,
+             max_position_embeddings=40_960)
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3_0.6b": {**QWEN3, "hidden_size": 1024, "intermediate_size": 3072},
+    "qwen3_1.7b": {**QWEN3, "hidden_size": 2048, "intermediate_size": 6144},
+    # Qwen3-30B-A3B's layers; num_layers is --moe-layers of its 48
+    "qwen3_moe": {**QWEN3, "family": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                  "num_heads": 32, "num_kv_heads": 4, "tie_word_embeddings": False,
+                  "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "norm_topk_prob": True, "router_aux_loss_coef": 0.001},
+}
+TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=16)
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+# in this order: the cheap ones first, the largest checkpoint (the MoE's) last
+CASES = ("sft_qwen3_0.6b", "rollout_qwen3_0.6b", "sft_qwen3_1.7b", "sft_qwen3_moe")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes and steps (a CPU check)")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {CASES}")
+    p.add_argument("--out", default=None, help="also write the JSON lines to this file")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="start no case after this many seconds (the suite's time limit)")
+    p.add_argument("--pack", type=int, default=8192, help="tokens per packed row")
+    p.add_argument("--rows-per-step", type=int, default=8, help="packed rows per optimizer step")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4, help="timed steps after the warmup")
+    p.add_argument("--moe-layers", type=int, default=4, help="of Qwen3-30B-A3B's 48 layers")
+    p.add_argument("--compile", action="store_true",
+                   help="also torch.compile every block (parallel.compile)")
+    p.add_argument("--prompts", type=int, default=64, help="rollout: prompts per generate call")
+    p.add_argument("--samples-per-prompt", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    a = p.parse_args(argv)
+    unknown = sorted(set(a.cases.split(",")) - set(CASES))
+    if unknown:
+        p.error(f"--cases {unknown} unknown; choose from {list(CASES)}")
+    if a.tiny:
+        a.pack, a.rows_per_step, a.warmup, a.steps, a.moe_layers = 128, 2, 1, 2, 2
+        a.prompts, a.samples_per_prompt, a.max_new_tokens = 2, 2, 8
+    return a
+
+
+def model_args(shape: str, a: argparse.Namespace):
+    from posttrain.models.args import ModelArgs
+    fields = dict(SHAPES[shape])
+    if shape == "qwen3_moe":
+        fields["num_layers"] = a.moe_layers
+    if a.tiny:
+        fields.update(TINY, **(TINY_MOE if fields["family"] == "qwen3_moe" else {}))
+    return ModelArgs(**fields)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        import torch
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------- SFT
+
+def _packed_rows(vocab: int, pack: int, rows: int, seed: int = 0) -> list[dict]:
+    """`rows` collated micro-batches of one packed row each, from documents of lognormal
+    length (median pack / 20: about 400 tokens in rows of 8192, skewed, some as long as a row)."""
+    import numpy as np
+
+    from posttrain.data.packing import Packer, PackingConfig, Sample, collate
+    from posttrain.data.stream import ListStream
+    rng = np.random.default_rng(seed)
+    median = pack / 20
+    lengths = rng.lognormal(np.log(median), 1.0, int(3 * rows * pack / median) + 64)
+    lengths = np.clip(lengths, max(4, pack // 512), pack).astype(int)
+    samples = [Sample(rng.integers(0, vocab, n).astype(np.int32), np.ones(n, np.uint8))
+               for n in lengths]
+    packer = iter(Packer(ListStream(samples), PackingConfig(max_tokens_per_pack=pack)))
+    return [collate([next(packer)]) for _ in range(rows)]
+
+
+def sft_case(shape: str, a: argparse.Namespace, device, work: str) -> dict[str, Any]:
+    import torch
+
+    from posttrain.distributed.parallelize import ParallelConfig
+    from posttrain.models.hf_io import save_hf
+    from posttrain.models.moe import grouped_mm_available
+    from posttrain.models.transformer import build_model
+    from posttrain.ops.attention import build_mask
+    from posttrain.train.engine import Engine, EngineConfig, ModelConfig
+    from posttrain.train.metrics import batch_counts, device_peak_flops, step_metrics
+    from posttrain.train.optim import OptimizerConfig
+    from posttrain.train.recipe import policy_flops
+
+    t0 = time.perf_counter()
+    args = model_args(shape, a)
+    bf16 = device.type == "cuda"
+    hf_dir = os.path.join(work, shape)
+    base = build_model(args, device=device, seed=0,
+                       dtype=torch.bfloat16 if bf16 else torch.float32)
+    save_hf(base, hf_dir)
+    del base
+    if args.num_experts:
+        # probe torch._grouped_mm before the first step: its one-time probe inside an
+        # activation-checkpointed block adds saved tensors the recomputation lacks
+        # (CheckpointError at the first backward)
+        grouped_mm_available(device, torch.bfloat16 if bf16 else torch.float32)
+    steps = a.warmup + a.steps
+    cfg = EngineConfig(max_steps=steps, optimizer=OptimizerConfig(lr=1e-5),
+                       checkpoint_every_steps=10**9,
+                       parallel=ParallelConfig(mixed_precision="bf16" if bf16 else "fp32",
+                                               activation_checkpointing="full",
+                                               compile=a.compile))
+    engine = Engine(ModelConfig(hf_dir=hf_dir), cfg, hf_dir, os.path.join(work, f"{shape}.run"))
+    batches = _packed_rows(args.vocab_size, a.pack, steps * a.rows_per_step)
+    setup_s = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)       # training's peak, not the build's
+    peak, peak_source = device_peak_flops(device)
+    # what the model's attention runs per row (a row of one document takes plain causal SDPA)
+    backends = sorted({build_mask(b["document_lengths"], 1, a.pack, device,
+                                  tensors_only=a.compile).backend for b in batches})
+    timed: list[dict] = []
+    seconds, flops, metrics = 0.0, 0.0, {}
+    for step in range(steps):
+        micro = batches[step * a.rows_per_step:(step + 1) * a.rows_per_step]
+        _sync(device)
+        t1 = time.perf_counter()
+        metrics = engine.train_step(micro, sum(int(b["num_loss_tokens"]) for b in micro))
+        _sync(device)
+        if step >= a.warmup:
+            seconds += time.perf_counter() - t1
+            flops += sum(policy_flops(engine.model, b) for b in micro)
+            timed += micro
+    out = step_metrics(batch_counts(timed), seconds=seconds, data_wait_s=0.0, flops=flops,
+                       peak_flops=peak, device=device)
+    moe = {}
+    if args.num_experts:
+        moe = {"num_experts": args.num_experts, "experts_per_token": args.num_experts_per_tok,
+               "moe_intermediate_size": args.moe_intermediate_size,
+               "shape_note": "tiny" if a.tiny else (
+                   f"Qwen3-30B-A3B layer shape, {args.num_layers} of its 48 layers, all "
+                   f"{args.num_experts} experts")}
+    return {"kind": "sft", "shape": shape, "family": args.family, "layers": args.num_layers,
+            "hidden_size": args.hidden_size, "vocab_size": args.vocab_size, **moe,
+            "params": engine.num_params, "dtype": "bf16" if bf16 else "fp32",
+            "attention_backends": backends, "activation_checkpointing": "full",
+            "compile_blocks": a.compile, "loss_chunk_tokens": engine.model_cfg.loss_chunk_tokens,
+            "pack_tokens": a.pack, "rows_per_step": a.rows_per_step, "warmup_steps": a.warmup,
+            "timed_steps": a.steps, "setup_s": round(setup_s, 1),
+            "step_s": round(seconds / max(a.steps, 1), 3),
+            "real_tokens_per_s": round(out["real_tokens_per_s"], 1),
+            "padding_fraction": round(out["padding_fraction"], 4),
+            "model_flops_per_s": flops / seconds, "mfu": round(out["mfu"], 4),
+            "peak_flops": peak, "peak_flops_source": peak_source,
+            "peak_memory_gib": round(out["peak_memory_bytes"] / 2**30, 2),
+            "final_loss": round(float(metrics["loss"]), 4)}
+
+
+# ------------------------------------------------------------------------------ rollout
+
+def rollout_case(shape: str, a: argparse.Namespace, device, work: str) -> dict[str, Any]:
+    import torch
+
+    from posttrain.models.transformer import build_model
+    from posttrain.rl.engine import SamplingConfig
+    from posttrain.rl.native import NativeEngine
+
+    args = model_args(shape, a)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(args, device=device, dtype=dtype, seed=0).eval()
+    n = a.samples_per_prompt
+    engine = NativeEngine(model, max_batch_sequences=a.prompts * n)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, args.vocab_size, (int(length),), generator=gen).tolist()
+               for length in torch.randint(16 if a.tiny else 64, 32 if a.tiny else 256,
+                                           (a.prompts,), generator=gen)]
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=a.max_new_tokens, seed=0)
+    engine.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=4), n)   # warm up
+    _sync(device)
+    t0 = time.perf_counter()
+    rollouts = engine.generate(prompts, sampling, n)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    generated = sum(len(r.completion_ids) for group in rollouts for r in group)
+    from posttrain.train.metrics import peak_memory_bytes
+    return {"kind": "rollout", "shape": shape, "engine": "native", "layers": args.num_layers,
+            "hidden_size": args.hidden_size, "dtype": str(dtype).removeprefix("torch."),
+            "prompts": a.prompts, "samples_per_prompt": n, "max_new_tokens": a.max_new_tokens,
+            "prompt_tokens": sum(len(p) for p in prompts), "generated_tokens": generated,
+            "seconds": round(seconds, 3), "generated_tokens_per_s": round(generated / seconds, 1),
+            "peak_memory_gib": round(peak_memory_bytes(device) / 2**30, 2)}
+
+
+# --------------------------------------------------------------------------------- suite
+
+def _run_case(name: str, run: Callable[[], dict[str, Any]], device) -> dict[str, Any]:
+    """One case's JSON record; an exception becomes an `error` field."""
+    import torch
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    try:
+        record = run()
+    except Exception as e:                      # noqa: BLE001 - one case must not stop the rest
+        record = {"error": f"{type(e).__name__}: {e}"[:2000],
+                  "traceback": traceback.format_exc()[-3000:]}
+    finally:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"case": name, **record, "case_s": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse(argv)
+    if a.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""           # before torch initialises CUDA
+    import torch
+    t_start = time.perf_counter()
+    common = {"bench": "gpu_suite", "tiny": a.tiny, "torch": torch.__version__}
+    lines: list[str] = []
+
+    def emit(record: dict[str, Any]) -> None:
+        line = json.dumps({**common, **record})
+        print(line, flush=True)
+        lines.append(line)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(line + "\n")
+
+    if a.out:
+        open(a.out, "w").close()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        emit({"case": "all", "skipped": "no CUDA device; run with --device cpu --tiny"})
+        return 0
+    from posttrain.distributed.env import init_process_group
+    init_process_group()
+    device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" \
+        else torch.device("cpu")
+    common["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    work = tempfile.mkdtemp(prefix="gpu_suite_")
+    try:
+        for name in a.cases.split(","):
+            elapsed = time.perf_counter() - t_start
+            if elapsed > a.budget_s:
+                emit({"case": name, "skipped": f"time budget: {elapsed:.0f} s of "
+                                               f"{a.budget_s:.0f} s spent"})
+                continue
+            kind, _, shape = name.partition("_")
+            case = sft_case if kind == "sft" else rollout_case
+            emit(_run_case(name, lambda: case(shape, a, device, work), device))
+            shutil.rmtree(os.path.join(work, shape), ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""Event sequences: token ids from a vocabulary laid out by the config, no text tokenizer.
+
+For models trained from scratch on sequences of events or items (recommendation, logs,
+transactions), the vocabulary is not learned from text: it is the config's
+
+    vocab: {num_items: 500, special: [pad, bos, eos],
+            semantic_ids: {levels: 2, codes_per_level: 16}}
+
+and ids are laid out deterministically: the special tokens first (in the listed order), then
+the items, then the semantic-ID codes level-major::
+
+    id 0 .. S-1                 <pad>, <bos>, <eos>, ...       (special: S names)
+    id S .. S+N-1               item 0 .. item N-1              (num_items: N)
+    id S+N + l*C + c            <sid_{l}_{c}>, level l, code c  (semantic_ids: L levels x C)
+
+A row (``data.format: sequence``) gives the events in order, each an item id (an integer in
+[0, N)) or the name of a special or semantic-ID token (``"<eos>"``, ``"<sid_0_3>"``), and
+optionally per-position labels for the model's extra heads, one value per token (``null``: no
+label at that position)::
+
+    {"tokens": [17, 4, 4, 230], "labels": {"event_type": [0, 2, 2, 1],
+                                           "dwell": [1.5, null, 0.25, 3.0]}}
+
+With ``add_bos`` each sequence starts with ``<bos>`` (no label there), with ``add_eos`` it ends
+with ``<eos>``. Every token but the first is a next-token target. `EventEncoder` validates a
+row against the vocabulary and the configured labels (an out-of-range id, an unknown token, a
+label of the wrong type or length is a `DataError` naming file, row and field; ``data.on_bad_row:
+skip`` counts and skips such rows instead) and writes the shard columns: ``input_ids``,
+``loss_mask``, counts, and per label ``label_<name>`` (int32 with -100, or float32 with NaN, where
+there is no label), which the loader packs with their tokens (`posttrain.data.loader`).
+
+`EventVocab` stands where a tokenizer stands in the other recipes: the prepare step records its
+`describe()` as the manifest's ``tokenizer`` (``vocab_size`` included) and saves it as
+``event_vocab.json`` in the prepared ``tokenizer/`` directory, from where it is copied beside the
+exported checkpoint; `load_event_vocab(dir)` reads it back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from posttrain.data.encode import EncodedRow, LengthConfig, fitted_length, schema_for
+from posttrain.data.tokenizer import SemanticIdConfig
+from posttrain.errors import ConfigError, DataError
+from posttrain.losses.sequence import TargetKind, check_kind
+
+VOCAB_FILE = "event_vocab.json"
+LABEL_PREFIX = "label_"          # the shard column of label `name` is label_<name>
+MISSING_CLASS = -100             # the ignore index: no class label at this position
+
+
+@dataclass(frozen=True)
+class VocabConfig:
+    """The event vocabulary (module docstring): specials, items, semantic-ID codes."""
+
+    num_items: int
+    special: tuple[str, ...] = ("pad", "bos", "eos")
+    semantic_ids: SemanticIdConfig | None = None
+    add_bos: bool = True              # start every sequence with <bos>
+    add_eos: bool = False             # end every sequence with <eos>
+
+    def __post_init__(self) -> None:
+        if self.num_items < 1:
+            raise ConfigError(f"vocab.num_items must be at least 1, got {self.num_items}")
+        if len(set(self.special)) != len(self.special) or not all(self.special):
+            raise ConfigError(f"vocab.special: names must be unique and non-empty, got "
+                              f"{list(self.special)}")
+        for flag, name in (("add_bos", "bos"), ("add_eos", "eos")):
+            if getattr(self, flag) and name not in self.special:
+                raise ConfigError(f"vocab.{flag} needs '{name}' in vocab.special "
+                                  f"({list(self.special)})")
+
+
+@dataclass(frozen=True)
+class LabelConfig:
+    """One per-position label field of event rows: a class id in [0, num_classes), or a real
+    number (regression)."""
+
+    kind: TargetKind
+    num_classes: int | None = None
+
+    def __post_init__(self) -> None:
+        check_kind(self.kind, self.num_classes, "a label")
+
+
+class EventVocab:
+    """The id layout of a `VocabConfig` (module docstring)."""
+
+    def __init__(self, cfg: VocabConfig):
+        self.cfg = cfg
+        self.special_ids = {f"<{name}>": i for i, name in enumerate(cfg.special)}
+        self.first_item = len(cfg.special)
+        self.first_semantic_id = self.first_item + cfg.num_items
+        sid = cfg.semantic_ids
+        self.semantic_tokens = sid.tokens() if sid else []
+        self.vocab_size = self.first_semantic_id + len(self.semantic_tokens)
+        self._named = {**self.special_ids,
+                       **{t: self.first_semantic_id + i
+                          for i, t in enumerate(self.semantic_tokens)}}
+        if len(self._named) != len(self.special_ids) + len(self.semantic_tokens):
+            raise ConfigError("vocab: a special token's name equals a semantic-ID token's")
+
+    def special_id(self, name: str) -> int | None:
+        """The id of special token `name` (``"pad"``), None when the vocabulary has none."""
+        return self.special_ids.get(f"<{name}>")
+
+    @property
+    def pad_id(self) -> int | None:
+        return self.special_id("pad")
+
+    def item_id(self, item: int) -> int:
+        assert 0 <= item < self.cfg.num_items, item
+        return self.first_item + item
+
+    def semantic_id(self, level: int, code: int) -> int:
+        sid = self.cfg.semantic_ids
+        assert sid is not None and 0 <= level < sid.levels and 0 <= code < sid.codes_per_level
+        return self.first_semantic_id + level * sid.codes_per_level + code
+
+    def token_name(self, token_id: int) -> str:
+        """``<name>`` of a special or semantic-ID token, ``item_<i>`` of an item."""
+        if token_id < self.first_item:
+            return f"<{self.cfg.special[token_id]}>"
+        if token_id < self.first_semantic_id:
+            return f"item_{token_id - self.first_item}"
+        return self.semantic_tokens[token_id - self.first_semantic_id]
+
+    def token_id(self, token: Any, *, file: str | None = None, line: int | None = None,
+                 field: str = "tokens") -> int:
+        """The id of one row token: an item id (int) or a special / semantic-ID name."""
+        if type(token) is int:
+            if 0 <= token < self.cfg.num_items:
+                return self.first_item + token
+            raise DataError(f"item id {token} is out of range: the vocabulary has "
+                            f"{self.cfg.num_items} items (ids 0..{self.cfg.num_items - 1}); "
+                            f"fix the row or raise vocab.num_items", file=file, line=line,
+                            field=field, reason="out_of_range")
+        if isinstance(token, str):
+            if token in self._named:
+                return self._named[token]
+            known = ", ".join(list(self.special_ids) + self.semantic_tokens[:2]
+                              + (["..."] if len(self.semantic_tokens) > 2 else []))
+            raise DataError(f"unknown token {token!r}: a token is an item id or one of "
+                            f"{known}", file=file, line=line, field=field,
+                            reason="unknown_token")
+        raise DataError(f"a token is an item id (integer) or a token name (string), got "
+                        f"{type(token).__name__} {token!r}", file=file, line=line, field=field,
+                        reason="wrong_type")
+
+    def describe(self) -> dict[str, Any]:
+        sid = self.cfg.semantic_ids
+        return {"kind": "event_vocab", "vocab_size": self.vocab_size,
+                "special": dict(self.special_ids),
+                "items": {"first_id": self.first_item, "count": self.cfg.num_items},
+                "semantic_ids": None if sid is None else {
+                    "first_id": self.first_semantic_id, "levels": sid.levels,
+                    "codes_per_level": sid.codes_per_level, "pattern": sid.pattern},
+                "add_bos": self.cfg.add_bos, "add_eos": self.cfg.add_eos}
+
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        """Write ``event_vocab.json`` (the tokenizer's place in a prepared dataset)."""
+        Path(out_dir, VOCAB_FILE).write_text(json.dumps(self.describe(), indent=2) + "\n")
+
+
+def load_event_vocab(directory: str | Path) -> EventVocab:
+    """The vocabulary of ``<directory>/event_vocab.json`` (a prepared ``tokenizer/`` directory,
+    or an exported checkpoint)."""
+    path = Path(directory, VOCAB_FILE)
+    if not path.is_file():
+        raise DataError(f"no {VOCAB_FILE} in {directory}: not an event-sequence dataset or "
+                        "model", file=str(path))
+    d = json.loads(path.read_text())
+    special = sorted(d["special"], key=d["special"].get)
+    sid = d["semantic_ids"]
+    return EventVocab(VocabConfig(
+        num_items=d["items"]["count"], special=tuple(s[1:-1] for s in special),
+        semantic_ids=None if sid is None else SemanticIdConfig(
+            levels=sid["levels"], codes_per_level=sid["codes_per_level"],
+            pattern=sid["pattern"]),
+        add_bos=d["add_bos"], add_eos=d["add_eos"]))
+
+
+def label_column(name: str) -> str:
+    return f"{LABEL_PREFIX}{name}"
+
+
+class EventEncoder:
+    """Validate event rows and turn them into shard columns (module docstring)."""
+
+    def __init__(self, vocab: EventVocab, labels: dict[str, LabelConfig], lengths: LengthConfig):
+        self.vocab, self.labels, self.lengths = vocab, dict(labels), lengths
+        for name in self.labels:
+            if not name or not name.replace("_", "").isalnum():
+                raise ConfigError(f"label name {name!r}: use letters, digits and '_'")
+
+    @property
+    def schema(self) -> pa.Schema:
+        base = schema_for("sequence")
+        for name, spec in self.labels.items():
+            kind = pa.int32() if spec.kind == "classification" else pa.float32()
+            base = base.append(pa.field(label_column(name), pa.list_(kind)))
+        return base
+
+    def encode_row(self, row: Any, *, file: str | None = None,
+                   line: int | None = None) -> EncodedRow:
+        """One raw row -> shard columns; a `DataError` names the file, row and field."""
+        def error(field: str, message: str, reason: str) -> DataError:
+            return DataError(message, file=file, line=line, field=field, reason=reason)
+
+        if not isinstance(row, dict):
+            raise error("<row>", f"expected a JSON object, got {type(row).__name__}",
+                        "not_an_object")
+        if "tokens" not in row:
+            present = ", ".join(sorted(map(str, row))) or "none"
+            raise error("tokens", f"missing required field (row has: {present})",
+                        "missing_field")
+        tokens = row["tokens"]
+        if not isinstance(tokens, list):
+            raise error("tokens", f"expected a list of tokens, got {type(tokens).__name__}",
+                        "wrong_type")
+        if not tokens:
+            raise error("tokens", "empty sequence", "empty")
+        ids = [self.vocab.token_id(t, file=file, line=line, field=f"tokens[{i}]")
+               for i, t in enumerate(tokens)]
+        columns = self._labels(row.get("labels"), len(tokens), error)
+        cfg = self.vocab.cfg
+        head = [self.vocab.special_id("bos")] if cfg.add_bos else []
+        tail = [self.vocab.special_id("eos")] if cfg.add_eos else []
+        ids = head + ids + tail
+        mask = [0] * len(head) + [1] * (len(ids) - len(head))
+        keep = fitted_length(len(ids), self.lengths, file, line, "tokens")
+        out: dict[str, Any] = {"input_ids": np.asarray(ids[:keep], np.int32),
+                               "loss_mask": np.asarray(mask[:keep], np.int8)}
+        for name, values in columns.items():
+            fill = np.nan if values.dtype.kind == "f" else MISSING_CLASS
+            out[label_column(name)] = np.concatenate([
+                np.full(len(head), fill, values.dtype), values,
+                np.full(len(tail), fill, values.dtype)])[:keep]
+        out["num_tokens"] = keep
+        out["num_loss_tokens"] = int(out["loss_mask"].sum())
+        if out["num_loss_tokens"] == 0:
+            raise error("tokens", "no token to train on", "no_loss_tokens")
+        return EncodedRow(out, keep < len(ids))
+
+    def _labels(self, labels: Any, n: int, error) -> dict[str, np.ndarray]:
+        """Each configured label as an array over the row's n tokens (missing: the fill)."""
+        if labels is None:
+            labels = {}
+        if not isinstance(labels, dict):
+            raise error("labels", f"expected a mapping of label name to a list of values, got "
+                        f"{type(labels).__name__}", "wrong_type")
+        out = {}
+        for name, spec in self.labels.items():
+            where = f"labels.{name}"
+            values = labels.get(name)
+            classes = spec.kind == "classification"
+            if values is None:
+                out[name] = (np.full(n, MISSING_CLASS, np.int32) if classes
+                             else np.full(n, np.nan, np.float32))
+                continue
+            if not isinstance(values, list) or len(values) != n:
+                got = (f"{len(values)} values" if isinstance(values, list)
+                       else type(values).__name__)
+                raise error(where, f"expected a list of {n} values (one per token, null where "
+                            f"there is none), got {got}", "label_length")
+            out[name] = (self._classes(values, spec.num_classes, where, error) if classes
+                         else self._reals(values, where, error))
+        return out
+
+    @staticmethod
+    def _classes(values: list, num_classes: int, where: str, error) -> np.ndarray:
+        out = np.full(len(values), MISSING_CLASS, np.int32)
+        for i, v in enumerate(values):
+            if v is None:
+                continue
+            if type(v) is not int:
+                raise error(f"{where}[{i}]", f"a class label is an integer or null, got "
+                            f"{type(v).__name__} {v!r}", "wrong_type")
+            if not 0 <= v < num_classes:
+                raise error(f"{where}[{i}]", f"class {v} is out of range [0, {num_classes})",
+                            "out_of_range")
+            out[i] = v
+        return out
+
+    @staticmethod
+    def _reals(values: list, where: str, error) -> np.ndarray:
+        out = np.full(len(values), np.nan, np.float32)
+        for i, v in enumerate(values):
+            if v is None:
+                continue
+            if type(v) not in (int, float) or not math.isfinite(v):
+                raise error(f"{where}[{i}]", f"a regression label is a finite number or null, "
+                            f"got {v!r}", "wrong_type")
+            out[i] = v
+        return out

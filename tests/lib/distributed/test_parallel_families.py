@@ -1,0 +1,183 @@
+"""2-D and 3-D parallelism on the native families, on 4 real gloo processes.
+
+For every native family (tiny random configs of `posttrain.models.verify`), each layout below
+runs one SFT forward and backward over packed rows (document masks, sliding windows where the
+family has them) and must give the single-process numbers: each rank's logits of its rows, the
+loss, and every parameter's full gradient, within 1e-5 in fp32.
+
+    fsdp x tp      dp_shard=2 x tp=2            FSDP2 over TP (`tp_plan` per family)
+    fsdp x tp+lora dp_shard=2 x tp=2, LoRA      adapters split with their base weights
+    hsdp           dp_replicate=2 x dp_shard=2  sharded in pairs, replicated across them
+    hsdp x tp      dp_replicate=2 x tp=2        replicas of a tensor-parallel model
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from posttrain.distributed import (ParallelConfig, build_mesh, close_process_group, free_port,
+                                   init_process_group, parallelize)
+from posttrain.distributed.env import dp_mesh
+from posttrain.models.args import ModelArgs
+from posttrain.models.transformer import build_model
+
+WORLD = 4
+T = 16
+# 4 packed rows; the data-parallel ranks take contiguous slices of them
+DOCS = [[5, 11], [16], [3, 7, 6], [9, 7]]
+FAMILIES = ["qwen3", "llama", "gemma3", "qwen3_moe"]
+LAYOUTS = {
+    "fsdp_x_tp": dict(dp_shard=2, tp=2),
+    "fsdp_x_tp_lora": dict(dp_shard=2, tp=2),
+    "hsdp": dict(dp_replicate=2, dp_shard=2),
+    "hsdp_x_tp": dict(dp_replicate=2, dp_shard=1, tp=2),
+}
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+ATOL = 1e-5
+
+
+def _families() -> list[str]:
+    from posttrain.models import verify
+    return [f for f in FAMILIES + ["gpt_oss"] if f in verify._TINY]
+
+
+def _args(family: str) -> ModelArgs:
+    from posttrain.models.verify import tiny_hf_config
+    return ModelArgs.from_hf_config(tiny_hf_config(family).to_dict())
+
+
+def _model(family: str, lora: bool) -> nn.Module:
+    args = _args(family)
+    model = build_model(args, seed=0)
+    if lora:
+        targets = LORA_TARGETS if args.num_experts == 0 else ("q", "k", "v", "o")
+        from posttrain.models.lora import LoraConfig, apply_lora, lora_modules
+        apply_lora(model, LoraConfig(rank=4, alpha=8.0, targets=targets))
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():   # B != 0, so that both adapter factors get gradients
+            for _, module in lora_modules(model):
+                for name, p in module.named_parameters():
+                    if name.endswith(("lora_A", "lora_B")):
+                        p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+class _LossAndLogits(nn.Module):
+    """The SFT root (mean CE over the step's loss tokens) that also returns the logits."""
+
+    def __init__(self, model: nn.Module, global_tokens: int, dp_size: int):
+        super().__init__()
+        self.model, self.global_tokens, self.dp_size = model, global_tokens, dp_size
+
+    def forward(self, ids, labels, docs):
+        from posttrain.losses.sft import sft_loss_sum
+        hidden = self.model(ids, document_lengths=docs)
+        head = self.model.head
+        loss_sum = sft_loss_sum(hidden, head.weight, labels, real_vocab_size=head.real_vocab_size,
+                                softcap=getattr(head, "softcap", None))
+        # FSDP averages gradients over the data-parallel ranks: scale so the mean is the
+        # gradient of the global mean
+        loss = loss_sum * self.dp_size / self.global_tokens
+        return loss, self.model.logits(hidden).detach()
+
+
+def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, vocab, (len(DOCS), T + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _run(family: str, layout: dict | None, lora: bool) -> dict:
+    """Loss, this rank's rows' logits and all full gradients (None layout: one process)."""
+    model = _model(family, lora)
+    ids, labels = _batch(model.args.vocab_size)
+    tokens = int((labels >= 0).sum())
+    if layout is None:
+        rows, root = slice(None), _LossAndLogits(model, tokens, 1)
+    else:
+        cfg = ParallelConfig(**layout)
+        mesh = build_mesh(cfg.dp_shard, cfg.tp, cfg.dp_replicate)
+        dp = dp_mesh(mesh)
+        per = len(DOCS) // dp.size()
+        rows = slice(dp.get_local_rank() * per, (dp.get_local_rank() + 1) * per)
+        root = parallelize(model, mesh, cfg, root=_LossAndLogits(model, tokens, dp.size()))
+    loss, logits = root(ids[rows], labels[rows], DOCS[rows])
+    loss.backward()
+    loss = loss.detach() / (1 if layout is None else root.dp_size)
+    if layout is not None:
+        dist.all_reduce(loss)   # sum of the ranks' shares of the global mean (x tp)
+        loss /= ParallelConfig(**layout).tp
+    grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    vocab = model.args.vocab_size    # columns past it are padding (-inf)
+    return {"loss": loss.item(), "logits": logits[..., :vocab], "rows": rows, "grads": grads}
+
+
+def _compare(ref: dict, got: dict) -> dict:
+    diffs = {"loss": abs(ref["loss"] - got["loss"]),
+             "logits": (ref["logits"][got["rows"]] - got["logits"]).abs().max().item()}
+    missing = sorted(set(ref["grads"]) ^ set(got["grads"]))
+    diffs["grads"] = max((ref["grads"][n] - got["grads"][n]).abs().max().item()
+                         for n in ref["grads"] if n in got["grads"])
+    diffs["worst_grad"] = max((n for n in ref["grads"] if n in got["grads"]),
+                              key=lambda n: (ref["grads"][n] - got["grads"][n]).abs().max())
+    diffs["grad_names_differ"] = missing
+    diffs["num_grads"] = len(got["grads"])
+    return diffs
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    results: dict = {}
+    try:
+        init_process_group(timeout_s=120)
+        for family in _families():
+            refs = {lora: _run(family, None, lora) for lora in (False, True)}
+            for name, layout in LAYOUTS.items():
+                lora = name.endswith("lora")
+                results[(family, name)] = _compare(refs[lora], _run(family, layout, lora))
+    except Exception:
+        results["error"] = traceback.format_exc()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    if "error" in results:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
+    close_process_group()
+    os._exit(0)   # skip finalization, where gloo objects held by FSDP modules may abort
+
+
+@pytest.fixture(scope="module")
+def four_rank_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("families")
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
+    return results
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("family", _families())
+def test_layout_gives_the_single_process_logits_loss_and_gradients(four_rank_results, family,
+                                                                   layout):
+    for rank, results in enumerate(four_rank_results):
+        d = results[(family, layout)]
+        where = f"{family} {layout} rank {rank}: {d}"
+        assert not d["grad_names_differ"], where
+        assert d["num_grads"] > 0, where
+        assert d["loss"] <= ATOL, where
+        assert d["logits"] <= ATOL, where
+        assert d["grads"] <= ATOL, where
