@@ -4,7 +4,10 @@ One step, as `GRPOController.step` reads:
 
     prompts   -> the next `prompts_per_step` rows of the seeded prompt stream
     rollouts  -> `samples_per_prompt` completions each, with the engine's log-probs
-    rewards   -> the configured reward functions, weighted (failures score 0, counted)
+    rewards   -> the configured reward functions, weighted (failures score 0, counted), plus
+                 DAPO's overlong shaping (`overlong:`); with `dynamic_sampling:` the groups
+                 without reward variance are dropped and more prompts drawn and sampled, up
+                 to `max_rounds` rounds (`posttrain.rl.dynamic`)
     advantages-> group-relative: reward minus the group mean (over the group std for GRPO)
     update    -> packed micro-batches, `mini_batches` optimizer steps on the FSDP2 trainers
     sync      -> the trainers' new weights into the engines, then the sync check: the engine's
@@ -18,7 +21,7 @@ actors, or one inline worker); rollout engines live on the trainer ranks (placem
 ``colocated``) or in their own actors (``separate``).
 
 Determinism and resume: the prompt order is a function of (seed, epoch), the sampler of step s
-is seeded from (seed, s, engine index), so a run killed and started again with the same run
+is seeded from (seed, s, round, engine index), so a run killed and started again with the same run
 directory continues from its last checkpoint and ends with the same weights as a run that never
 stopped (with the same number of ranks and engines: a sample depends on its batch neighbours).
 
@@ -40,9 +43,10 @@ from posttrain.data.prepared import local_view
 from posttrain.eval.rl import prompt_columns, reward_eval
 from posttrain.losses.grpo import group_advantages
 from posttrain.rl.batch import Sample, pack_micro_batches, split_mini_batches
+from posttrain.rl.dynamic import overlong_penalty, round_seed, sample_groups
 from posttrain.rl.engine import Rollout, SamplingConfig, stop_token_ids
 from posttrain.rl.prompts import PromptRow, PromptStream, read_prompt_rows
-from posttrain.rl.rewards import combine
+from posttrain.rl.rewards import RewardFailures, RewardOutput, combine
 from posttrain.train.grpo import GRPO, GRPOConfig, GRPOWorker, RolloutWorker
 from posttrain.train.metrics import MetricsWriter
 from steps.common import Controller, main_for, run_recipe
@@ -190,20 +194,29 @@ class GRPOController(Controller):
     def step(self, step: int) -> dict[str, Any]:
         cfg, t_start = self.cfg, time.perf_counter()
         n = cfg.train.samples_per_prompt
-        # prompts
-        prompts = self.stream.next_batch(cfg.train.prompts_per_step)
-        # rollouts
-        sampling = cfg.sampling.sampling(self.stop_ids, seed=cfg.train.engine.seed * 1_000_003 + step)
-        groups = self.rollouts.generate([p.prompt_ids for p in prompts], sampling, n)
-        rollouts = [r for g in groups for r in g]
-        t_generated = time.perf_counter()
-        # rewards
-        texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True)
-                 for r in rollouts]
-        columns = {k: [v for v in col for _ in range(n)]
-                   for k, col in prompt_columns(prompts).items()}
-        scored = self.reward(texts, [p.messages for p in prompts for _ in range(n)], columns)
-        t_scored = time.perf_counter()
+        # prompts -> rollouts -> rewards; with dynamic sampling, more rounds until enough
+        # groups have reward variance
+        step_seed = cfg.train.engine.seed * 1_000_003 + step
+        times = {"generate": 0.0, "score": 0.0}
+
+        def generate(prompts: list[PromptRow], round_index: int) -> list[list[Rollout]]:
+            t0 = time.perf_counter()
+            sampling = cfg.sampling.sampling(self.stop_ids, seed=round_seed(step_seed,
+                                                                            round_index))
+            out = self.rollouts.generate([p.prompt_ids for p in prompts], sampling, n)
+            times["generate"] += time.perf_counter() - t0
+            return out
+
+        def score(prompts: list[PromptRow], groups: list[list[Rollout]]) -> RewardOutput:
+            t0 = time.perf_counter()
+            out = self.score(prompts, groups)
+            times["score"] += time.perf_counter() - t0
+            return out
+
+        batch = sample_groups(cfg.train.prompts_per_step, n, self.stream.next_batch, generate,
+                              score, cfg.dynamic_sampling)
+        prompts, scored = batch.prompts, batch.scored
+        rollouts = [r for g in batch.groups for r in g]
         # advantages
         rewards_G_N = torch.tensor(scored.total, dtype=torch.float64).view(len(prompts), n)
         advantages = group_advantages(rewards_G_N, normalize_std=cfg.algorithm.normalize_std)
@@ -223,7 +236,7 @@ class GRPOController(Controller):
         lengths = [len(r.completion_ids) for r in rollouts]
         generated = sum(lengths)
         metrics = {
-            "step": step + 1, **scored.metrics(), **update,
+            "step": step + 1, **scored.metrics(), **batch.metrics, **update,
             "response_length/mean": generated / len(rollouts),
             "response_length/max": max(lengths),
             "response_length/truncated_fraction":
@@ -231,15 +244,34 @@ class GRPOController(Controller):
             "groups_with_signal": float((rewards_G_N.std(dim=1) > 0).float().mean()),
             "sync/max_abs_logprob_diff": sync_diff,
             "rollout_tokens": generated,
-            "rollout_tokens_per_s": generated / max(t_generated - t_start, 1e-9),
-            "time/generate_s": t_generated - t_start,
-            "time/score_s": t_scored - t_generated,
+            "rollout_tokens_per_s": generated / max(times["generate"], 1e-9),
+            "time/generate_s": times["generate"],
+            "time/score_s": times["score"],
             "time/sync_s": t_synced - t_updated,
             "time/step_s": t_synced - t_start,
         }
         if cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
             metrics.update(self._evaluate()[0])
         return metrics
+
+    def score(self, prompts: list[PromptRow], groups: list[list[Rollout]]) -> RewardOutput:
+        """The configured rewards of n rollouts per prompt, plus DAPO's overlong shaping (as
+        the component "overlong") when configured."""
+        n = self.cfg.train.samples_per_prompt
+        rollouts = [r for g in groups for r in g]
+        texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True)
+                 for r in rollouts]
+        columns = {k: [v for v in col for _ in range(n)]
+                   for k, col in prompt_columns(prompts).items()}
+        scored = self.reward(texts, [p.messages for p in prompts for _ in range(n)], columns)
+        if self.cfg.overlong is None:
+            return scored
+        budget = self.cfg.sampling.max_new_tokens
+        shaping = [overlong_penalty(len(r.completion_ids), budget, self.cfg.overlong)
+                   for r in rollouts]
+        return RewardOutput(total=[t + s for t, s in zip(scored.total, shaping)],
+                            components={**scored.components, "overlong": shaping},
+                            failures={**scored.failures, "overlong": RewardFailures()})
 
     def check_sync(self) -> float:
         """Max |engine - trainer| log-prob over the probe sequence and every engine."""

@@ -240,6 +240,38 @@ def test_sigkill_and_restart_gives_bit_identical_weights(resume_reference, workd
         assert [got[step][k] for k in keys] == [want[step][k] for k in keys], step
 
 
+def test_dynamic_sampling_and_overlong_shaping_resume_bit_identical(workdir, sft_model):
+    """DAPO's dynamic sampling and overlong shaping: the trained groups have reward variance
+    (or are counted as filler), the overlong term is part of the reward, and a run SIGKILLed
+    after a checkpoint and restarted ends with the weights and per-step metrics of one that
+    never stopped (the extra rounds' prompts and seeds come back exactly)."""
+    prompts = 8
+    config = grpo_config(workdir, sft_model, "dapo", **{
+        "train.max_steps": 3, "train.prompts_per_step": prompts, "train.samples_per_prompt": 8,
+        "train.mini_batches": 1, "train.checkpoint_every_steps": 1,
+        "train.keep_checkpoints": 10, "eval.max_prompts": 8,
+        "dynamic_sampling": {"max_rounds": 3}, "overlong": {"buffer_tokens": 16}})
+    ref, killed = workdir / "dapo_reference", workdir / "dapo_killed"
+    _run_to_end(config, ref)
+    _run_and_kill(config, killed, 1)
+    _run_to_end(config, killed)
+    assert safetensors(killed / "hf") == safetensors(ref / "hf")
+    want = [m for m in metrics(ref) if "loss" in m]
+    got = {m["step"]: m for m in metrics(killed) if "loss" in m}
+    keys = ("reward/total/mean", "loss", "rollout_tokens", "dynamic_sampling/rounds",
+            "dynamic_sampling/filtered_groups")
+    for m in want:
+        assert [got[m["step"]][k] for k in keys] == [m[k] for k in keys], m["step"]
+    print([(m["dynamic_sampling/rounds"], m["dynamic_sampling/filtered_groups"],
+            m["dynamic_sampling/filler_groups"], m["reward/overlong/mean"]) for m in want])
+    assert sum(m["dynamic_sampling/filtered_groups"] for m in want) > 0
+    for m in want:
+        filler = m["dynamic_sampling/filler_groups"]
+        assert m["groups_with_signal"] == pytest.approx(1 - filler / prompts)
+        assert m["dynamic_sampling/rounds"] <= 3
+        assert -1.0 <= m["reward/overlong/mean"] <= 0.0
+
+
 # ---------------------------------------------------------------------------- 4. Ray, separate
 @pytest.fixture(scope="module")
 def local_ray():

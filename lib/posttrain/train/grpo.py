@@ -38,6 +38,7 @@ from posttrain.errors import ConfigError
 from posttrain.losses.grpo import grpo_loss
 from posttrain.models.transformer import Transformer
 from posttrain.ops.cross_entropy import IGNORE_INDEX, chunked_entropy, chunked_logprobs
+from posttrain.rl.dynamic import DynamicSamplingConfig, OverlongConfig
 from posttrain.rl.engine import Rollout, SamplingConfig
 from posttrain.rl.factory import RolloutEngineConfig, build_rollout_engine
 from posttrain.rl.rewards import RewardConfig
@@ -159,6 +160,8 @@ class GRPOConfig:
     sampling: SamplingSettings = SamplingSettings()
     rollout: RolloutEngineConfig = RolloutEngineConfig()
     sync_check: SyncCheckConfig = SyncCheckConfig()
+    dynamic_sampling: DynamicSamplingConfig | None = None    # DAPO: drop groups without signal
+    overlong: OverlongConfig | None = None                    # DAPO: soft overlong punishment
     run: RunConfig = RunConfig(dir="runs/grpo")
     eval: GRPOEvalConfig = GRPOEvalConfig()
     export: ExportConfig = ExportConfig()
@@ -173,6 +176,10 @@ class GRPOConfig:
         if self.eval.temperature == 0 and self.eval.samples_per_prompt != 1:
             raise ValueError("eval.samples_per_prompt > 1 needs eval.temperature > 0 (greedy "
                              "completions of one prompt are all the same)")
+        if (self.overlong is not None
+                and self.overlong.buffer_tokens > self.sampling.max_new_tokens):
+            raise ValueError(f"overlong.buffer_tokens={self.overlong.buffer_tokens} exceeds "
+                             f"sampling.max_new_tokens={self.sampling.max_new_tokens}")
         if self.rollout.placement == "separate" and self.run.launcher != "ray":
             raise ValueError("rollout.placement: separate runs the engines as Ray actors; set "
                              "run.launcher: ray")
