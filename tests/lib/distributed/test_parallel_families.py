@@ -1,7 +1,8 @@
 """2-D and 3-D parallelism on the native families, on 4 real gloo processes.
 
 For every native family (tiny random configs of `posttrain.models.verify`), each layout below
-runs one SFT forward and backward over packed rows (document masks, sliding windows where the
+builds the model the engine's way (meta device, LoRA, parallelize, each rank filling its
+shards from the full tensors) and runs one SFT forward and backward over packed rows (document masks, sliding windows where the
 family has them) and must give the single-process numbers: each rank's logits of its rows, the
 loss, and every parameter's full gradient, within 1e-5 in fp32.
 
@@ -53,13 +54,16 @@ def _args(family: str) -> ModelArgs:
     return ModelArgs.from_hf_config(tiny_hf_config(family).to_dict())
 
 
-def _model(family: str, lora: bool) -> nn.Module:
+def _model(family: str, lora: bool, device: str = "cpu") -> nn.Module:
+    """The seeded model (with LoRA, B random too); on "meta" the same modules without storage."""
     args = _args(family)
-    model = build_model(args, seed=0)
+    model = build_model(args, seed=0, device=device)
     if lora:
         targets = LORA_TARGETS if args.num_experts == 0 else ("q", "k", "v", "o")
         from posttrain.models.lora import LoraConfig, apply_lora, lora_modules
         apply_lora(model, LoraConfig(rank=4, alpha=8.0, targets=targets))
+        if device == "meta":
+            return model
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():   # B != 0, so that both adapter factors get gradients
             for _, module in lora_modules(model):
@@ -99,19 +103,27 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _run(family: str, layout: dict | None, lora: bool) -> dict:
-    """Loss, this rank's rows' logits and all full gradients (None layout: one process)."""
+    """Loss, this rank's rows' logits and all full gradients (None layout: one process).
+
+    A layout builds the model as the engine does: on the meta device, LoRA, `parallelize`,
+    then every rank keeps its shard of each full tensor (`materialize`)."""
     model = _model(family, lora)
     ids, labels = _batch(model.args.vocab_size)
     tokens = int((labels >= 0).sum())
     if layout is None:
         rows, root = slice(None), _LossAndLogits(model, tokens, 1)
     else:
+        from posttrain.distributed.materialize import materialize
         cfg = ParallelConfig(**layout)
         mesh = build_mesh(cfg.dp_shard, cfg.tp, cfg.dp_replicate)
         dp = dp_mesh(mesh)
         per = len(DOCS) // dp.size()
         rows = slice(dp.get_local_rank() * per, (dp.get_local_rank() + 1) * per)
+        full = {n: p.detach() for n, p in model.named_parameters()}
+        model = _model(family, lora, device="meta")
         root = parallelize(model, mesh, cfg, root=_LossAndLogits(model, tokens, dp.size()))
+        materialize(root, torch.device("cpu"), full.items(), prefix="model.")
+        model.tie_weights()
     loss, logits = root(ids[rows], labels[rows], DOCS[rows])
     loss.backward()
     loss = loss.detach() / (1 if layout is None else root.dp_size)
