@@ -11,7 +11,7 @@ ifeq ($(filter-out root,$(USER)),)
 export METAFLOW_USER ?= posttrain
 endif
 
-.PHONY: run test setup assets bench cards clean vllm-env
+.PHONY: run test test-long setup assets bench cards clean vllm-env
 
 setup: $(STAMP)
 
@@ -42,7 +42,12 @@ cards: setup
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
 test: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
-		--dist loadfile --no-loadscope-reorder --durations=25 tests
+		--dist loadfile --no-loadscope-reorder --durations=25 -m "not long" tests
+
+# Tests marked `long` train for many minutes (the tool-use task's SFT -> GRPO, about 14 min on two
+# cores); `make test` leaves them out, this runs only them.
+test-long: setup
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -m long -s tests
 
 assets: setup
 	$(BIN)/python tools/make_assets.py

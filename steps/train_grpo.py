@@ -3,15 +3,20 @@
 One step, as `GRPOController.step` reads:
 
     prompts   -> the next `prompts_per_step` rows of the seeded prompt stream
-    rollouts  -> `samples_per_prompt` completions each, with the engine's log-probs
-    rewards   -> the configured reward functions, weighted (failures score 0, counted), plus
-                 DAPO's overlong shaping (`overlong:`); with `dynamic_sampling:` the groups
+    rollouts  -> `samples_per_prompt` episodes each (`posttrain.rl.episodes`): one completion,
+                 or with a multi-turn `environment:` the model's turns and the environment's
+                 replies (tool results, feedback), token in and token out; the engine's
+                 log-probs and a loss mask on the sampled tokens
+    rewards   -> the configured reward functions on each final answer, weighted (failures
+                 score 0, counted), plus the environment's rewards and DAPO's overlong
+                 shaping (`overlong:`); with `dynamic_sampling:` the groups
                  without reward variance are dropped and more prompts drawn and sampled, up
                  to `max_rounds` rounds (`posttrain.rl.dynamic`)
     advantages-> group-relative: reward minus the group mean (over the group std for GRPO)
     update    -> packed micro-batches, `mini_batches` optimizer steps on the FSDP2 trainers
-    sync      -> the trainers' new weights into the engines, then the sync check: the engine's
-                 and the trainer's log-probs of a fixed sequence must agree
+    sync      -> the trainers' new weights into the engines (gathered per bucket and broadcast
+                 in the engine's dtype; LoRA: adapters only), then the sync check: the
+                 engine's and the trainer's log-probs of a fixed sequence must agree
     metrics   -> rewards per function, KL, clip fractions, entropy, lengths, log-prob gap,
                  time per phase, rollout tokens/s
     checkpoint-> every K steps: sharded weights and optimizer, the prompt stream position
@@ -20,9 +25,9 @@ The controller holds no weights. Trainer ranks are `posttrain.train.grpo.GRPOWor
 actors, or one inline worker); rollout engines live on the trainer ranks (placement
 ``colocated``) or in their own actors (``separate``).
 
-Determinism and resume: the prompt order is a function of (seed, epoch), the sampler of step s
-is seeded from (seed, s, round, engine index), so a run killed and started again with the same run
-directory continues from its last checkpoint and ends with the same weights as a run that never
+Determinism and resume: the prompt order is a function of (seed, epoch), the sampler of step s is
+seeded from (seed, s, round, turn, engine index), so a run killed and started again with the same
+run directory continues from its last checkpoint and ends with the same weights as a run that never
 stopped (with the same number of ranks and engines: a sample depends on its batch neighbours).
 
     posttrain train-grpo --config configs/grpo/tiny.yaml
@@ -33,6 +38,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +46,13 @@ import torch
 
 from posttrain.config.loader import to_dict
 from posttrain.data.prepared import local_view
-from posttrain.eval.rl import prompt_columns, reward_eval
+from posttrain.data.tokenizer import ChatTokenizer
+from posttrain.eval.rl import reward_eval
 from posttrain.losses.grpo import group_advantages
 from posttrain.rl.batch import Sample, pack_micro_batches, split_mini_batches
 from posttrain.rl.dynamic import overlong_penalty, round_seed, sample_groups
 from posttrain.rl.engine import Rollout, SamplingConfig, stop_token_ids
+from posttrain.rl.episodes import Episode, EpisodeRunner, episode_metrics, score_episodes
 from posttrain.rl.prompts import PromptRow, PromptStream, read_prompt_rows
 from posttrain.rl.rewards import RewardFailures, RewardOutput, combine
 from posttrain.train.grpo import GRPO, GRPOConfig, GRPOWorker, RolloutWorker
@@ -67,8 +75,9 @@ class ColocatedRollouts:
                  ) -> list[list[Rollout]]:
         return _interleave(self.group.call("generate", prompts, sampling, n), len(prompts))
 
-    def sync(self) -> float:
-        return max(self.group.call("sync_rollout"))
+    def sync(self) -> int:
+        """Every rank copies the trainer's weights into its engine; the bytes each wrote."""
+        return self.group.call("sync_rollout")[0]
 
     def probe(self, sequence: list[int], prompt_len: int, temperature: float
               ) -> tuple[list[float], list[list[float]]]:
@@ -80,7 +89,9 @@ class ColocatedRollouts:
 
 
 class SeparateRollouts:
-    """`rollout.num_engines` Ray actors; weights go trainer rank 0 -> object store -> engines."""
+    """`rollout.num_engines` Ray actors. The trainer ranks gather the weights bucket by bucket
+    and rank 0 broadcasts each bucket to the engines over a group of their own
+    (`posttrain.rl.weight_sync`); with LoRA only the adapters after the first sync."""
 
     def __init__(self, cfg: GRPOConfig, group: Any, hf_dir: str):
         import ray
@@ -93,6 +104,27 @@ class SeparateRollouts:
         actor = ray.remote(RolloutWorker).options(**options)
         self.engines = [actor.remote(to_dict(cfg), args, hf_dir, i)
                         for i in range(rc.num_engines)]
+        self._open_sync()
+
+    def _open_sync(self) -> None:
+        """Form the sync group: the trainers fix the plan for the engines' parameters, rank 0
+        serves the group's store, then rank 0 and every engine join it together."""
+        manifests = self.ray.get([a.weight_manifest.remote() for a in self.engines])
+        assert all(m == manifests[0] for m in manifests), "engines with different parameters"
+        shapes, dtype = manifests[0]
+        plan, address = self.group.call("open_weight_sync", shapes, dtype,
+                                        len(self.engines))[0]
+        self._get(self.group.call_async("join_weight_sync")
+                  + [a.join_weight_sync.remote(plan, address) for a in self.engines])
+        self._full = True          # the first sync also sends the LoRA bases
+
+    def _get(self, refs: list[Any]) -> list[Any]:
+        """ray.get, but raise as soon as one call fails (its peers may wait for it forever)."""
+        pending = list(refs)
+        while pending:
+            ready, pending = self.ray.wait(pending, num_returns=1)
+            self.ray.get(ready)
+        return self.ray.get(refs)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, n: int
                  ) -> list[list[Rollout]]:
@@ -100,12 +132,13 @@ class SeparateRollouts:
         refs = [a.generate.remote(prompts[i::e], sampling, n) for i, a in enumerate(self.engines)]
         return _interleave(self.ray.get(refs), len(prompts))
 
-    def sync(self) -> float:
-        t0 = time.perf_counter()
-        weights = self.group.call("engine_weights")[0]
-        ref = self.ray.put(weights)
-        self.ray.get([a.update_weights.remote(ref) for a in self.engines])
-        return time.perf_counter() - t0
+    def sync(self) -> int:
+        """One sync to every engine; the bytes each received."""
+        refs = self.group.call_async("send_weights", self._full)
+        received = self._get(refs + [a.receive_weights.remote(self._full)
+                                     for a in self.engines])
+        self._full = False
+        return received[0]
 
     def probe(self, sequence: list[int], prompt_len: int, temperature: float
               ) -> tuple[list[float], list[list[float]]]:
@@ -141,6 +174,9 @@ class GRPOController(Controller):
         self.eval_rows = eval_rows
         self.reward = combine(cfg.rewards.functions)
         self.stop_ids = stop_token_ids(tokenizer, cfg.sampling.stop_tokens)
+        chat = ChatTokenizer(replace(cfg.tokenizer, added_tokens=(), semantic_ids=None),
+                             tokenizer=tokenizer)       # the prepared one has them already
+        self.episodes = EpisodeRunner(cfg.environment, chat, self.stop_ids)
         first = train_rows[0].prompt_ids
         # any fixed token sequence will do; a prompt followed by itself stays in-distribution
         self.probe_sequence, self.probe_prompt_len = first + first, len(first)
@@ -199,15 +235,15 @@ class GRPOController(Controller):
         step_seed = cfg.train.engine.seed * 1_000_003 + step
         times = {"generate": 0.0, "score": 0.0}
 
-        def generate(prompts: list[PromptRow], round_index: int) -> list[list[Rollout]]:
+        def generate(prompts: list[PromptRow], round_index: int) -> list[list[Episode]]:
             t0 = time.perf_counter()
             sampling = cfg.sampling.sampling(self.stop_ids, seed=round_seed(step_seed,
                                                                             round_index))
-            out = self.rollouts.generate([p.prompt_ids for p in prompts], sampling, n)
+            out = self.episodes.run(prompts, n, self.rollouts.generate, sampling)
             times["generate"] += time.perf_counter() - t0
             return out
 
-        def score(prompts: list[PromptRow], groups: list[list[Rollout]]) -> RewardOutput:
+        def score(prompts: list[PromptRow], groups: list[list[Episode]]) -> RewardOutput:
             t0 = time.perf_counter()
             out = self.score(prompts, groups)
             times["score"] += time.perf_counter() - t0
@@ -221,7 +257,7 @@ class GRPOController(Controller):
         rewards_G_N = torch.tensor(scored.total, dtype=torch.float64).view(len(prompts), n)
         advantages = group_advantages(rewards_G_N, normalize_std=cfg.algorithm.normalize_std)
         # update
-        samples = [Sample(r.prompt_ids, r.completion_ids, r.logprobs, float(a))
+        samples = [Sample(r.prompt_ids, r.completion_ids, r.logprobs, float(a), r.loss_mask)
                    for r, a in zip(rollouts, advantages.flatten().tolist())]
         mini_batches = [pack_micro_batches(mb, max_tokens=cfg.train.max_tokens_per_micro_batch,
                                            num_ranks=self.num_ranks)
@@ -229,7 +265,7 @@ class GRPOController(Controller):
         update = self.group.call("train_rollouts", mini_batches)[0]
         t_updated = time.perf_counter()
         # weight sync, then the check that engine and trainer agree
-        self.rollouts.sync()
+        sync_bytes = self.rollouts.sync()
         sync_diff = self.check_sync()
         t_synced = time.perf_counter()
         # metrics
@@ -243,6 +279,7 @@ class GRPOController(Controller):
                 sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
             "groups_with_signal": float((rewards_G_N.std(dim=1) > 0).float().mean()),
             "sync/max_abs_logprob_diff": sync_diff,
+            "sync/bytes": sync_bytes,
             "rollout_tokens": generated,
             "rollout_tokens_per_s": generated / max(times["generate"], 1e-9),
             "time/generate_s": times["generate"],
@@ -250,23 +287,22 @@ class GRPOController(Controller):
             "time/sync_s": t_synced - t_updated,
             "time/step_s": t_synced - t_start,
         }
+        if not cfg.environment.single_turn:
+            metrics.update(episode_metrics(rollouts))
         if cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
             metrics.update(self._evaluate()[0])
         return metrics
 
-    def score(self, prompts: list[PromptRow], groups: list[list[Rollout]]) -> RewardOutput:
-        """The configured rewards of n rollouts per prompt, plus DAPO's overlong shaping (as
-        the component "overlong") when configured."""
-        n = self.cfg.train.samples_per_prompt
+    def score(self, prompts: list[PromptRow], groups: list[list[Episode]]) -> RewardOutput:
+        """The configured rewards of each episode's final answer, plus the environment's
+        reward (component "environment", multi-turn) and DAPO's overlong shaping (component
+        "overlong") when configured."""
         rollouts = [r for g in groups for r in g]
-        texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True)
-                 for r in rollouts]
-        columns = {k: [v for v in col for _ in range(n)]
-                   for k, col in prompt_columns(prompts).items()}
-        scored = self.reward(texts, [p.messages for p in prompts for _ in range(n)], columns)
+        scored = score_episodes(self.reward, prompts, groups,
+                                environment=not self.cfg.environment.single_turn)
         if self.cfg.overlong is None:
             return scored
-        budget = self.cfg.sampling.max_new_tokens
+        budget = self.cfg.episode_tokens
         shaping = [overlong_penalty(len(r.completion_ids), budget, self.cfg.overlong)
                    for r in rollouts]
         return RewardOutput(total=[t + s for t, s in zip(scored.total, shaping)],
@@ -295,12 +331,14 @@ class GRPOController(Controller):
         sampling = self.cfg.sampling.sampling(self.stop_ids, seed=ev.seed,
                                               temperature=ev.temperature)
 
-        def generate(prompts: list[list[int]]) -> list[list[Rollout]]:
-            return self.rollouts.generate(prompts, sampling, ev.samples_per_prompt)
+        def generate(prompts: list[PromptRow]) -> list[list[Episode]]:
+            return self.episodes.run(prompts, ev.samples_per_prompt, self.rollouts.generate,
+                                     sampling)
 
-        return reward_eval(generate, self.eval_rows, self.tokenizer, self.reward,
+        return reward_eval(generate, self.eval_rows, self.reward,
                            accuracy_reward=self.cfg.eval.accuracy_reward,
-                           num_records=self.cfg.eval.num_records)
+                           num_records=self.cfg.eval.num_records,
+                           environment=not self.cfg.environment.single_turn)
 
     def save_checkpoint(self, step: int) -> None:
         self.group.call("save_checkpoint", {"prompts": self.stream.state_dict(), "step": step})

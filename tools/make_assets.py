@@ -11,6 +11,9 @@ parameters can learn it in minutes on a CPU and its loss visibly falls:
   (correct, polite, exact) and worse ``rejected`` (wrong, rude, garbled) answer, for DPO.
 - ``assets/data/arithmetic``: prompt-only RL rows with a verifiable ``answer``.
 - ``assets/data/arithmetic_sft``: the same problems as chats whose answer ends "The answer is N."
+- ``assets/data/tool_arithmetic`` (prompt rows) and ``tool_arithmetic_sft`` (chats): problems
+  for the multi-turn tool-use task (configs/grpo/tools_tiny.yaml), where a third of the
+  SFT solutions call the calculator tool and the rest answer from memory.
 - ``assets/data/events``: synthetic user event sequences (item ids with event-type and dwell
   labels) for the sequence-model recipe, from `posttrain.data.synthetic`.
 
@@ -280,7 +283,59 @@ def make_datasets(data_dir: Path) -> list[str]:
         snap = data_dir / "snapshots" / "arithmetic" / day
         write_jsonl(snap / "train.jsonl", [worked_row(*p) for p in train[:rows]])
         write_jsonl(snap / "eval.jsonl", [worked_row(*p) for p in evals])
+    make_tool_datasets(data_dir)
     return corpus
+
+
+# --- the tool-use task (added later, with its own seed, outside the tokenizer's corpus) -----------
+
+TOOL_SEED = SEED + 15
+TOOL_FRACTION = 1 / 3     # of the SFT solutions that call the calculator
+
+
+def tool_problem(rng: random.Random) -> tuple[str, int]:
+    """+, - or x of two 2-digit numbers: a tiny model answers most of them wrong from memory
+    (the bare answers of arithmetic_sft reach 0.08 on smaller problems)."""
+    op = rng.choice("+-*")
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    return f"{a} {op} {b}", {"+": a + b, "-": a - b, "*": a * b}[op]
+
+
+def tool_call_text(expr: str) -> str:
+    """A calculator call in the format Qwen3's template renders tool calls in."""
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expr}})
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+def tool_sft_row(expr: str, value: int, use_tool: bool) -> dict:
+    user = {"role": "user", "content": f"What is {expr}?"}
+    if not use_tool:
+        return {"messages": [user, {"role": "assistant",
+                                    "content": arithmetic_answer(expr, value)}]}
+    return {"messages": [user, {"role": "assistant", "content": tool_call_text(expr)},
+                         {"role": "tool", "content": f"{expr} = {value}"},
+                         {"role": "assistant", "content": f"The answer is {value}."}]}
+
+
+def make_tool_datasets(data_dir: Path) -> None:
+    """RL prompts (2,000 train, 200 held out) and SFT chats on 2,000 other problems, so that
+    no RL problem can be answered from a memorised SFT solution. The SFT eval split is the
+    held-out problems solved with the tool."""
+    rng = random.Random(TOOL_SEED)
+    seen: set[str] = set()
+    problems = []
+    while len(problems) < 4200:
+        expr, value = tool_problem(rng)
+        if expr not in seen:
+            seen.add(expr)
+            problems.append((expr, value))
+    rl_train, rl_eval, sft = problems[:2000], problems[2000:2200], problems[2200:]
+    write_jsonl(data_dir / "tool_arithmetic" / "train.jsonl", [rl_row(*p) for p in rl_train])
+    write_jsonl(data_dir / "tool_arithmetic" / "eval.jsonl", [rl_row(*p) for p in rl_eval])
+    write_jsonl(data_dir / "tool_arithmetic_sft" / "train.jsonl",
+                [tool_sft_row(*p, rng.random() < TOOL_FRACTION) for p in sft])
+    write_jsonl(data_dir / "tool_arithmetic_sft" / "eval.jsonl",
+                [tool_sft_row(*p, True) for p in rl_eval])
 
 
 def _render(messages: list[dict]) -> str:

@@ -14,12 +14,17 @@ one flat section.
 
 A config class may list keys of earlier releases in a `MOVED_KEYS` class attribute (key -> where
 it went); such a key fails saying where to put it instead of only "unknown key".
+
+User code named in a config (a reward function, an RL environment) is written
+``package.module:attribute`` and imported by `import_attribute` when the config is built, so a
+typo or a missing package fails at launch, naming the key, not at the first step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import types
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -45,6 +50,27 @@ def load_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
     return data
+
+
+def import_attribute(spec: str, key: str) -> Any:
+    """The object `spec` = ``"package.module:attribute"`` names (the attribute may be dotted:
+    ``module:Class.method``); a ConfigError naming `key` when it is malformed or the import or
+    the look-up fails."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ConfigError(f"{key}: {spec!r} is not of the form 'package.module:attribute'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any failure of user code at import is reported
+        raise ConfigError(f"{key}: cannot import module {module_name!r} for {spec!r} "
+                          f"({type(e).__name__}: {e}); is it installed or on PYTHONPATH?"
+                          ) from None
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            owner = getattr(obj, "__name__", type(obj).__name__)
+            raise ConfigError(f"{key}: {spec!r}: {owner} has no attribute {part!r}")
+        obj = getattr(obj, part)
+    return obj
 
 
 def inline(**kwargs: Any) -> Any:

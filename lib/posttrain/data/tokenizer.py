@@ -216,11 +216,45 @@ class ChatTokenizer:
         return self._encode(messages, trained, source, line)
 
     def encode_prompt(self, messages: Sequence[Message], *, source: str | None = None,
-                      line: int | None = None) -> list[int]:
-        """Prompt ids ending in the template's generation prompt (what RL/DPO generate from)."""
+                      line: int | None = None, tools: Sequence[dict] | None = None
+                      ) -> list[int]:
+        """Prompt ids ending in the template's generation prompt (what RL/DPO generate from);
+        `tools` (JSON schemas) go to the template as its ``tools`` variable."""
         self._check_messages(messages, source, line)
-        text = self._render(messages, source, line, add_generation_prompt=True)
+        text = self._render(messages, source, line, add_generation_prompt=True, tools=tools)
         return self.encode_text(text)
+
+    def encode_continuation(self, messages: Sequence[Message], new_messages: Sequence[Message],
+                            *, tools: Sequence[dict] | None = None) -> list[int]:
+        """The ids the template puts after the last assistant turn of `messages` when
+        `new_messages` (tool results, a user's reply; no assistant message) follow it: the glue
+        after that turn's end-of-turn marker, the new messages, and the generation prompt of
+        the next assistant turn.
+
+        Token-in/token-out multi-turn rollouts append these ids to the ones the model sampled,
+        so the model's own tokens are never decoded and encoded again. The whole conversation is
+        rendered and cut right after the last assistant turn, found as the loss masks find it
+        (module docstring): a template that renders earlier turns differently once more
+        messages follow (Qwen3 drops earlier reasoning after a new user message) changes only
+        text before the cut. The cut follows a special token, where the tokenizer splits its
+        input anyway, so the suffix gets the ids it has inside the full render.
+        """
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError("encode_continuation: `messages` must end with an assistant turn")
+        if any(m.get("role") == "assistant" for m in new_messages):
+            raise ValueError("encode_continuation: `new_messages` may not hold assistant turns")
+        conversation = [*messages, *new_messages]
+        self._check_messages(conversation, None, None)
+        text = self._render(conversation, None, None, add_generation_prompt=True, tools=tools)
+        _, _, end = self._assistant_regions(text, conversation, None, None)[-1]
+        assert any(text.startswith(t, end - len(t)) for t in self.special_tokens), \
+            f"the assistant turn does not end with a special token: {text[end - 20:end]!r}"
+        return self.encode_text(text[end:])
+
+    def remove_special_tokens(self, text: str) -> str:
+        """`text` without the text of any special token (an environment's observation may
+        not smuggle control tokens into the conversation)."""
+        return self._special_re.sub("", text) if self._special_re is not None else text
 
     def encode_preference(self, prompt: Sequence[Message], chosen: Sequence[Message],
                           rejected: Sequence[Message], *, source: str | None = None,
@@ -250,14 +284,17 @@ class ChatTokenizer:
     # --- rendering and turn regions ----------------------------------------------------------
 
     def _render(self, messages: Sequence[Message], source: str | None, line: int | None, *,
-                add_generation_prompt: bool) -> str:
+                add_generation_prompt: bool, tools: Sequence[dict] | None = None) -> str:
         from jinja2 import TemplateError
 
         clean = [{k: v for k, v in m.items() if k != "train"} for m in messages]
+        kwargs = dict(self.cfg.chat_template_kwargs)
+        if tools:
+            kwargs["tools"] = list(tools)
         try:
             return self.hf.apply_chat_template(clean, tokenize=False,
                                                add_generation_prompt=add_generation_prompt,
-                                               **self.cfg.chat_template_kwargs)
+                                               **kwargs)
         except TemplateError as e:
             raise DataError(f"the chat template rejected this conversation: {e}", file=source,
                             line=line, field="messages", reason="template_error") from None

@@ -18,7 +18,9 @@ and seeds (so a model compared with itself has every delta exactly 0):
   r(chosen) - r(rejected); the baseline, scored against itself, ties on every pair (0 and 0).
   ``logp_accuracy`` needs no reference: the fraction with log pi(chosen) > log pi(rejected).
 * ``reward``: prompt rows -> answers scored by reward functions of the RL registry
-  (`posttrain.rl.rewards`), with the metrics of the GRPO evaluation (`posttrain.eval.rl`).
+  (`posttrain.rl.rewards`), with the metrics of the GRPO evaluation (`posttrain.eval.rl`);
+  with an `environment` (`posttrain.rl.environment`) each answer is a multi-turn episode
+  (tool calls and their results, feedback) and its final answer is scored.
 * ``distill``: chat (or sequence) rows -> token-mean forward KL(teacher || model) on the trained
   tokens (the chunked divergence of `posttrain.losses.distill` at temperature 1), and the
   model's loss; `teacher` is the teacher's checkpoint.
@@ -60,6 +62,7 @@ from posttrain.eval.preference import preference_metrics
 from posttrain.models.args import DTYPES
 from posttrain.models.transformer import Transformer
 from posttrain.rl.engine import SamplingConfig, stop_token_ids
+from posttrain.rl.environment import EnvironmentConfig
 from posttrain.rl.factory import RolloutEngineConfig, load_engine
 from posttrain.rl.rewards import (RewardFailures, RewardOutput, RewardSpec, combine,
                                   parse_number)
@@ -78,6 +81,7 @@ _KIND_OPTIONS: dict[str, tuple[str, ...]] = {
     "generation": ("generation", "reward", "heldout_loss"),
     "rewards": ("reward",),
     "accuracy_reward": ("reward",),
+    "environment": ("reward",),
     "beta": ("preference",),
     "logp_reduction": ("preference",),
     "teacher": ("distill",),
@@ -176,6 +180,7 @@ class TaskConfig:
     generation: GenerationSettings | None = None         # generation, reward
     rewards: tuple[RewardSpec, ...] = ()                 # reward
     accuracy_reward: str | None = None                   # reward: its mean is "accuracy"
+    environment: EnvironmentConfig | None = None         # reward: multi-turn episodes
     beta: float | None = None                            # preference; default 0.1
     logp_reduction: Literal["sum", "mean"] | None = None   # preference; default sum (DPO's)
     teacher: str | None = None                           # distill: the teacher checkpoint
@@ -521,23 +526,28 @@ class _Grading:
 def _answer_pass(task: TaskConfig, engine: Any, tokenizer: ChatTokenizer,
                  rows: list[tuple[Record, dict]]) -> _Pass:
     from posttrain.eval.rl import reward_eval
+    from posttrain.rl.episodes import EpisodeRunner
     from posttrain.rl.prompts import PromptRow
     settings = task.generation or GenerationSettings()
-    sampling = settings.sampling(stop_token_ids(tokenizer.hf, settings.stop_tokens,
-                                                key="generation.stop_tokens"))
+    stops = stop_token_ids(tokenizer.hf, settings.stop_tokens, key="generation.stop_tokens")
+    sampling = settings.sampling(stops)
+    environment = task.environment or EnvironmentConfig()
+    episodes = EpisodeRunner(environment, tokenizer, stops, stop_key="generation.stop_tokens")
     prompts = [PromptRow([int(i) for i in c["prompt_ids"]], r.prompt, r.extras) for r, c in rows]
     if task.kind == "generation":
         reward, accuracy, names = _Grading(task), "correct", ["correct"]
     else:
         reward, accuracy = combine(task.rewards), task.accuracy_reward
         names = ["reward", *(r.name for r in task.rewards)]
+        if not environment.single_turn:
+            names.append("environment")
 
-    def generate(prompt_ids: list[list[int]]) -> list[list[Any]]:
-        return engine.generate(prompt_ids, sampling, settings.samples_per_prompt)
+    def generate(prompt_rows: list[PromptRow]) -> list[list[Any]]:
+        return episodes.run(prompt_rows, settings.samples_per_prompt, engine.generate, sampling)
 
-    metrics, records = reward_eval(generate, prompts, tokenizer.hf, reward,
-                                   accuracy_reward=accuracy, num_records=len(prompts),
-                                   prefix="eval")
+    metrics, records = reward_eval(generate, prompts, reward, accuracy_reward=accuracy,
+                                   num_records=len(prompts), prefix="eval",
+                                   environment=not environment.single_turn)
     metrics = {k.split("/", 1)[1]: float(v) for k, v in metrics.items()
                if k.split("/", 1)[1] not in ("num_prompts", "samples_per_prompt")}
     if task.kind == "generation":            # accuracy already says it

@@ -56,10 +56,11 @@ from torch import nn
 from posttrain.errors import ConfigError
 from posttrain.models.moe import Experts
 
-__all__ = ["EXPERT_PROJECTIONS", "LoRAExperts", "LoRALinear", "LoraConfig", "apply_lora",
-           "check_peft_export", "disable_adapters", "flops_kwargs", "fold_adapters",
+__all__ = ["EXPERT_PROJECTIONS", "LoRAExperts", "LoRALinear", "LoraConfig", "adapter_names",
+           "apply_lora", "check_peft_export", "disable_adapters", "flops_kwargs", "fold_adapters",
            "init_lora_weights", "is_adapter_name", "lora_modules", "lora_state_dict",
-           "merge_lora", "save_merged_hf", "save_peft_adapter", "target_of", "unmerge_lora"]
+           "merge_lora", "merged_weight", "save_merged_hf", "save_peft_adapter", "target_of",
+           "unmerge_lora"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -412,19 +413,35 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters() if is_adapter_name(name)}
 
 
+def adapter_names(weight_name: str) -> tuple[str, str]:
+    """The names the adapters of base weight `weight_name` would have: `X.weight` ->
+    (`X.lora_A`, `X.lora_B`), a stacked expert weight `E.p` -> (`E.p_lora_A`, `E.p_lora_B`)."""
+    stem = (f"{weight_name.removesuffix('.weight')}.lora_" if weight_name.endswith(".weight")
+            else f"{weight_name}_lora_")
+    return stem + "A", stem + "B"
+
+
+def merged_weight(base: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
+                  scaling: float) -> torch.Tensor:
+    """base + B A * scaling (B_e A_e per expert for stacked weights), computed in fp32 and
+    stored in the base's dtype (the folded weight of `fold_adapters` and the weight sync)."""
+    merged = lora_B.float() @ lora_A.float()
+    # in place: the values of base.float() + delta * scaling, without three weight-sized temporaries
+    merged.mul_(scaling).add_(base)
+    return merged.to(base.dtype)
+
+
 def fold_adapters(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
     """A full native state dict with the adapters folded into their base weights and left out:
     `X.lora_A` / `X.lora_B` into `X.weight`, stacked `E.p_lora_A` / `E.p_lora_B` into `E.p`
-    (B_e A_e per expert), in fp32, stored in the base weight's dtype."""
+    (`merged_weight`)."""
     out = {}
     for name, t in state.items():
         if is_adapter_name(name):
             continue
-        a_name = (f"{name.removesuffix('.weight')}.lora_A" if name.endswith(".weight")
-                  else f"{name}_lora_A")
+        a_name, b_name = adapter_names(name)
         if a_name in state:
-            a, b = state[a_name].float(), state[a_name[:-1] + "B"].float()
-            t = (t.float() + (b @ a) * scaling).to(t.dtype)
+            t = merged_weight(t, state[a_name], state[b_name], scaling)
         out[name] = t
     return out
 

@@ -14,13 +14,20 @@ Each micro-batch carries what the loss needs in two layouts:
   IGNORE_INDEX), so the chunked log-prob only projects completion positions;
 - sequence layout [S, T] for `posttrain.losses.grpo.grpo_loss`: ``token_index[s, t]`` is the
   row position whose log-prob scores completion token t of sequence s, ``mask[s, t]`` marks
-  real completion tokens, ``advantages[s]``, ``engine_logp[s, t]`` (the sampler's log-probs).
+  the completion tokens that carry loss, ``advantages[s]``, ``engine_logp[s, t]`` (the
+  sampler's log-probs).
 
-The global counts of the mini-batch (``global_tokens``: completion tokens, ``global_sequences``)
-ride along, so each micro-batch's loss is its exact share of the mini-batch's loss however the
-micro-batches are split over ranks. Under FSDP every rank must run the same number of forwards
-and backwards, so the micro-batches are padded to a multiple of the rank count with dummies
-(``live = 0``: a real forward whose loss is multiplied by 0).
+A multi-turn sample's completion is everything after the prompt: the model's turns and the
+environment's replies (`posttrain.rl.episodes`). Its `loss_mask` is 1 on the sampled tokens
+only; the others are context (their ``targets`` are IGNORE_INDEX, so no log-prob is computed for
+them, and ``mask`` is False). Without a loss mask every completion token is trained, and a mask
+of all ones gives exactly the batch of no mask.
+
+The global counts of the mini-batch (``global_tokens``: trained completion tokens,
+``global_sequences``) ride along, so each micro-batch's loss is its exact share of the mini-batch's
+loss however the micro-batches are split over ranks. Under FSDP every rank must run the same number
+of forwards and backwards, so the micro-batches are padded to a multiple of the rank count with
+dummies (``live = 0``: a real forward whose loss is multiplied by 0).
 
 Data rule: rank r of W trains on micro-batches r, r + W, ... of each mini-batch, as in SFT.
 """
@@ -44,6 +51,7 @@ class Sample:
     completion_ids: list[int]
     engine_logprobs: list[float]
     advantage: float
+    loss_mask: list[int] | None = None     # per completion token; None: all trained
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -71,6 +79,9 @@ def pack_micro_batches(samples: list[Sample], *, max_tokens: int, num_ranks: int
         if len(s.engine_logprobs) != len(s.completion_ids):
             raise ValueError(f"sample {i}: {len(s.engine_logprobs)} log-probs for "
                              f"{len(s.completion_ids)} completion tokens")
+        if s.loss_mask is not None and len(s.loss_mask) != len(s.completion_ids):
+            raise ValueError(f"sample {i}: a loss mask of {len(s.loss_mask)} for "
+                             f"{len(s.completion_ids)} completion tokens")
         if len(s) > max_tokens:
             raise ValueError(f"sample {i} has {len(s)} tokens (prompt {len(s.prompt_ids)} + "
                              f"completion {len(s.completion_ids)}), more than "
@@ -87,7 +98,7 @@ def pack_micro_batches(samples: list[Sample], *, max_tokens: int, num_ranks: int
         else:
             bins.append([i])
             room.append(max_tokens - len(samples[i]))
-    global_tokens = sum(len(s.completion_ids) for s in samples)
+    global_tokens = sum(_trained(s) for s in samples)
     batches = [_micro_batch([samples[i] for i in sorted(b)], global_tokens, len(samples))
                for b in bins]
     while len(batches) % num_ranks:
@@ -109,9 +120,15 @@ def _micro_batch(samples: list[Sample], global_tokens: int, global_sequences: in
         input_ids += tokens
         position_ids += range(len(tokens))
         # position offset + t predicts tokens[t + 1]; completion token j is tokens[p + j]
-        targets += [IGNORE_INDEX] * (p - 1) + sample.completion_ids + [IGNORE_INDEX]
+        if sample.loss_mask is None:
+            targets += [IGNORE_INDEX] * (p - 1) + sample.completion_ids + [IGNORE_INDEX]
+            mask[s, :c] = True
+        else:
+            targets += [IGNORE_INDEX] * (p - 1) + [
+                t if m else IGNORE_INDEX
+                for t, m in zip(sample.completion_ids, sample.loss_mask)] + [IGNORE_INDEX]
+            mask[s, :c] = torch.tensor(sample.loss_mask, dtype=torch.bool)
         token_index[s, :c] = torch.arange(offset + p - 1, offset + p - 1 + c)
-        mask[s, :c] = True
         engine_logp[s, :c] = torch.tensor(sample.engine_logprobs, dtype=torch.float32)
         offset += len(tokens)
     return {
@@ -125,3 +142,8 @@ def _micro_batch(samples: list[Sample], global_tokens: int, global_sequences: in
         "global_tokens": global_tokens, "global_sequences": global_sequences,
         "num_tokens": sum(lengths), "live": True,
     }
+
+
+def _trained(sample: Sample) -> int:
+    """The completion tokens that carry loss."""
+    return len(sample.completion_ids) if sample.loss_mask is None else sum(sample.loss_mask)

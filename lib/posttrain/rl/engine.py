@@ -76,7 +76,17 @@ class Rollout:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What a GRPO loop needs from a generator."""
+    """What a GRPO loop needs from a generator.
+
+    For the weight sync (`posttrain.rl.weight_sync`): `parameter_shapes` (native name -> full
+    shape; a tied head has no entry), the `dtype` its weights are held in, and whether
+    `update_weights` takes any subset of the parameters (`partial_updates`) or needs all of
+    them in one call.
+    """
+
+    parameter_shapes: dict[str, tuple[int, ...]]
+    dtype: torch.dtype
+    partial_updates: bool
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                  n: int = 1) -> list[list[Rollout]]:

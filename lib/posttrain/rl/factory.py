@@ -23,10 +23,13 @@ class RolloutEngineConfig:
 
     kind: ``native`` (our KV-cache generator) or ``vllm``.
     placement: ``colocated``: every trainer rank also hosts an engine on its device and the two
-        take turns (no extra devices; weights synced in process). ``separate``: `num_engines`
-        Ray actors with `resources_per_engine` each (e.g. ``{num_gpus: 1}``) generate while the
-        trainers own their devices; weights travel trainer rank 0 -> Ray object store ->
-        engines.
+        take turns (no extra devices; weights copied in process, a tensor at a time).
+        ``separate``: `num_engines` Ray actors with `resources_per_engine` each (e.g.
+        ``{num_gpus: 1}``) generate while the trainers own their devices; weights are gathered
+        per bucket and broadcast from trainer rank 0 to the engines over a process group of
+        their own (gloo on CPUs, NCCL on GPUs; `posttrain.rl.weight_sync`).
+    sync_bucket_mb: separate placement: the size of one broadcast bucket (trainer rank 0 holds
+        one bucket and one full tensor at a time, not the model).
     max_batch_sequences: native engine: sequences decoded together, at most.
     vllm: keyword arguments of `posttrain.rl.vllm_engine.VLLMEngine` (gpu_memory_utilization,
         tensor_parallel_size, kv_cache_memory_bytes, enforce_eager, ...).
@@ -36,6 +39,7 @@ class RolloutEngineConfig:
     placement: Literal["colocated", "separate"] = "colocated"
     num_engines: int = 1
     resources_per_engine: dict[str, float] = field(default_factory=dict)
+    sync_bucket_mb: float = 256.0
     max_batch_sequences: int = 256
     vllm: dict[str, Any] = field(default_factory=dict)
 
@@ -45,6 +49,8 @@ class RolloutEngineConfig:
         if self.placement == "colocated" and self.num_engines != 1:
             raise ValueError("rollout.num_engines applies to placement: separate; colocated "
                              "runs one engine per trainer rank")
+        if self.sync_bucket_mb <= 0:
+            raise ValueError(f"rollout.sync_bucket_mb must be > 0, got {self.sync_bucket_mb}")
         if self.kind == "native" and self.vllm:
             raise ValueError("rollout.vllm options are set but rollout.kind is native")
 

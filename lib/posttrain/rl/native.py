@@ -51,9 +51,20 @@ class NativeEngine:
         self.model = copy.deepcopy(model) if copy_model else model
         self.max_batch_sequences = max_batch_sequences
 
+    partial_updates = True        # `update_weights` takes any subset of the parameters
+
     @property
     def device(self) -> torch.device:
         return self.model.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed.weight.dtype
+
+    @property
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Native parameter name -> shape (a tied head has no entry: send `embed.weight`)."""
+        return {name: tuple(p.shape) for name, p in self.model.named_parameters()}
 
     # ------------------------------------------------------------------ generation
 

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from posttrain.data.loader import sources_from_manifest
 from posttrain.errors import DataError
 
-__all__ = ["PromptRow", "PromptStream", "read_prompt_rows"]
+__all__ = ["PromptRow", "PromptStream", "prompt_columns", "read_prompt_rows"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,12 @@ class PromptRow:
     prompt_ids: list[int]
     messages: list[dict[str, Any]]
     extras: dict[str, Any]
+
+
+def prompt_columns(rows: list[PromptRow]) -> dict[str, list[Any]]:
+    """The extra dataset columns of the rows, one list per column (None where a row lacks it)."""
+    names = sorted({k for r in rows for k in r.extras})
+    return {k: [r.extras.get(k) for r in rows] for k in names}
 
 
 def read_prompt_rows(prepared_dir: str, split: str = "train") -> list[PromptRow]:

@@ -21,6 +21,10 @@ the wrong number of values, or a non-finite one) never stops the run: the batch 
 sample at a time so that only the failing samples get 0, and the failures are counted per
 function with the first error message (`RewardOutput.failures`, ``reward/<name>/failures``).
 
+A function of your own needs no registration: name it by ``package.module:attribute``
+(``{name: "my_rewards:brevity", weight: 0.5, params: {...}}``); it is imported when the config is
+built, so a failing import is a ConfigError at launch.
+
 Unknown names and unknown or missing params are ConfigErrors at config time; built-ins that can
 check their param values (a regex compiles, a reward-model dir exists) do so then too.
 """
@@ -39,6 +43,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
+from posttrain.config.loader import import_attribute
 from posttrain.errors import ConfigError
 from posttrain.rl.sandbox import SandboxLimits, run_python
 
@@ -77,11 +82,28 @@ def registered_names() -> list[str]:
 
 
 def get_reward(name: str) -> RewardFn:
-    """The registered function `name`; ConfigError listing the registered ones otherwise."""
+    """The registered function `name`, or the one ``module:attribute`` names (imported and
+    registered under that name on first use); ConfigError listing the registered ones
+    otherwise."""
+    if name not in _REGISTRY and ":" in name:
+        fn = import_attribute(name, "rewards.functions")
+        if not callable(fn) or not _takes_batch(fn):
+            raise ConfigError(f"rewards.functions: {name!r} is not a reward function "
+                              "fn(completions, prompts, columns, **params) -> list[float]")
+        _REGISTRY[name] = _Entry(fn, None)
     if name not in _REGISTRY:
         raise ConfigError(f"unknown reward function {name!r}; registered: "
-                          f"{', '.join(registered_names())}")
+                          f"{', '.join(registered_names())} (or name your own as "
+                          "'package.module:function')")
     return _REGISTRY[name].fn
+
+
+def _takes_batch(fn: Callable[..., Any]) -> bool:
+    try:
+        inspect.signature(fn).bind([], [], {})
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 # --- config -----------------------------------------------------------------------------------

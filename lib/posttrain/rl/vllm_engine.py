@@ -24,8 +24,11 @@ loader layer by layer, so fused (qkv, gate_up) and repacked (oneDNN on CPU) weig
 at start-up; a bare `model.load_weights` does not redo the CPU repacking. The prefix cache is
 then reset, since cached KV blocks were computed with the old weights. A reload that fails
 half-way leaves vLLM unusable, so names, shapes and completeness are checked first.
-The same path works on a GPU (tensors are staged through host memory); a CUDA IPC / NCCL path
-(vLLM's weight-transfer engines) can replace it for large models.
+The same path works on a GPU (tensors are staged through host memory). In GRPO the engine's
+actor receives the trainer's buckets over the weight sync group (`posttrain.rl.weight_sync`,
+NCCL between GPUs) and calls `update_weights` once the whole model has arrived; handing each
+bucket to vLLM's workers directly (`model.load_weights` per bucket, the GPU-only path, since the
+CPU build repacks weights at load) would save that staging copy.
 """
 
 from __future__ import annotations
@@ -146,6 +149,9 @@ class VLLMEngine:
     (`ignore_eos`; pass it in `SamplingConfig.stop_token_ids`), and no tokenizer is loaded
     (prompts and completions are token ids).
     """
+
+    # a reload rebuilds layers whole (module docstring): every parameter in one call
+    partial_updates = False
 
     def __init__(self, hf_dir: str | Path, *, dtype: str = "auto", tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.9, kv_cache_memory_bytes: int | None = None,

@@ -13,6 +13,13 @@ what runs on the ranks:
   with the trainer's weights.
 - `RolloutWorker`, a rollout engine of its own (placement ``separate``), a plain Ray actor.
 
+Weight sync (`posttrain.rl.weight_sync`): every trainer rank gathers the sharded weights one
+tensor at a time in a fixed plan; colocated, each rank copies them into its engine; separate,
+rank 0 packs them into buckets in the engine's dtype and broadcasts each over a process group
+of its own with the engine actors (`open_weight_sync` / `join_weight_sync` once, then
+`send_weights` with the engines' `receive_weights`). With LoRA only the adapters travel after
+the first sync; the engines merge them into the base they keep.
+
 Reference model (for the KL penalty and the ``kl`` metric): ``none``; ``lora_base`` (the LoRA
 policy with its adapters disabled, no extra memory); or ``copy`` (the starting weights, frozen,
 read from the same checkpoint and sharded over the trainer ranks like the policy, so each rank
@@ -22,6 +29,7 @@ holds 1/W of one more model; `posttrain.distributed.parallelize.parallelize_froz
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -33,6 +41,7 @@ from posttrain.config.loader import build, inline
 from posttrain.config.recipes import DataConfig
 from posttrain.data.prepared import local_view
 from posttrain.distributed.env import init_process_group
+from posttrain.distributed.sync_group import GroupAddress
 from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.errors import ConfigError
 from posttrain.losses.grpo import grpo_loss
@@ -40,7 +49,9 @@ from posttrain.models.transformer import Transformer
 from posttrain.ops.cross_entropy import IGNORE_INDEX, chunked_entropy, chunked_logprobs
 from posttrain.rl.dynamic import DynamicSamplingConfig, OverlongConfig
 from posttrain.rl.engine import Rollout, SamplingConfig
+from posttrain.rl.environment import EnvironmentConfig
 from posttrain.rl.factory import RolloutEngineConfig, build_rollout_engine
+from posttrain.rl.weight_sync import SyncPlan, WeightReceiver, WeightSender
 from posttrain.rl.rewards import RewardConfig
 from posttrain.models.args import DTYPES
 from posttrain.train.engine import (Engine, EngineConfig, ModelConfig, all_reduce_max,
@@ -95,7 +106,7 @@ class AlgorithmConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28                    # > clip_low: DAPO clip-higher
     aggregation: Literal["seq_mean_token_mean", "token_mean", "constant"] = "token_mean"
-    constant_norm: float | None = None         # aggregation constant: default max_new_tokens
+    constant_norm: float | None = None         # aggregation constant: default the episode budget
     kl_coef: float = 0.0
     reference: Literal["none", "lora_base", "copy"] = "none"
     is_cap: float | None = 2.0                 # truncated IS engine -> trainer; None: off
@@ -162,6 +173,7 @@ class GRPOConfig:
     sync_check: SyncCheckConfig = SyncCheckConfig()
     dynamic_sampling: DynamicSamplingConfig | None = None    # DAPO: drop groups without signal
     overlong: OverlongConfig | None = None                    # DAPO: soft overlong punishment
+    environment: EnvironmentConfig = EnvironmentConfig()      # single-turn, tools, your own
     run: RunConfig = RunConfig(dir="runs/grpo")
     eval: GRPOEvalConfig = GRPOEvalConfig()
     export: ExportConfig = ExportConfig()
@@ -176,13 +188,20 @@ class GRPOConfig:
         if self.eval.temperature == 0 and self.eval.samples_per_prompt != 1:
             raise ValueError("eval.samples_per_prompt > 1 needs eval.temperature > 0 (greedy "
                              "completions of one prompt are all the same)")
-        if (self.overlong is not None
-                and self.overlong.buffer_tokens > self.sampling.max_new_tokens):
+        if self.overlong is not None and self.overlong.buffer_tokens > self.episode_tokens:
             raise ValueError(f"overlong.buffer_tokens={self.overlong.buffer_tokens} exceeds "
-                             f"sampling.max_new_tokens={self.sampling.max_new_tokens}")
+                             f"the {self.episode_tokens} tokens of an episode "
+                             "(sampling.max_new_tokens, or environment.max_total_tokens)")
         if self.rollout.placement == "separate" and self.run.launcher != "ray":
             raise ValueError("rollout.placement: separate runs the engines as Ray actors; set "
                              "run.launcher: ray")
+
+    @property
+    def episode_tokens(self) -> int:
+        """The generation budget of a rollout: everything after the prompt (all turns and the
+        environment's replies with a multi-turn environment); DAPO's overlong shaping and the
+        ``constant`` aggregation count against it."""
+        return self.environment.token_budget(self.sampling.max_new_tokens)
 
 
 class GRPO:
@@ -210,7 +229,8 @@ class GRPO:
             max_tokens_per_sample=cfg.data.max_tokens_per_sample, columns=cfg.data.columns,
             on_bad_row=cfg.data.on_bad_row, generation=generation,
             rewards=tuple(cfg.rewards.functions),
-            accuracy_reward=ev.accuracy_reward if ev.accuracy_reward in names else None)
+            accuracy_reward=ev.accuracy_reward if ev.accuracy_reward in names else None,
+            environment=None if cfg.environment.single_turn else cfg.environment)
             for i, src in enumerate(cfg.data.eval))
         return SuiteConfig(tasks=tasks, tokenizer=cfg.tokenizer, dtype=cfg.model.dtype,
                            rollout=replace(cfg.rollout, placement="colocated"))
@@ -335,7 +355,7 @@ class GRPOWorker:
         self.prepared_dir = local_view(prepared_dir)
         self.hf_dir = hf_dir
         train = self.cfg.train
-        constant = self.cfg.algorithm.constant_norm or float(self.cfg.sampling.max_new_tokens)
+        constant = self.cfg.algorithm.constant_norm or float(self.cfg.episode_tokens)
         init_process_group()
         torch.manual_seed(train.engine.seed)
         self.engine = Engine(
@@ -350,12 +370,15 @@ class GRPOWorker:
         self.reference: GRPOLoss | None = None
         if self.cfg.algorithm.reference == "copy":
             self.reference = self._frozen_copy().eval()
-        self.rollout = None
+        self.weight_sync = WeightSender(self.engine.model, self.rank, self.engine.device)
+        self.rollout = self._local_receiver = None
         if self.cfg.rollout.placement == "colocated":
             self.rollout = build_rollout_engine(self.cfg.rollout, self.engine.args, hf_dir,
                                                 self.engine.device, self._param_dtype(),
                                                 seed=train.engine.seed)
-        self._synced_names: set[str] | None = None
+            plan = self._sync_plan(self.rollout.parameter_shapes, self.rollout.dtype)
+            self._local_receiver = WeightReceiver(self.rollout, plan)
+        self._first_local_sync = True
         self.peak_flops, _ = device_peak_flops(self.engine.device)
 
     @property
@@ -395,33 +418,41 @@ class GRPOWorker:
         return self.engine.save_checkpoint({"controller": controller_state})
 
     # ------------------------------------------------------------------ weights
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """Native-named full weights on every rank (LoRA folded in); a collective."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_model_state_dict)
-        from torch.distributed.tensor import DTensor
-        sd = get_model_state_dict(self.engine.root,
-                                  options=StateDictOptions(full_state_dict=True))
-        state = {k[len("model."):]: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
-                 for k, v in sd.items() if k.startswith("model.")}
+    def _sync_plan(self, engine_shapes: dict[str, tuple[int, ...]], engine_dtype: torch.dtype
+                   ) -> SyncPlan:
         lora = self.cfg.model.lora
-        if lora is None:
-            return state
-        from posttrain.models.lora import fold_adapters
-        return fold_adapters(state, lora.alpha / lora.rank)
+        scaling = None if lora is None else lora.alpha / lora.rank
+        return self.weight_sync.make_plan(
+            engine_shapes, engine_dtype, lora_scaling=scaling,
+            bucket_bytes=int(self.cfg.rollout.sync_bucket_mb * 2**20))
 
-    def engine_weights(self) -> dict[str, torch.Tensor]:
-        """Full weights on CPU for separate engines: on rank 0, {} elsewhere (a collective)."""
-        state = self.full_weights()
-        return {k: v.cpu() for k, v in state.items()} if self.rank == 0 else {}
+    def sync_rollout(self) -> int:
+        """Colocated: copy the trainer's weights (with LoRA after the first sync only the
+        adapters) into this rank's engine, a tensor at a time; returns the bytes written."""
+        if self._local_receiver is None:
+            raise RuntimeError("sync_rollout needs rollout.placement: colocated")
+        written = self.weight_sync.copy_to(self._local_receiver, full=self._first_local_sync)
+        self._first_local_sync = False
+        return written
 
-    def sync_rollout(self) -> float:
-        """Copy the trainer's weights into the colocated engine; returns the seconds taken."""
-        t0 = time.perf_counter()
-        state = self.full_weights()
-        if self.rollout is not None:
-            push_weights(self.rollout, state)
-        return time.perf_counter() - t0
+    def open_weight_sync(self, engine_shapes: dict[str, tuple[int, ...]],
+                         engine_dtype: torch.dtype, num_engines: int
+                         ) -> tuple[SyncPlan, GroupAddress | None]:
+        """Separate engines: fix the sync plan for engines with these parameters and, on rank
+        0, serve the sync group's store on this node (MASTER_ADDR, which the engines reach);
+        returns the plan and the group's address (None off rank 0)."""
+        plan = self._sync_plan(engine_shapes, engine_dtype)
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        return plan, self.weight_sync.serve(num_engines, host)
+
+    def join_weight_sync(self) -> None:
+        """Rank 0 joins the sync group (with every engine at once); a no-op elsewhere."""
+        self.weight_sync.join()
+
+    def send_weights(self, full: bool) -> int:
+        """Gather and broadcast one sync to the separate engines; returns the bytes each
+        receives (a collective)."""
+        return self.weight_sync.send(full)
 
     # ------------------------------------------------------------------ rollouts
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, n: int
@@ -518,7 +549,7 @@ class GRPOWorker:
         return export_worker(self.engine, self.cfg, self.prepared_dir, out_dir)
 
     def close(self) -> None:
-        pass
+        self.weight_sync.close()
 
 
 def _args(batch: dict, device: torch.device) -> tuple:
@@ -531,22 +562,6 @@ def _probe_batch(sequence: list[int], prompt_len: int) -> dict:
     completion = sequence[prompt_len:]
     sample = Sample(sequence[:prompt_len], completion, [0.0] * len(completion), 0.0)
     return pack_micro_batches([sample], max_tokens=len(sequence))[0]
-
-
-def push_weights(engine: Any, state: dict[str, torch.Tensor]) -> None:
-    """Send `state` to a rollout engine: exactly the parameters it holds (a native engine's
-    model, or the native shapes a vLLM engine expects), so a tied head goes as the embedding."""
-    model = getattr(engine, "model", None)
-    if isinstance(model, nn.Module):
-        names = [n for n, _ in model.named_parameters()]
-    elif hasattr(engine, "parameter_shapes"):          # VLLMEngine: native name -> shape
-        names = list(engine.parameter_shapes)
-    else:
-        names = list(state)
-    missing = sorted(set(names) - set(state))
-    if missing:
-        raise ConfigError(f"weight sync: the trainer has no tensors for {missing[:5]}")
-    engine.update_weights((k, state[k]) for k in names)
 
 
 # --------------------------------------------------------------------------- separate engines
@@ -562,16 +577,24 @@ class RolloutWorker:
         dtype = DTYPES[self.cfg.model.dtype]
         self.engine = build_rollout_engine(self.cfg.rollout, args, hf_dir, device, dtype,
                                            seed=self.cfg.train.engine.seed)
+        self.receiver: WeightReceiver | None = None
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, n: int
                  ) -> list[list[Rollout]]:
         seeded = replace(sampling, seed=sampling.seed * 1009 + self.index)
         return self.engine.generate(prompts, seeded, n) if prompts else []
 
-    def update_weights(self, state: dict[str, torch.Tensor]) -> float:
-        t0 = time.perf_counter()
-        push_weights(self.engine, state)
-        return time.perf_counter() - t0
+    def weight_manifest(self) -> tuple[dict[str, tuple[int, ...]], torch.dtype]:
+        """The engine's parameter shapes and dtype, for the trainers' sync plan."""
+        return self.engine.parameter_shapes, self.engine.dtype
+
+    def join_weight_sync(self, plan: SyncPlan, address: GroupAddress) -> None:
+        """Join the trainers' sync group as member 1 + index (with the trainers at once)."""
+        self.receiver = WeightReceiver(self.engine, plan)
+        self.receiver.join(address, 1 + self.index)
+
+    def receive_weights(self, full: bool) -> int:
+        return self.receiver.receive(full)
 
     def logprobs(self, sequences: list[list[int]], prompt_lens: list[int],
                  temperature: float) -> list[list[float]]:

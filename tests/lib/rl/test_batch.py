@@ -94,3 +94,45 @@ def test_split_and_errors():
         pack_micro_batches([Sample([1], [], [], 0.0)], max_tokens=8)
     with pytest.raises(ValueError, match="log-probs for"):
         pack_micro_batches([Sample([1], [2, 3], [0.0], 0.0)], max_tokens=8)
+
+
+def masked_samples(n: int, seed: int = 0) -> list[Sample]:
+    """Multi-turn-like samples: a random loss mask over each completion (its first token
+    always trained, as a first turn's is), log-prob 0 where the mask is 0."""
+    rng = random.Random(seed + 100)
+    out = []
+    for s in random_samples(n, seed):
+        mask = [1] + [int(rng.random() < 0.6) for _ in s.completion_ids[1:]]
+        out.append(Sample(s.prompt_ids, s.completion_ids,
+                          [lp if m else 0.0 for lp, m in zip(s.engine_logprobs, mask)],
+                          s.advantage, mask))
+    return out
+
+
+def test_a_mask_of_ones_gives_exactly_the_unmasked_batches():
+    samples = random_samples(9, seed=7)
+    ones = [Sample(s.prompt_ids, s.completion_ids, s.engine_logprobs, s.advantage,
+                   [1] * len(s.completion_ids)) for s in samples]
+    for a, b in zip(pack_micro_batches(samples, max_tokens=30, num_ranks=2),
+                    pack_micro_batches(ones, max_tokens=30, num_ranks=2), strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            if isinstance(a[key], torch.Tensor):
+                assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+            else:
+                assert a[key] == b[key], key
+
+
+def test_a_partial_mask_trains_only_the_sampled_tokens():
+    """Environment tokens (mask 0) are context: no target, no loss, not counted."""
+    samples = [Sample([1, 2], [3, 4, 5, 6], [-0.1, 0.0, 0.0, -0.4], 1.0, [1, 0, 0, 1]),
+               Sample([7], [8, 9], [-0.8, -0.9], -1.0)]
+    (b,) = pack_micro_batches(samples, max_tokens=64)
+    I = IGNORE_INDEX
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    assert b["targets"].tolist() == [[I, 3, I, I, 6, I, 8, 9, I]]
+    assert b["mask"].tolist() == [[True, False, False, True], [True, True, False, False]]
+    assert b["token_index"].tolist() == [[1, 2, 3, 4], [6, 7, 0, 0]]
+    assert b["global_tokens"] == 4
+    with pytest.raises(ValueError, match="a loss mask of 1 for 2 completion tokens"):
+        pack_micro_batches([Sample([1], [2, 3], [0.0, 0.0], 0.0, [1])], max_tokens=8)

@@ -14,7 +14,7 @@ import torch
 from posttrain.rl.batch import pack_micro_batches
 from posttrain.train.grpo import AlgorithmConfig, GRPOLoss
 
-from ..rl.test_batch import random_samples
+from ..rl.test_batch import masked_samples, random_samples
 from ..rl.test_native_engine import tiny_model
 
 TEMPERATURE = 0.8
@@ -38,9 +38,13 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "constant"])
 @pytest.mark.parametrize("is_cap", [None, 1.5])
-def test_on_policy_gradient_equals_reference(aggregation, is_cap):
+@pytest.mark.parametrize("masked", [False, True])
+def test_on_policy_gradient_equals_reference(aggregation, is_cap, masked):
+    """`masked`: multi-turn samples whose environment tokens are masked out; the reference
+    then sums over the trained tokens only, their count the normalizer of token_mean, each
+    sequence's trained tokens that of seq_mean_token_mean."""
     model = tiny_model("qwen3").train()
-    samples = random_samples(10, seed=5)
+    samples = masked_samples(10, seed=5) if masked else random_samples(10, seed=5)
     algo = AlgorithmConfig(aggregation=aggregation, is_cap=is_cap,
                            use_engine_logprobs=is_cap is not None, log_entropy=True)
     root = GRPOLoss(model, algo, temperature=TEMPERATURE, constant_norm=16.0)
@@ -56,12 +60,13 @@ def test_on_policy_gradient_equals_reference(aggregation, is_cap):
     # the surrogate's value is -(1/Z) sum A w (ratio 1); its gradient is that of the
     # REINFORCE form below, whose value differs
     ref_loss, ref_value = torch.zeros(()), 0.0
-    tokens = sum(len(s.completion_ids) for s in samples)
+    tokens = sum(sum(s.loss_mask or [1] * len(s.completion_ids)) for s in samples)
     for s in samples:
-        logp = per_sequence_logp(model, s)
+        keep = torch.tensor(s.loss_mask or [1] * len(s.completion_ids), dtype=torch.bool)
+        logp = per_sequence_logp(model, s)[keep]
         w = torch.ones_like(logp)
         if is_cap is not None:
-            w = (logp.detach() - torch.tensor(s.engine_logprobs)).exp().clamp(max=is_cap)
+            w = (logp.detach() - torch.tensor(s.engine_logprobs)[keep]).exp().clamp(max=is_cap)
         z = {"token_mean": tokens, "seq_mean_token_mean": len(logp) * len(samples),
              "constant": 16.0 * len(samples)}[aggregation]
         ref_loss = ref_loss - (s.advantage * w * logp).sum() / z
@@ -101,3 +106,4 @@ def test_kl_term_against_k3_formula():
     assert float(stats["kl"]) / n == pytest.approx(float(k3), rel=1e-5)
     pg = -(b["advantages"][:, None] * b["mask"]).sum() / n       # ratio 1 on policy
     assert float(loss) == pytest.approx(float(pg + 0.5 * k3), abs=1e-5)
+

@@ -1,0 +1,120 @@
+"""Asynchronous rollouts with bounded staleness: rollout batches produced ahead of the trainer.
+
+With `rollout.max_staleness: k` (0 = the synchronous loop), while the trainer updates on the
+batch of step s, the rollout engines already generate (and the controller scores) the batches of
+steps s+1 .. s+k with the weights they hold. A batch produced while the engines hold the
+weights of version v (the number of syncs so far) is trained at step s >= v with staleness
+s - v <= k; the importance correction of the GRPO loss uses the engine's log-probs, so an
+off-policy sample is weighted by pi_trainer / pi_engine (truncated at `algorithm.is_cap`).
+
+    step s:  take batch s (wait if it is still being produced)
+             start producing batches up to s+k   (a background thread; engines are busy)
+             update on batch s -> sync the new weights (queued behind the engines' work)
+
+Determinism. Production is a function of the step (prompts drawn from the one seeded stream,
+in step order; sampling seeded by the step) and of the weights the engines hold when it starts,
+which is fixed by the order above, so a run is reproducible for a given k.
+
+Resume. A checkpoint taken after step s holds the trainer's weights of version s+1, but batches
+s+1 .. s+k were (or are being) produced with older weights that no longer exist anywhere. So
+`state()` waits for the batches in flight and returns them, serialised (token ids, log-probs,
+rewards: JSON, no pickle); `restore()` puts them back. A restarted run then trains on exactly
+the batches an uninterrupted run would have, neither losing nor repeating any.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+from posttrain.rl.dynamic import GroupBatch
+from posttrain.rl.engine import Rollout
+from posttrain.rl.prompts import PromptRow
+from posttrain.rl.rewards import RewardFailures, RewardOutput
+
+__all__ = ["RolloutPipeline", "batch_from_json", "batch_to_json"]
+
+
+class RolloutPipeline:
+    """Batches of steps produced up to `max_staleness` steps ahead of the one being trained.
+
+    `produce(step)` makes the batch of `step` (it draws prompts, generates and scores);
+    `version()` is the policy version the engines hold (syncs so far). Every batch is
+    stamped with the version it started from (`batch.metrics["rollout/policy_version"]`).
+    """
+
+    def __init__(self, produce: Callable[[int], GroupBatch], version: Callable[[], int],
+                 max_staleness: int):
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        self.produce, self.version, self.max_staleness = produce, version, max_staleness
+        self._pending: dict[int, Future] = {}
+        self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
+                      if max_staleness else None)
+
+    def _stamped(self, step: int, version: int) -> GroupBatch:
+        batch = self.produce(step)
+        batch.metrics["rollout/policy_version"] = float(version)
+        return batch
+
+    def take(self, step: int) -> GroupBatch:
+        """The batch of `step` (produced now if nothing produced it ahead); then production of
+        steps up to `step + max_staleness` starts in the background, in step order."""
+        future = self._pending.pop(step, None)
+        if future is not None:
+            batch = future.result()
+        else:
+            batch = self._stamped(step, self.version())
+        batch.metrics["rollout/staleness"] = float(
+            step - batch.metrics["rollout/policy_version"])
+        if self._pool is not None:
+            for ahead in range(step + 1, step + 1 + self.max_staleness):
+                if ahead not in self._pending:
+                    # the version is read now, before this step's update and sync
+                    self._pending[ahead] = self._pool.submit(self._stamped, ahead,
+                                                             self.version())
+        return batch
+
+    def state(self) -> list[dict[str, Any]]:
+        """The batches produced ahead, waited for and serialised (for a checkpoint)."""
+        return [{"step": step, "batch": batch_to_json(future.result())}
+                for step, future in sorted(self._pending.items())]
+
+    def restore(self, state: list[dict[str, Any]]) -> None:
+        """Put back the batches of a checkpoint's `state()`."""
+        assert not self._pending, "restore before the first take"
+        for entry in state:
+            future: Future = Future()
+            future.set_result(batch_from_json(entry["batch"]))
+            self._pending[int(entry["step"])] = future
+
+    def close(self) -> None:
+        if self._pool is not None:
+            for future in self._pending.values():
+                future.cancel()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+# --------------------------------------------------------------------------- serialisation
+
+def batch_to_json(batch: GroupBatch) -> dict[str, Any]:
+    """A produced batch as JSON-able data (floats round-trip exactly through JSON)."""
+    return {"prompts": [dataclasses.asdict(p) for p in batch.prompts],
+            "groups": [[dataclasses.asdict(r) for r in g] for g in batch.groups],
+            "scored": {"total": batch.scored.total, "components": batch.scored.components,
+                       "failures": {k: dataclasses.asdict(v)
+                                    for k, v in batch.scored.failures.items()}},
+            "metrics": batch.metrics}
+
+
+def batch_from_json(data: dict[str, Any]) -> GroupBatch:
+    scored = data["scored"]
+    return GroupBatch(
+        prompts=[PromptRow(**p) for p in data["prompts"]],
+        groups=[[Rollout(**r) for r in g] for g in data["groups"]],
+        scored=RewardOutput(total=list(scored["total"]),
+                            components={k: list(v) for k, v in scored["components"].items()},
+                            failures={k: RewardFailures(**v)
+                                      for k, v in scored["failures"].items()}),
+        metrics=dict(data["metrics"]))
