@@ -25,10 +25,18 @@ The controller holds no weights. Trainer ranks are `posttrain.train.grpo.GRPOWor
 actors, or one inline worker); rollout engines live on the trainer ranks (placement
 ``colocated``) or in their own actors (``separate``).
 
+Asynchronous rollouts (`rollout.max_staleness: k`, placement ``separate``): the first three
+lines of a step (`produce`) run in `posttrain.rl.pipeline.RolloutPipeline`, which starts the
+batches of steps s+1..s+k while the trainers update on step s; the sync waits for them, so a
+batch is made with one policy version, stamped on it (`rollout/policy_version`,
+`rollout/staleness`), and corrected by the engine's log-probs in the loss.
+
 Determinism and resume: the prompt order is a function of (seed, epoch), the sampler of step s is
 seeded from (seed, s, round, turn, engine index), so a run killed and started again with the same
 run directory continues from its last checkpoint and ends with the same weights as a run that never
 stopped (with the same number of ranks and engines: a sample depends on its batch neighbours).
+With k > 0 the checkpoint also holds the batches made ahead (`rollouts_ahead`): they were sampled
+by weights that exist nowhere else, and their prompts are already drawn from the stream.
 
     posttrain train-grpo --config configs/grpo/tiny.yaml
 """
@@ -50,9 +58,10 @@ from posttrain.data.tokenizer import ChatTokenizer
 from posttrain.eval.rl import reward_eval
 from posttrain.losses.grpo import group_advantages
 from posttrain.rl.batch import Sample, pack_micro_batches, split_mini_batches
-from posttrain.rl.dynamic import overlong_penalty, round_seed, sample_groups
+from posttrain.rl.dynamic import GroupBatch, overlong_penalty, round_seed, sample_groups
 from posttrain.rl.engine import Rollout, SamplingConfig, stop_token_ids
 from posttrain.rl.episodes import Episode, EpisodeRunner, episode_metrics, score_episodes
+from posttrain.rl.pipeline import RolloutPipeline
 from posttrain.rl.prompts import PromptRow, PromptStream, read_prompt_rows
 from posttrain.rl.rewards import RewardFailures, RewardOutput, combine
 from posttrain.train.grpo import GRPO, GRPOConfig, GRPOWorker, RolloutWorker
@@ -181,6 +190,12 @@ class GRPOController(Controller):
         # any fixed token sequence will do; a prompt followed by itself stays in-distribution
         self.probe_sequence, self.probe_prompt_len = first + first, len(first)
         self.temperature = cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0
+        # rollouts: produced on the step (max_staleness 0) or up to k steps ahead while the
+        # trainers update; `policy_version` counts the updates the engines' weights hold
+        self.policy_version = 0
+        self.pipeline = RolloutPipeline(self.produce, lambda: self.policy_version,
+                                        cfg.rollout.max_staleness,
+                                        end=cfg.train.engine.max_steps)
 
     @classmethod
     def for_run(cls, cfg: GRPOConfig, group: Any, context: dict[str, Any]) -> "GRPOController":
@@ -203,11 +218,13 @@ class GRPOController(Controller):
         if state is None:
             return 0
         self.stream.load_state_dict(state["prompts"])
+        self.pipeline.restore(state.get("rollouts_ahead", []))
         return int(state["step"])
 
     def after_resume(self, start: int) -> dict[str, Any]:
         """The engines get the weights to continue from; a fresh run's baseline evaluation."""
         self.rollouts.sync()
+        self.policy_version = start
         log.info("GRPO: %s rollouts (%s)", self.cfg.rollout.kind, self.cfg.rollout.placement)
         baseline, self.records["baseline_records"] = ({}, []) if start else self._evaluate()
         if baseline and self.writer is not None:
@@ -225,13 +242,15 @@ class GRPOController(Controller):
         return dict(self.records)
 
     def close(self) -> None:
+        self.pipeline.close()
         self.rollouts.close()
 
-    def step(self, step: int) -> dict[str, Any]:
-        cfg, t_start = self.cfg, time.perf_counter()
+    def produce(self, step: int) -> GroupBatch:
+        """The rollout batch of `step`: prompts -> rollouts -> rewards; with dynamic sampling,
+        more rounds until enough groups have reward variance. A function of the step, the
+        prompt stream and the engines' weights (run in step order, on or ahead of the step)."""
+        cfg = self.cfg
         n = cfg.train.samples_per_prompt
-        # prompts -> rollouts -> rewards; with dynamic sampling, more rounds until enough
-        # groups have reward variance
         step_seed = cfg.train.engine.seed * 1_000_003 + step
         times = {"generate": 0.0, "score": 0.0}
 
@@ -251,12 +270,21 @@ class GRPOController(Controller):
 
         batch = sample_groups(cfg.train.prompts_per_step, n, self.stream.next_batch, generate,
                               score, cfg.dynamic_sampling)
+        batch.metrics.update({"time/generate_s": times["generate"],
+                              "time/score_s": times["score"]})
+        return batch
+
+    def step(self, step: int) -> dict[str, Any]:
+        cfg, t_start = self.cfg, time.perf_counter()
+        n = cfg.train.samples_per_prompt
+        batch = self.pipeline.take(step)         # with max_staleness, next ones start now
+        t_rollouts = time.perf_counter()
         prompts, scored = batch.prompts, batch.scored
         rollouts = [r for g in batch.groups for r in g]
         # advantages
         rewards_G_N = torch.tensor(scored.total, dtype=torch.float64).view(len(prompts), n)
         advantages = group_advantages(rewards_G_N, normalize_std=cfg.algorithm.normalize_std)
-        # update
+        # update (importance-corrected by the engine's log-probs, however stale)
         samples = [Sample(r.prompt_ids, r.completion_ids, r.logprobs, float(a), r.loss_mask)
                    for r, a in zip(rollouts, advantages.flatten().tolist())]
         mini_batches = [pack_micro_batches(mb, max_tokens=cfg.train.max_tokens_per_micro_batch,
@@ -264,8 +292,11 @@ class GRPOController(Controller):
                         for mb in split_mini_batches(samples, cfg.train.mini_batches)]
         update = self.group.call("train_rollouts", mini_batches)[0]
         t_updated = time.perf_counter()
-        # weight sync, then the check that engine and trainer agree
+        # the batches in flight finish on the weights they started with, then the weight sync
+        # and the check that engine and trainer agree
+        ahead_wait = self.pipeline.wait()
         sync_bytes = self.rollouts.sync()
+        self.policy_version = step + 1
         sync_diff = self.check_sync()
         t_synced = time.perf_counter()
         # metrics
@@ -281,10 +312,10 @@ class GRPOController(Controller):
             "sync/max_abs_logprob_diff": sync_diff,
             "sync/bytes": sync_bytes,
             "rollout_tokens": generated,
-            "rollout_tokens_per_s": generated / max(times["generate"], 1e-9),
-            "time/generate_s": times["generate"],
-            "time/score_s": times["score"],
-            "time/sync_s": t_synced - t_updated,
+            "rollout_tokens_per_s": generated / max(batch.metrics["time/generate_s"], 1e-9),
+            "time/rollout_wait_s": t_rollouts - t_start,
+            "time/ahead_wait_s": ahead_wait,
+            "time/sync_s": t_synced - t_updated - ahead_wait,
             "time/step_s": t_synced - t_start,
         }
         if not cfg.environment.single_turn:
@@ -341,7 +372,11 @@ class GRPOController(Controller):
                            environment=not self.cfg.environment.single_turn)
 
     def save_checkpoint(self, step: int) -> None:
-        self.group.call("save_checkpoint", {"prompts": self.stream.state_dict(), "step": step})
+        """The prompt stream's position and the rollout batches made ahead of `step` (their
+        prompts were drawn, and the weights that sampled them exist nowhere else)."""
+        ahead = self.pipeline.state()            # waits for any still in flight, first
+        self.group.call("save_checkpoint", {"prompts": self.stream.state_dict(), "step": step,
+                                            "rollouts_ahead": ahead})
 
 
 # --------------------------------------------------------------------------- the run

@@ -1,7 +1,8 @@
 """Helpers the recipe tests share: run a training step's CLI as a user would, kill it, compare.
 
-`run_to_end` and `run_and_kill` start `python -m <module> --config ... --launcher inline` in a
-subprocess, logging to `<run_dir>.log`, so that SIGKILL hits a real process.
+`run_to_end` and `run_and_kill` start `python -m <module> --config ... --launcher inline` (or
+`ray`: the CLI then starts a Ray cluster of its own, which dies with it) in a subprocess, logging
+to `<run_dir>.log`, so that SIGKILL hits a real process.
 """
 
 from __future__ import annotations
@@ -21,21 +22,24 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 
 
-def cli(module: str, config: Path, run_dir: Path) -> subprocess.Popen:
+def cli(module: str, config: Path, run_dir: Path, launcher: str = "inline") -> subprocess.Popen:
     run_dir.parent.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    if launcher == "ray":           # a short path: Ray's socket names have a length limit
+        env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ptk", dir="/tmp")
     with open(run_dir.with_suffix(".log"), "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", module, "--config", str(config), "--run-dir", str(run_dir),
-             "--launcher", "inline", "--no-progress"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+             "--launcher", launcher, "--no-progress"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def log_tail(run_dir: Path) -> str:
     return run_dir.with_suffix(".log").read_text()[-3000:]
 
 
-def run_to_end(module: str, config: Path, run_dir: Path) -> None:
-    proc = cli(module, config, run_dir)
+def run_to_end(module: str, config: Path, run_dir: Path, launcher: str = "inline") -> None:
+    proc = cli(module, config, run_dir, launcher)
     try:
         assert proc.wait(timeout=TIMEOUT_S) == 0, log_tail(run_dir)
     finally:
@@ -43,9 +47,11 @@ def run_to_end(module: str, config: Path, run_dir: Path) -> None:
             proc.kill()
 
 
-def run_and_kill(module: str, config: Path, run_dir: Path, step: int) -> None:
-    """Start the CLI, SIGKILL it as soon as checkpoint `step` is committed."""
-    proc = cli(module, config, run_dir)
+def run_and_kill(module: str, config: Path, run_dir: Path, step: int,
+                 launcher: str = "inline", delay_s: float = 0.0) -> None:
+    """Start the CLI, SIGKILL it as soon as checkpoint `step` is committed (or `delay_s` later:
+    into the next step; a checkpoint committed meanwhile is removed, below)."""
+    proc = cli(module, config, run_dir, launcher)
     manifest = run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json"
     deadline = time.monotonic() + TIMEOUT_S
     try:
@@ -53,6 +59,7 @@ def run_and_kill(module: str, config: Path, run_dir: Path, step: int) -> None:
             assert proc.poll() is None, f"ended before step {step}:\n{log_tail(run_dir)}"
             assert time.monotonic() < deadline, f"no checkpoint {step} after {TIMEOUT_S} s"
             time.sleep(0.005)
+        time.sleep(delay_s)
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:

@@ -31,6 +31,10 @@ class RolloutEngineConfig:
     sync_bucket_mb: separate placement: the size of one broadcast bucket (trainer rank 0 holds
         one bucket and one full tensor at a time, not the model).
     max_batch_sequences: native engine: sequences decoded together, at most.
+    max_staleness: asynchronous rollouts (placement ``separate``): the engines generate the
+        batches of up to `max_staleness` steps ahead while the trainers update, so a batch is
+        trained at most that many policy versions after the one that sampled it (0: the
+        synchronous loop; `posttrain.rl.pipeline`).
     vllm: keyword arguments of `posttrain.rl.vllm_engine.VLLMEngine` (gpu_memory_utilization,
         tensor_parallel_size, kv_cache_memory_bytes, enforce_eager, ...).
     """
@@ -41,6 +45,7 @@ class RolloutEngineConfig:
     resources_per_engine: dict[str, float] = field(default_factory=dict)
     sync_bucket_mb: float = 256.0
     max_batch_sequences: int = 256
+    max_staleness: int = 0
     vllm: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -51,6 +56,12 @@ class RolloutEngineConfig:
                              "runs one engine per trainer rank")
         if self.sync_bucket_mb <= 0:
             raise ValueError(f"rollout.sync_bucket_mb must be > 0, got {self.sync_bucket_mb}")
+        if self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_staleness and self.placement != "separate":
+            raise ValueError(f"rollout.max_staleness={self.max_staleness} generates while the "
+                             "trainers update, which needs engines of their own: set "
+                             "rollout.placement: separate")
         if self.kind == "native" and self.vllm:
             raise ValueError("rollout.vllm options are set but rollout.kind is native")
 

@@ -25,11 +25,12 @@ the batches an uninterrupted run would have, neither losing nor repeating any.
 from __future__ import annotations
 
 import dataclasses
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from posttrain.rl.dynamic import GroupBatch
-from posttrain.rl.engine import Rollout
+from posttrain.rl.episodes import Episode
 from posttrain.rl.prompts import PromptRow
 from posttrain.rl.rewards import RewardFailures, RewardOutput
 
@@ -42,13 +43,16 @@ class RolloutPipeline:
     `produce(step)` makes the batch of `step` (it draws prompts, generates and scores);
     `version()` is the policy version the engines hold (syncs so far). Every batch is
     stamped with the version it started from (`batch.metrics["rollout/policy_version"]`).
+    Steps from `end` on are never produced. The caller must `wait()` before it changes the
+    engines' weights: a batch is made with one version from its first token to its last.
     """
 
     def __init__(self, produce: Callable[[int], GroupBatch], version: Callable[[], int],
-                 max_staleness: int):
+                 max_staleness: int, end: int | None = None):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.produce, self.version, self.max_staleness = produce, version, max_staleness
+        self.end = end
         self._pending: dict[int, Future] = {}
         self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
                       if max_staleness else None)
@@ -69,12 +73,22 @@ class RolloutPipeline:
         batch.metrics["rollout/staleness"] = float(
             step - batch.metrics["rollout/policy_version"])
         if self._pool is not None:
-            for ahead in range(step + 1, step + 1 + self.max_staleness):
+            last = step + self.max_staleness
+            if self.end is not None:
+                last = min(last, self.end - 1)
+            for ahead in range(step + 1, last + 1):
                 if ahead not in self._pending:
                     # the version is read now, before this step's update and sync
                     self._pending[ahead] = self._pool.submit(self._stamped, ahead,
                                                              self.version())
         return batch
+
+    def wait(self) -> float:
+        """Wait until no batch is being produced (before a weight sync); the seconds waited."""
+        t0 = time.perf_counter()
+        for future in self._pending.values():
+            future.result()
+        return time.perf_counter() - t0
 
     def state(self) -> list[dict[str, Any]]:
         """The batches produced ahead, waited for and serialised (for a checkpoint)."""
@@ -112,7 +126,7 @@ def batch_from_json(data: dict[str, Any]) -> GroupBatch:
     scored = data["scored"]
     return GroupBatch(
         prompts=[PromptRow(**p) for p in data["prompts"]],
-        groups=[[Rollout(**r) for r in g] for g in data["groups"]],
+        groups=[[Episode(**r) for r in g] for g in data["groups"]],
         scored=RewardOutput(total=list(scored["total"]),
                             components={k: list(v) for k, v in scored["components"].items()},
                             failures={k: RewardFailures(**v)

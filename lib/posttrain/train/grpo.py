@@ -574,6 +574,9 @@ class RolloutWorker:
         self.cfg = build(GRPOConfig, cfg, where="grpo config")
         self.index = index
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu":        # the CPUs Ray gave this actor (rollout.resources_per_engine)
+            torch.set_num_threads(max(1, int(self.cfg.rollout.resources_per_engine.get(
+                "num_cpus", 1))))
         dtype = DTYPES[self.cfg.model.dtype]
         self.engine = build_rollout_engine(self.cfg.rollout, args, hf_dir, device, dtype,
                                            seed=self.cfg.train.engine.seed)

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from posttrain.rl.dynamic import GroupBatch
-from posttrain.rl.engine import Rollout
+from posttrain.rl.episodes import Episode
 from posttrain.rl.pipeline import RolloutPipeline, batch_from_json, batch_to_json
 from posttrain.rl.prompts import PromptRow
 from posttrain.rl.rewards import RewardFailures, RewardOutput
@@ -23,7 +23,10 @@ class _World:
 
     def produce(self, step: int) -> GroupBatch:
         self.produced.append((step, self.versions, threading.current_thread().name))
-        rollout = Rollout([1, 2], [3, step], [-0.25, -1.0 / 3 - step], "stop")
+        rollout = Episode([1, 2], [3, step], [-0.25, -1.0 / 3 - step], "stop", loss_mask=[1, 1],
+                          messages=[{"role": "assistant", "content": f"a{step}"}],
+                          answer=f"a{step}", env_reward=0.1 * step, turns=1,
+                          metrics={"tool_calls": 1.0})
         prompt = PromptRow([1, 2], [{"role": "user", "content": f"q{step}"}], {"answer": step})
         scored = RewardOutput([float(step)], {"r": [float(step)]}, {"r": RewardFailures(0)})
         return GroupBatch([prompt], [[rollout]], scored, {"dynamic_sampling/rounds": 1.0})
@@ -38,7 +41,8 @@ def _train(world: _World, pipeline: RolloutPipeline, steps: range) -> list[tuple
         batch = pipeline.take(step)
         seen.append((step, batch.groups[0][0].completion_ids[1],
                      batch.metrics["rollout/policy_version"], batch.metrics["rollout/staleness"]))
-        world.sync()                                         # the update, then the sync
+        pipeline.wait()                                      # the update; nothing in flight
+        world.sync()                                         # then the sync
     return seen
 
 
@@ -62,6 +66,18 @@ def test_batches_are_produced_ahead_with_bounded_staleness(k):
     steps = [p[0] for p in produced]
     assert len(set(steps)) == len(steps) and set(range(6)) <= set(steps)   # none twice
     assert all(t.startswith("rollouts") for s, _, t in produced if s > 0)
+
+
+def test_nothing_is_produced_past_the_end_and_wait_leaves_nothing_in_flight():
+    world = _World()
+    pipeline = RolloutPipeline(world.produce, lambda: world.versions, 2, end=4)
+    seen = _train(world, pipeline, range(4))
+    pipeline.close()
+    assert sorted(p[0] for p in world.produced) == [0, 1, 2, 3]
+    assert [(s[0], s[2]) for s in seen] == [(0, 0.0), (1, 0.0), (2, 0.0), (3, 1.0)]
+    # each batch was made with the weights of the version it is stamped with: no sync ran
+    # while one was in flight
+    assert sorted((p[0], float(p[1])) for p in world.produced) == [(s[0], s[2]) for s in seen]
 
 
 def test_checkpointed_buffer_resumes_exactly():

@@ -151,9 +151,11 @@ def test_vllm_engine_matches_native_engine(tmp_path: Path) -> None:
     m = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("gen_logprob_diff_temp", "gen_logprob_diff_greedy", "gen_logprob_diff_top_p",
                 "score_diff_t1.0", "score_diff_t0.7", "update_diff_vs_native",
-                "update_gen_diff_vs_native"):
+                "update_gen_diff_vs_native", "group_sync_diff_vs_native"):
         assert m[key] < 1e-4, (key, m)
     assert m["update_change"] > 0.1, m                 # the new weights did change the scores
+    assert m["group_sync_change"] > 0.1, m             # and so did the ones from the group
+    assert m["group_sync_bytes"] == m["group_sync_expected_bytes"], m
     assert m["same_seed_same_rollouts"] and m["samples_differ"], m
     for case in ("temp", "greedy", "top_p"):
         assert sum(m[f"finish_{case}"].values()) == 20, m          # 5 prompts x n=4

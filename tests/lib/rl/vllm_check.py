@@ -10,6 +10,9 @@ Run by `test_vllm_engine.py` as `python tests/lib/rl/vllm_check.py OUT_DIR` in t
 * update_weights() with perturbed weights: the engine's log-probs then match the native model
   with the new weights, differ from before, and generation (whose prompts sit in the prefix
   cache) uses the new weights too;
+* the GRPO weight sync into vLLM: a trainer process (`WeightSender`, in a process of its own)
+  broadcasts newly perturbed weights bucket by bucket over a gloo sync group, and this engine
+  receives them (`WeightReceiver`: staged in host memory, then one in-place reload);
 * generated tokens/s for 16 prompts x 4 samples x 32 tokens.
 """
 
@@ -24,6 +27,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))
 
 import json  # noqa: E402
+import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -35,6 +39,7 @@ from posttrain.models.verify import random_hf_model, tiny_hf_config  # noqa: E40
 from posttrain.rl.engine import Rollout, SamplingConfig  # noqa: E402
 from posttrain.rl.native import NativeEngine  # noqa: E402
 from posttrain.rl.vllm_engine import VLLMEngine  # noqa: E402
+from posttrain.rl.weight_sync import WeightReceiver, WeightSender  # noqa: E402
 
 VOCAB = 250
 STOPS = tuple(range(0, 250, 10))          # 25 ids: most samples stop within 16 tokens
@@ -78,6 +83,47 @@ def check_shapes(out: list[list[Rollout]], prompts: list[list[int]], n: int,
                 assert len(r.completion_ids) == sampling.max_new_tokens
             counts[r.finish_reason] += 1
     return counts
+
+
+def _trainer(hf_dir: str, weights: str, shapes: dict, dtype: torch.dtype, queue) -> None:
+    """A trainer rank of one: the model with the weights in `weights`, sent over a sync group
+    in 4 KB buckets (many per sync)."""
+    torch.set_num_threads(1)
+    model = load_hf(hf_dir, dtype=torch.float32)
+    new = torch.load(weights, weights_only=True)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(new[name])
+    sender = WeightSender(model, rank=0, device="cpu")
+    plan = sender.make_plan(shapes, dtype, bucket_bytes=4096)
+    queue.put((plan, sender.serve(1, "127.0.0.1")))
+    sender.join()
+    queue.put(sender.send(full=True))
+    sender.close()
+
+
+def sync_over_group(engine: VLLMEngine, hf_dir: Path, new: dict[str, torch.Tensor],
+                    out_dir: Path) -> int:
+    """`new` into the engine through the sync group, from a trainer process; the bytes."""
+    import multiprocessing as mp
+    weights = out_dir / "trainer_weights.pt"
+    torch.save(new, weights)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    trainer = ctx.Process(target=_trainer, args=(str(hf_dir), str(weights),
+                                                 engine.parameter_shapes, engine.dtype, queue))
+    trainer.start()
+    try:
+        plan, address = queue.get(timeout=120)
+        receiver = WeightReceiver(engine, plan)
+        receiver.join(address, 1, timeout_s=120)
+        received = receiver.receive(full=True)
+        sent = queue.get(timeout=120)
+        assert sent == received, (sent, received)
+        receiver.group.close()
+        return received
+    finally:
+        trainer.join(timeout=60)
 
 
 def main(out_dir: Path) -> dict:
@@ -135,6 +181,19 @@ def main(out_dir: Path) -> dict:
     flat = [r for s in engine.generate(prompts, sampling, n=2) for r in s]
     result["update_gen_diff_vs_native"] = max_diff([r.logprobs for r in flat],
                                                    native_scores(native, flat, 0.8))
+
+    # ---- the GRPO weight sync: a trainer process -> sync group -> vLLM's in-place reload
+    newer = {name: p.detach() + 0.05 * torch.randn(p.shape, generator=gen)
+             for name, p in native.model.named_parameters()}
+    t0 = time.perf_counter()
+    result["group_sync_bytes"] = sync_over_group(engine, hf_dir, newer, out_dir)
+    result["group_sync_s"] = time.perf_counter() - t0
+    result["group_sync_expected_bytes"] = sum(
+        math.prod(shape) for shape in engine.parameter_shapes.values()) * 4
+    native.update_weights(newer.items())
+    synced = engine.logprobs(seqs, plens)
+    result["group_sync_diff_vs_native"] = max_diff(synced, native.logprobs(seqs, plens))
+    result["group_sync_change"] = max_diff(synced, after)
 
     # ---- throughput
     bench_prompts = [torch.randint(0, VOCAB, (16,), generator=gen).tolist() for _ in range(16)]
