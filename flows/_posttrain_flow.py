@@ -276,9 +276,31 @@ def scratch_dir(root: str, name: str) -> str:
     return os.path.join(tempfile.gettempdir(), "posttrain-runs", key, name)
 
 
+def check_inputs(config: Any) -> None:
+    """A start step: the config's data files and tokenizer given by relative paths (inside the
+    repository, shipped with the code package) exist, or the run stops here, before any work,
+    naming each missing one and what makes it. Absolute paths (a cluster's mounts), URIs and
+    globs are checked where they are read."""
+    from metaflow.exception import MetaflowException
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    wanted = [("tokenizer.path", (cfg.get("tokenizer") or {}).get("path"))]
+    for split in ("train", "eval"):
+        for i, src in enumerate((cfg.get("data") or {}).get(split) or []):
+            paths = [src["path"]] if isinstance(src["path"], str) else list(src["path"])
+            wanted += [(f"data.{split}[{i}].path", p) for p in paths]
+    missing = [f"{key}: {path} not found" + (
+        " (bundled data: `make assets` writes it)" if str(path).startswith("assets/") else "")
+        for key, path in wanted
+        if path and not is_remote(str(path)) and not Path(path).is_absolute()
+        and not any(c in str(path) for c in "*?[") and not Path(path).exists()]
+    if missing:
+        raise MetaflowException("missing inputs, nothing was run:\n  " + "\n  ".join(missing))
+
+
 def storage_and_nodes(flow: Any) -> tuple[str, int]:
     """A recipe flow's start step: this run's storage root (retries and `resume` read it back
     from the artifact) and how many nodes its train step spans."""
+    check_inputs(flow.config)
     root = storage_root(flow, flow.config.run.dir)
     nodes = int(flow.config.run.num_nodes)
     print(f"storage: {root}; {nodes} node(s), {flow.config.run.num_workers} worker(s)")
@@ -514,6 +536,70 @@ def resolve_checkpoint(what: str, run_pathspec: str, directory: str) -> tuple[st
         raise ValueError(f"--{what}-run {run_pathspec} has no `hf_uri` artifact (an exported "
                          "checkpoint); give a training run")
     return run.data.hf_uri, run.pathspec
+
+
+def find_base_model(model: Any, sft_schema: str) -> tuple[str | None, str, dict | None]:
+    """A flow's start step, when no run was given: where its config's `model.hf_dir` is.
+
+    Returns (parent run pathspec or None, checkpoint URI, SFT config to train or None): the
+    directory itself when it exists; else, when `model.produced_by` names the SFT config that
+    makes it, the export of the newest successful SFTFlow run of that config (tag
+    `config:<hash>`), or that config for the run to train first (the URI is then a
+    placeholder the training replaces). Anything else missing stops the run here, before
+    any work, with the command that makes it."""
+    from metaflow.exception import MetaflowException
+
+    from posttrain.lineage import SHORT, config_hash
+    hf_dir = model.hf_dir
+    if is_remote(hf_dir) or (Path(hf_dir) / "config.json").is_file():
+        return None, hf_dir, None
+    if not model.produced_by:
+        raise MetaflowException(
+            f"model.hf_dir: {hf_dir}/config.json not found. Start from a finished run with "
+            "--sft-run SFTFlow/<run id>, or set model.produced_by to the SFT config that makes "
+            "it (this flow then finds the newest run of it, or trains it)")
+    source = Path(model.produced_by)
+    if not source.is_file():
+        raise MetaflowException(f"model.produced_by: {source} not found (the SFT config whose "
+                                f"export model.hf_dir {hf_dir} is)")
+    sft = parse_config(sft_schema)(source.read_text())
+    tag = f"config:{config_hash(sft)[:SHORT]}"
+    run = promoted_run("SFTFlow", tag) or _run_with_config("SFTFlow", sft, sft_schema)
+    if run is not None:
+        print(f"{hf_dir} is not on this disk; starting from the newest successful SFTFlow run "
+              f"of {source} ({tag}): {run.pathspec}")
+        return run.pathspec, run.data.hf_uri, None
+    print(f"{hf_dir} is not on this disk and no successful SFTFlow run of {source} ({tag}) was "
+          f"found: the base step trains it first (the same as `python flows/sft_flow.py "
+          f"--config config {source} run`)")
+    return None, hf_dir, sft
+
+
+def _run_with_config(flow_name: str, config: dict, schema: str, newest: int = 50) -> Any:
+    """The newest successful run of `flow_name` among the last `newest` whose config, read
+    with today's schema, is `config`: a run made before a field was added to the schema
+    carries another `config:` tag, yet ran the same recipe."""
+    from metaflow import Flow, namespace
+    from metaflow.exception import MetaflowNotFound
+
+    from posttrain.config.loader import build, to_dict
+    namespace(None)
+    try:
+        runs = Flow(flow_name).runs()
+    except MetaflowNotFound:
+        return None
+    for i, run in enumerate(runs):         # newest first
+        if i == newest:
+            return None
+        if not run.successful:
+            continue
+        try:
+            then = run["start"].task.data.config
+            if to_dict(build(_schema(schema), dict(then), where="config")) == config:
+                return run
+        except Exception:                   # a config the schema no longer reads: not this one
+            continue
+    return None
 
 
 def suite_card(card: Any, result: dict, records: dict[str, list[dict]],

@@ -1,7 +1,10 @@
 """On-policy RL (GRPO) as a Metaflow flow: prepare prompts -> grpo -> evaluate against the start.
 
-    start     resolve the run's storage and the starting checkpoint: the config's model, or the
-              export of another run given by pathspec (`--sft-run SFTFlow/1234`)
+    start     resolve the run's storage and the starting checkpoint: the export of another run
+              given by pathspec (`--sft-run SFTFlow/1234`), or the config's model; when that is
+              another run's output not on this disk (`model.produced_by`: the SFT config that
+              makes it), the newest successful SFTFlow run of that config
+    base      only when start found none of these: train that SFT base in this run
     prepare   tokenize the prompts (chat template with the generation prompt) into shards,
               keeping the dataset columns the rewards read (e.g. `answer`)
     grpo      the single controller over Ray trainer actors (FSDP2) and rollout engines (vLLM on
@@ -14,8 +17,9 @@
 
 Run it (from the repository root):
 
+    python flows/grpo_flow.py run                     # tiny CPU run: finds or trains its SFT base
     python flows/sft_flow.py --config config configs/sft/arithmetic_tiny.yaml run
-    python flows/grpo_flow.py run --sft-run SFTFlow/<run id>       # tiny CPU run
+    python flows/grpo_flow.py run --sft-run SFTFlow/<run id>       # start from that run
     python flows/grpo_flow.py --datastore=s3 --config config configs/grpo/qwen3_8b_2nodes.yaml \\
         run --with kubernetes --sft-run SFTFlow/<run id>
     python flows/grpo_flow.py resume grpo                          # continue from the checkpoint
@@ -29,6 +33,7 @@ from metaflow import (Config, FlowSpec, Parameter, card, current, retry, step,
                       trigger_on_finish)
 
 GRPO_SCHEMA = "posttrain.train.grpo.GRPOConfig"
+SFT_SCHEMA = "posttrain.train.sft.SFTConfig"
 
 
 @trigger_on_finish(flow="SFTFlow")
@@ -42,10 +47,12 @@ class GRPOFlow(FlowSpec):
     @step
     def start(self):
         """Fix the storage root and the starting checkpoint (recorded as lineage)."""
-        from _posttrain_flow import storage_root
+        from _posttrain_flow import check_inputs, storage_root
+        check_inputs(self.config)
         self.storage_root = storage_root(self, self.config.run.dir)
         self.num_nodes = int(self.config.run.num_nodes)
         self.parent_run, self.base_model_uri = None, self.config.model.hf_dir
+        self.base_recipe = None                 # an SFT config for the base step to train
         # deployed (Argo), a finished SFTFlow run triggers this flow: start from its export
         trigger = getattr(current, "trigger", None)
         triggered = trigger.run.pathspec if trigger else None
@@ -55,9 +62,28 @@ class GRPOFlow(FlowSpec):
             if not parent.successful:
                 raise ValueError(f"--sft-run {self.sft_run} did not finish successfully")
             self.parent_run, self.base_model_uri = parent.pathspec, parent.data.hf_uri
+        elif self.base_model_uri:
+            from _posttrain_flow import find_base_model
+            self.parent_run, self.base_model_uri, self.base_recipe = find_base_model(
+                self.config.model, SFT_SCHEMA)
         print(f"storage: {self.storage_root}; start from "
               f"{self.base_model_uri or 'a random model (config.model.init)'}"
               f"{f' ({self.parent_run})' if self.parent_run else ''}")
+        self.next(self.base)
+
+    @retry(times=1)
+    @step
+    def base(self):
+        """Train the SFT base (`model.produced_by`) when start found neither its checkpoint
+        nor a successful SFTFlow run of it; otherwise nothing."""
+        if self.base_recipe is not None:
+            from _posttrain_flow import join, prepare_data, train_recipe
+            root = join(self.storage_root, "base")
+            data = prepare_data(SFT_SCHEMA, self.base_recipe, root)
+            result = train_recipe("train_sft", SFT_SCHEMA, self.base_recipe, data.prepared_uri,
+                                  root, "train")
+            self.base_model_uri = result["hf_uri"]
+            print(f"trained the SFT base: {self.base_model_uri}")
         self.next(self.prepare)
 
     @step

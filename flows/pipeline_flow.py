@@ -31,7 +31,9 @@ class PipelineFlow(FlowSpec):
     @step
     def start(self):
         """Fix the storage root of the whole chain."""
-        from _posttrain_flow import storage_root
+        from _posttrain_flow import check_inputs, storage_root
+        for config in (self.sft, self.grpo):
+            check_inputs(config)
         self.storage_root = storage_root(self, "runs/pipeline")
         print(f"storage: {self.storage_root}")
         self.next(self.train_sft)

@@ -104,9 +104,23 @@ def ensure_prepared(cfg: Any, out_dir: str, show_progress: bool = True) -> str:
     return out_dir
 
 
+def check_base_model(model: Any) -> None:
+    """A local `model.hf_dir` that does not exist is reported with what would make it."""
+    from posttrain.data.prepared import is_remote
+    hf_dir = model.hf_dir
+    if is_remote(hf_dir) or (Path(hf_dir) / "config.json").is_file():
+        return
+    how = (f"it is the export of {model.produced_by}: train it first with `posttrain train-sft "
+           f"--config {model.produced_by}` (a flow run finds the newest SFTFlow run of it, "
+           "or trains it)" if model.produced_by else
+           "point model.hf_dir at a Hugging Face checkpoint directory")
+    raise ConfigError(f"model.hf_dir: {hf_dir}/config.json not found; {how}")
+
+
 def base_model_dir(cfg: Any, prepared_dir: str, run_dir: Path) -> str:
     """The HF checkpoint to start from: model.hf_dir, or a random one made from model.init."""
     if cfg.model.hf_dir:
+        check_base_model(cfg.model)
         return cfg.model.hf_dir
     manifest = json.loads((Path(prepared_dir) / "manifest.json").read_text())
     vocab = int(manifest["tokenizer"]["vocab_size"])

@@ -12,6 +12,11 @@ assistant turns), applies the over-long policy, and writes
 
 A bad row stops the run with a message naming file, line and field, or, with
 ``data.on_bad_row: skip``, is counted and reported. Invariant: rows read = written + rejected.
+Besides malformed rows, these are bad rows: a row nested too deep (``too_deep``), a NaN or
+infinite number where posttrain reads numbers (``non_finite``), a preference pair whose chosen
+equals its rejected (``identical_pair``, unless ``data.allow_identical_pairs``), and a prompt row
+without a column of ``data.required_columns`` (which the GRPO recipe fills with the columns its
+reward functions read).
 
 Event sequences (``vocab:`` instead of ``tokenizer:``, `posttrain.data.events`) take their ids
 from the config's vocabulary, with the labels of extra heads as ``label_<name>`` columns; the

@@ -1,12 +1,17 @@
-"""Shared test fixtures: a real S3 endpoint (moto server) for code that reads ``s3://``."""
+"""Shared test fixtures: a real S3 endpoint (moto server) for code that reads ``s3://``, and a
+proxy in front of it that a test can take down and bring back (`s3_outage`)."""
 
 from __future__ import annotations
 
 import os
+import random
+import select
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -41,10 +46,16 @@ class S3Server:
         return f"s3://{self.bucket}/{key}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port(low: int = 0, high: int = 0) -> int:
+    """A free port on 127.0.0.1: any (the kernel's choice), or one in [low, high)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", random.SystemRandom().randrange(low, high) if high else 0))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free port in [{low}, {high})")
 
 
 def _wait_until_up(proc: subprocess.Popen, endpoint: str, log_path: str) -> None:
@@ -97,6 +108,145 @@ def s3() -> Iterator[S3Server]:
             proc.wait()
         log.close()
         os.unlink(log.name)
+
+
+class FlakyProxy:
+    """A TCP proxy on 127.0.0.1 in front of `upstream` that a test can stop and start again.
+
+    `stop` closes the listening socket (new connections are refused) and resets every open
+    connection (the client sees RST); `start` listens again on the same port. Moto keeps its
+    data in memory, so an outage of the S3 endpoint is built here instead of restarting it.
+    `go_down(seconds)` returns once the proxy is down and brings it back from a timer thread;
+    `outages` counts those. `storage_options` are the upstream's with the proxy's endpoint.
+    """
+
+    def __init__(self, upstream: str, storage_options: dict):
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream = (host, int(port))
+        self.port = _free_port(low=20_000, high=32_000)  # below the ephemeral range: see start
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.storage_options = {**storage_options, "endpoint_url": self.endpoint}
+        self.outages = 0
+        self._lock = threading.Lock()
+        self._down = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._restart: threading.Timer | None = None
+
+    def start(self) -> None:
+        # An outgoing connection can be handed this port as its local one only from the
+        # ephemeral range, which the port is not in; so the bind only waits out a moment.
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                listener.bind(("127.0.0.1", self.port))
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    listener.close()
+                    raise
+                time.sleep(0.05)
+        listener.listen(64)
+        listener.settimeout(0.05)
+        with self._lock:
+            self._down.clear()
+            self._spawn(self._accept, listener)
+
+    def stop(self) -> None:
+        """Refuse new connections and reset the open ones; returns once all are closed."""
+        with self._lock:
+            self._down.set()
+            threads, self._threads = self._threads, []
+        for t in threads:
+            t.join(timeout=10)
+
+    def go_down(self, seconds: float) -> None:
+        """Stop now and start again after `seconds`, from a timer thread."""
+        self.stop()
+        self.outages += 1
+        self._restart = threading.Timer(seconds, self.start)
+        self._restart.start()
+
+    def close(self) -> None:
+        if self._restart is not None:
+            self._restart.cancel()
+            self._restart.join()
+        self.stop()
+
+    def _spawn(self, target, *args) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True, name="s3-proxy")
+        self._threads.append(t)
+        t.start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        with listener:
+            while not self._down.is_set():
+                try:
+                    client, _ = listener.accept()
+                except (TimeoutError, OSError):
+                    continue
+                with self._lock:
+                    if self._down.is_set():
+                        _reset(client)
+                        return
+                    self._spawn(self._pump, client)
+
+    def _pump(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(self.upstream, timeout=5)
+        except OSError:
+            _reset(client)
+            return
+        peer = {client: upstream, upstream: client}
+        receiving = set(peer)   # a side that closed its end: its FIN is passed on, not a RST
+        try:
+            while receiving and not self._down.is_set():
+                readable, _, _ = select.select(list(receiving), [], [], 0.05)
+                for src in readable:
+                    data = src.recv(1 << 16)
+                    if data:
+                        peer[src].sendall(data)
+                    else:
+                        receiving.discard(src)
+                        peer[src].shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        finally:
+            if self._down.is_set():
+                _reset(client)
+            else:
+                client.close()
+            upstream.close()
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with SO_LINGER 0, so that the peer gets a RST rather than a FIN."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    sock.close()
+
+
+@pytest.fixture
+def s3_outage(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[FlakyProxy]:
+    """A `FlakyProxy` in front of the session's moto server, with AWS_ENDPOINT_URL pointing at
+    it for this test (its `storage_options` do too). botocore's own retries are off
+    (AWS_MAX_ATTEMPTS=1), so that an outage reaches the code under test instead of being ridden
+    out inside the client; s3fs's cached clients are dropped before and after, so that none
+    outlives the endpoint it was made for. `s3.put` still goes to moto directly."""
+    s3fs = pytest.importorskip("s3fs")
+    proxy = FlakyProxy(s3.endpoint, s3.storage_options)
+    proxy.start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -79,3 +80,79 @@ def test_sft_then_grpo_flow_chained_by_pathspec(arithmetic_chain):
               if c["type"] == "table"]
     assert len(tables) == 2                         # start vs trained, completions
     assert not ray_processes_under(sandbox.ray_tmpdir)
+
+
+def _small_grpo(box, name: str, **changes):
+    """The tiny GRPO config, one short step, starting from `changes`' model."""
+    return box.config(TINY_GRPO, name=name, **{
+        "train.max_steps": 1, "train.prompts_per_step": 4, "train.samples_per_prompt": 4,
+        "eval.max_prompts": 4, "eval.num_records": 2, **changes})
+
+
+def _run_grpo(box, config, **params):
+    from metaflow import Runner
+    with Runner(str(GRPO_FLOW), cwd=str(REPO), env=box.env, show_output=False,
+                config=[("config", str(config))], pylint=False) as runner:
+        executing = runner.run(**params)
+        return executing.run, executing.stdout
+
+
+@pytest.mark.slow
+def test_without_sft_run_the_flow_starts_from_the_newest_sft_run_of_its_base_config(
+        arithmetic_chain, monkeypatch):
+    """`python flows/grpo_flow.py run` as typed: the config's model.hf_dir is not on this disk,
+    model.produced_by names the SFT config that makes it, and an SFTFlow run of that config
+    (the chain's) is found through the Metaflow client by its `config:` tag."""
+    box, sft = arithmetic_chain.sandbox, arithmetic_chain.sft
+    monkeypatch.setenv("USER", box.env["USER"])
+    config = _small_grpo(box, "grpo_found.yaml", **{
+        "model.hf_dir": str(box.root / "not_here" / "hf"),
+        "model.produced_by": str(arithmetic_chain.sft_config)})
+    run, stdout = _run_grpo(box, config)
+    assert run.successful, stdout[-3000:]
+    start = run["start"].task
+    assert start.data.parent_run == sft.pathspec
+    assert start.data.base_model_uri == sft.data.hf_uri
+    assert run["base"].task.data.base_recipe is None              # nothing trained
+    assert f"newest successful SFTFlow run of {arithmetic_chain.sft_config}" in stdout
+    assert run["end"].task.data.lineage["parents"] == [sft.pathspec]
+
+
+@pytest.mark.slow
+def test_without_any_sft_run_the_flow_trains_its_base_first(arithmetic_chain, monkeypatch):
+    """No SFTFlow run of the base config exists (a config the chain did not run): the base step
+    trains it, says so, and GRPO starts from that export."""
+    box = arithmetic_chain.sandbox
+    monkeypatch.setenv("USER", box.env["USER"])
+    base = box.config(REPO / "configs/sft/arithmetic_tiny.yaml", name="sft_base.yaml", **{
+        "train.max_steps": 3, "eval.max_batches": 1, "eval.generate.num_samples": 1})
+    config = _small_grpo(box, "grpo_trains_base.yaml", **{
+        "model.hf_dir": str(box.root / "not_here" / "hf"), "model.produced_by": str(base)})
+    run, stdout = _run_grpo(box, config)
+    assert run.successful, stdout[-3000:]
+    assert "the base step trains it first" in stdout
+    assert run["start"].task.data.parent_run is None
+    trained = run["base"].task.data.base_model_uri
+    assert trained.endswith("/base/train/hf") and (Path(trained) / "config.json").is_file()
+    joined = run["join"].task.data
+    assert joined.base_model_uri == trained and joined.train_result["steps"] == 1
+    assert run["evaluate"].task.data.eval_provenance["baseline_uri"] == trained
+
+
+def test_missing_inputs_stop_the_start_step_naming_them_and_what_makes_them():
+    from metaflow.exception import MetaflowException
+    sys.path.insert(0, str(REPO / "flows"))
+    from _posttrain_flow import check_inputs
+    data = yaml.safe_load(TINY_GRPO.read_text())
+    check_inputs(data)                                     # the bundled files are there
+    data["data"]["eval"][0]["path"] = "assets/data/gone/eval.jsonl"
+    data["tokenizer"]["path"] = "no_such_tokenizer"
+    with pytest.raises(MetaflowException) as e:
+        check_inputs(data)
+    assert "nothing was run" in str(e.value)
+    assert "tokenizer.path: no_such_tokenizer not found" in str(e.value)
+    assert ("data.eval[0].path: assets/data/gone/eval.jsonl not found (bundled data: `make "
+            "assets` writes it)") in str(e.value)
+    # a cluster's mounts and object stores are checked where they are read
+    big = yaml.safe_load((REPO / "configs/grpo/qwen3_8b_2nodes.yaml").read_text())
+    check_inputs(big)

@@ -1,4 +1,5 @@
-"""`posttrain train-* --set KEY=VALUE`: any config key from the command line, read as YAML."""
+"""The command line: `--set KEY=VALUE` overrides (any config key, read as YAML) and what a
+missing starting checkpoint is reported with."""
 
 from __future__ import annotations
 
@@ -43,3 +44,19 @@ def test_a_malformed_set_is_refused_by_name(item, says):
 def test_staleness_without_separate_engines_is_refused_naming_the_keys():
     with pytest.raises(ConfigError, match="rollout.max_staleness.*rollout.placement: separate"):
         load_recipe(CONFIG, GRPOConfig, {"rollout.max_staleness": 1})
+
+
+def test_a_missing_base_model_names_the_command_that_makes_it(tmp_path):
+    from steps.common import check_base_model
+    cfg = load_recipe(CONFIG, GRPOConfig, {"model.hf_dir": str(tmp_path / "sft" / "hf")})
+    with pytest.raises(ConfigError, match=r"hf/config.json not found; it is the export of "
+                       r"configs/sft/arithmetic_tiny.yaml: train it first with `posttrain "
+                       r"train-sft --config configs/sft/arithmetic_tiny.yaml`"):
+        check_base_model(cfg.model)
+    bare = load_recipe(CONFIG, GRPOConfig, {"model.hf_dir": str(tmp_path / "x"),
+                                            "model.produced_by": None})
+    with pytest.raises(ConfigError, match="point model.hf_dir at a Hugging Face checkpoint"):
+        check_base_model(bare.model)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "config.json").write_text("{}")
+    check_base_model(bare.model)                       # there: nothing to say

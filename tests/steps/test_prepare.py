@@ -1,15 +1,20 @@
-"""steps/prepare.py end to end: counts, rejects, parity with apply_chat_template, s3, CLI."""
+"""steps/prepare.py end to end: counts, rejects, parity with apply_chat_template, s3 (also
+across an outage of the endpoint), CLI."""
 
 import json
+import logging
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import fsspec
 import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
 from posttrain.config.recipes import PrepareConfig, load_recipe
+from posttrain.data.sources import RowStream
 from posttrain.errors import ConfigError, DataError
 from steps import prepare
 
@@ -37,6 +42,25 @@ BAD_LINES = [
                               {"role": "assistant", "content": "ok"}]}).encode(),
      "too_long", "messages"),
     (b'[1, 2, 3]', "not_an_object", None),
+    (b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", "too_deep", None),
+    (b'{"messages": ' + b"[" * 100 + b"]" * 100 + b"}", "too_deep", "messages"),
+]
+
+PAIR = {"prompt": "What is 2 + 3?", "chosen": "5", "rejected": "6"}
+PROMPT = {"prompt": "What is 2 + 3?", "answer": "5"}
+
+# (format, a good row, raw bad line, expected reason, expected field) for the odd rows of the
+# preference and prompt formats; prompt rows are prepared with required_columns: [answer].
+ODD_LINES = [
+    ("preference", PAIR, json.dumps({**PAIR, "rejected": "5"}).encode(), "identical_pair",
+     "rejected"),
+    ("prompt", PROMPT, json.dumps({"prompt": "What is 2 + 3?", "id": 7}).encode(),
+     "missing_field", "answer"),
+    ("prompt", PROMPT, b'{"prompt": "What is 2 + 3?", "answer": NaN}', "non_finite", "answer"),
+    ("prompt", PROMPT, b'{"prompt": "q", "answer": "5", "meta": {"w": [1, -Infinity]}}',
+     "non_finite", "meta.w[1]"),
+    ("prompt", PROMPT, b'{"prompt": "q", "answer": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+     "too_deep", None),
 ]
 
 
@@ -95,6 +119,89 @@ def test_error_mode_names_file_line_and_field(tmp_path, line, reason, field):
     if field:
         assert f"field '{field}'" in msg
     assert "on_bad_row: skip" in msg
+
+
+def _odd_config(tmp_path: Path, fmt: str, **data) -> PrepareConfig:
+    if fmt == "prompt":
+        data["required_columns"] = ["answer"]
+    return _config(tmp_path, str(tmp_path / "train.jsonl"), format=fmt, **data)
+
+
+@pytest.mark.parametrize("fmt, good, line, reason, field", ODD_LINES,
+                         ids=[f"{o[0]}-{o[3]}" for o in ODD_LINES])
+def test_odd_rows_are_counted_rejects(tmp_path, fmt, good, line, reason, field):
+    _write_jsonl(tmp_path / "train.jsonl", [json.dumps(good).encode(), line,
+                                            json.dumps(good).encode()])
+    manifest = prepare.run(_odd_config(tmp_path, fmt, on_bad_row="skip"), show_progress=False)
+    src = manifest["sources"][0]
+    assert (src["rows_read"], src["rows_written"], src["rows_rejected"]) == (3, 2, 1)
+    assert src["rows_read"] == src["rows_written"] + src["rows_rejected"]
+    assert src["rejected_by_reason"] == {reason: 1}
+    (reject,) = [json.loads(x) for x in
+                 (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert reject["file"].endswith("train.jsonl") and reject["line"] == 2
+    assert (reject["reason"], reject["field"]) == (reason, field)
+    assert f"{reason}=1" in prepare.summarize(manifest)
+
+
+@pytest.mark.parametrize("fmt, good, line, reason, field", ODD_LINES,
+                         ids=[f"{o[0]}-{o[3]}" for o in ODD_LINES])
+def test_odd_rows_in_error_mode_name_file_line_and_field(tmp_path, fmt, good, line, reason,
+                                                         field):
+    _write_jsonl(tmp_path / "train.jsonl", [json.dumps(good).encode(), line])
+    with pytest.raises(DataError) as e:
+        prepare.run(_odd_config(tmp_path, fmt), show_progress=False)
+    msg = str(e.value)
+    assert "train.jsonl:2" in msg and e.value.reason == reason and "on_bad_row: skip" in msg
+    if field:
+        assert f"field '{field}'" in msg
+
+
+def test_identical_pairs_are_kept_when_allowed(tmp_path):
+    _write_jsonl(tmp_path / "train.jsonl", [json.dumps(PAIR).encode(),
+                                            json.dumps({**PAIR, "rejected": "5"}).encode()])
+    manifest = prepare.run(_odd_config(tmp_path, "preference", allow_identical_pairs=True),
+                           show_progress=False)
+    t = manifest["totals"]
+    assert (t["rows_read"], t["rows_written"], t["rows_rejected"]) == (2, 2, 0)
+
+
+def test_grpo_launch_prepares_only_rows_with_the_rewards_columns(tmp_path, monkeypatch):
+    """The GRPO recipe's data, prepared the way its launch does (`ensure_prepared`), refuses a
+    row without the `answer` that exact_match_number reads."""
+    from posttrain.train.grpo import GRPOConfig
+    from steps.common import ensure_prepared
+    monkeypatch.chdir(ROOT)
+    lines = [PROMPT, {"prompt": "What is 1 + 1?"}, {"prompt": "What is 2 + 2?", "solution": 4},
+             PROMPT]
+    _write_jsonl(tmp_path / "train.jsonl", [json.dumps(r).encode() for r in lines])
+    data = {"data.train": [{"name": "t", "path": str(tmp_path / "train.jsonl")}], "data.eval": []}
+    cfg = load_recipe("configs/grpo/tiny.yaml", GRPOConfig,
+                      {**data, "data.on_bad_row": "skip"})
+    ensure_prepared(cfg, str(tmp_path / "skip"), show_progress=False)
+    manifest = json.loads((tmp_path / "skip" / "manifest.json").read_text())
+    t = manifest["totals"]
+    assert (t["rows_read"], t["rows_written"], t["rows_rejected"]) == (4, 2, 2)
+    assert manifest["sources"][0]["rejected_by_reason"] == {"missing_field": 2}
+    rejects = [json.loads(x) for x in
+               (tmp_path / "skip" / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["line"], r["field"]) for r in rejects] == [(2, "answer"), (3, "answer")]
+    assert all("column 'answer' is missing" in r["message"] for r in rejects)
+
+    cfg = load_recipe("configs/grpo/tiny.yaml", GRPOConfig, data)
+    with pytest.raises(DataError, match=r"train.jsonl:2, field 'answer': column 'answer' is "
+                                        r"missing, but the reward functions read it"):
+        ensure_prepared(cfg, str(tmp_path / "error"), show_progress=False)
+
+
+@pytest.mark.parametrize("data, says", [
+    ({"required_columns": ["answer"]}, "data.required_columns applies to data.format: prompt"),
+    ({"allow_identical_pairs": True},
+     "data.allow_identical_pairs applies to data.format: preference"),
+])
+def test_format_options_on_the_wrong_format_are_refused(tmp_path, data, says):
+    with pytest.raises(ConfigError, match=says):
+        _config(tmp_path, "x.jsonl", **data)
 
 
 def test_ids_equal_apply_chat_template_and_mask_on_assistant(tmp_path):
@@ -167,6 +274,63 @@ def test_s3_in_and_out(tmp_path, s3):
     assert all(sh["uri"].startswith("s3://") for sh in manifest["sources"][0]["shards"])
     local = prepare.run(_config(tmp_path, str(_local_copy(tmp_path, 7))), show_progress=False)
     assert local["content_hash"] == manifest["content_hash"]
+
+
+def _chat(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
+                         {"role": "assistant", "content": f"{i} + {i} = {2 * i}."}]}
+
+
+def test_s3_outage_while_streaming_loses_and_repeats_no_row(tmp_path, s3, s3_outage, caplog,
+                                                           monkeypatch):
+    """The endpoint goes down for 2.5 s in the middle of the third of six files; prepare (with
+    the default RetryConfig) waits it out, and its manifest equals an uninterrupted run's."""
+    for f in range(6):
+        s3.put(f"raw/outage/part-{f}.jsonl",
+               "".join(json.dumps(_chat(40 * f + i)) + "\n" for i in range(40)).encode())
+    files = [s3.uri(f"raw/outage/part-{f}.jsonl") for f in range(6)]
+    # s3fs reads 2 kB per request (files are ~4 kB), so the outage meets reads mid-file
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"default_block_size": 2048})
+    _config(tmp_path, s3.uri("raw/outage/*.jsonl"))
+
+    def run(out: str) -> dict:
+        cfg = load_recipe(tmp_path / "prepare.yaml", PrepareConfig,
+                          {"output.dir": str(tmp_path / out), "output.rows_per_shard": 50})
+        return prepare.run(cfg, show_progress=False)
+
+    plain = run("plain")
+    rows_seen, reached = [0], threading.Event()
+    emit = RowStream._emit
+
+    def counting_emit(self, row):
+        rows_seen[0] += 1
+        if rows_seen[0] == 100:
+            reached.set()
+        return emit(self, row)
+
+    monkeypatch.setattr(RowStream, "_emit", counting_emit)
+    outage = threading.Thread(target=lambda: reached.wait(60) and s3_outage.go_down(2.5))
+    outage.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="posttrain.data.sources"):
+            flaky = run("flaky")
+    finally:
+        reached.set()
+        outage.join()
+    assert s3_outage.outages == 1 and rows_seen[0] == 240
+    warnings = [r.getMessage() for r in caplog.records if "transient storage error" in
+                r.getMessage()]
+    assert warnings and all(m.split(": transient")[0] in files for m in warnings)
+
+    assert flaky["content_hash"] == plain["content_hash"]
+    assert flaky["totals"] == plain["totals"]
+    assert plain["totals"]["rows_read"] == plain["totals"]["rows_written"] == 240
+    for a, b in zip(flaky["sources"], plain["sources"], strict=True):
+        assert a["content_hash"] == b["content_hash"] and a["files"] == b["files"] == files
+        assert [(s["rows"], s["bytes"]) for s in a["shards"]] == [
+            (s["rows"], s["bytes"]) for s in b["shards"]]
+    rows = _read_rows(flaky)
+    assert rows == _read_rows(plain) and len(rows) == 240
 
 
 def _local_copy(tmp_path: Path, n: int) -> Path:

@@ -17,6 +17,9 @@ import json
 import logging
 import math
 import shutil
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,6 +145,28 @@ def test_two_ray_workers_match_one_inline_worker(tiny, local_ray):
 
 
 # ---------------------------------------------------------------------------- 2. resume
+@pytest.mark.parametrize("point", ["dcp", "rank-00000.json", "meta.json", "manifest.json",
+                                   "commit"])
+def test_sigkill_inside_a_checkpoint_save_resumes_from_the_previous_one(tiny, point):
+    """SIGKILL at a point inside the save of checkpoint MID_EPOCH_STEP (tests/steps/
+    kill_in_save.py): the torn attempt is never loaded, the restart continues from the
+    checkpoint before it and ends bit-identical to the uninterrupted run."""
+    run_dir = tiny.tmp / f"torn_{point}"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests/steps/kill_in_save.py"), str(MID_EPOCH_STEP), point,
+         "steps.train_sft", "--config", str(tiny.config), "--run-dir", str(run_dir),
+         "--launcher", "inline", "--no-progress"], cwd=ROOT, capture_output=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-3000:]
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    complete = [n for n in names if ".tmp-" not in n]
+    assert complete[-1] == f"step-{MID_EPOCH_STEP - 1:08d}", names
+    assert any(n.startswith(f"step-{MID_EPOCH_STEP:08d}.tmp-") for n in names), names
+    _run_to_end(tiny.config, run_dir)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert (result["started_at_step"], result["steps"]) == (MID_EPOCH_STEP - 1, MAX_STEPS)
+    assert _safetensors(run_dir / "hf") == _safetensors(tiny.ref_dir / "hf")
+
+
 @pytest.mark.parametrize("kills", ["mid_epoch", "epoch_boundary", "mid_epoch_then_boundary"])
 def test_sigkill_and_restart_gives_bit_identical_weights(tiny, kills):
     run_dir = tiny.tmp / f"killed_{kills}"

@@ -33,7 +33,12 @@ class ColumnNames:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """What to read and how to validate it. `train`/`eval` list sources; names must be unique."""
+    """What to read and how to validate it. `train`/`eval` list sources; names must be unique.
+
+    `required_columns` are extra columns every prompt row must have: the GRPO recipe adds the
+    ones its reward functions read (`RewardConfig.required_columns`), so a row that would
+    score 0 for want of its answer is a bad row at prepare time instead.
+    """
 
     train: list[SourceConfig]
     eval: list[SourceConfig] = field(default_factory=list)
@@ -43,6 +48,8 @@ class DataConfig:
     on_bad_row: Literal["error", "skip"] = "error"
     max_tokens_per_sample: int = 4096
     overlong: Literal["truncate", "drop", "error"] = "truncate"
+    required_columns: list[str] = field(default_factory=list)   # format: prompt
+    allow_identical_pairs: bool = False         # format: preference; chosen == rejected kept
 
     def __post_init__(self) -> None:
         if not self.train:
@@ -54,12 +61,18 @@ class DataConfig:
                 raise ValueError(f"data.{split}: duplicate source name(s) {sorted(dup)}")
         if self.max_tokens_per_sample < 2:
             raise ValueError("max_tokens_per_sample must be at least 2")
+        for key, fmt in (("required_columns", "prompt"), ("allow_identical_pairs", "preference")):
+            if getattr(self, key) and self.format != fmt:
+                raise ValueError(f"data.{key} applies to data.format: {fmt}, not "
+                                 f"{self.format!r}")
 
     def format_config(self) -> FormatConfig:
         c = self.columns
         return FormatConfig(format=self.format, messages_field=c.messages, prompt_field=c.prompt,
                             chosen_field=c.chosen, rejected_field=c.rejected,
-                            roles=tuple(self.roles))
+                            roles=tuple(self.roles),
+                            required_columns=tuple(self.required_columns),
+                            allow_identical_pairs=self.allow_identical_pairs)
 
     def length_config(self) -> LengthConfig:
         return LengthConfig(self.max_tokens_per_sample, self.overlong)

@@ -54,6 +54,7 @@ from posttrain.losses.sequence import TargetKind, check_kind
 VOCAB_FILE = "event_vocab.json"
 LABEL_PREFIX = "label_"          # the shard column of label `name` is label_<name>
 MISSING_CLASS = -100             # the ignore index: no class label at this position
+_FLOAT32_MAX = float(np.finfo(np.float32).max)   # regression labels are stored as float32
 
 
 @dataclass(frozen=True)
@@ -295,8 +296,11 @@ class EventEncoder:
         for i, v in enumerate(values):
             if v is None:
                 continue
-            if type(v) not in (int, float) or not math.isfinite(v):
+            if type(v) not in (int, float):
                 raise error(f"{where}[{i}]", f"a regression label is a finite number or null, "
                             f"got {v!r}", "wrong_type")
+            if not (math.isfinite(v) and abs(v) <= _FLOAT32_MAX):
+                raise error(f"{where}[{i}]", f"a regression label is a finite number (as a "
+                            f"float32) or null, got {v!r}", "non_finite")
             out[i] = v
         return out

@@ -6,9 +6,13 @@ Four formats cover the recipes:
   message may carry ``"train": false`` to keep it out of the loss, and ``reasoning_content``
   for templates that render thinking blocks.
 * ``preference``: ``{"prompt": ..., "chosen": ..., "rejected": ...}`` for DPO and reward
-  models; the prompt is shared, each response is a string or a list of assistant messages.
+  models; the prompt is shared, each response is a string or a list of assistant messages. A
+  pair whose chosen equals its rejected teaches nothing and is refused (``identical_pair``)
+  unless `FormatConfig.allow_identical_pairs`.
 * ``prompt``: ``{"prompt": ..., <extra columns>}`` for RL; the extra columns (e.g. ``answer``)
-  travel with the prompt to the reward functions.
+  travel with the prompt to the reward functions. A row without one of
+  `FormatConfig.required_columns` (the columns the rewards read) is refused, and so is a NaN or
+  infinite number anywhere in the extra columns (``non_finite``).
 * ``sequence``: ``{"tokens": [int, ...]}`` or ``{"text": "..."}`` for models trained on
   non-language event sequences; every token is a target.
 
@@ -18,6 +22,7 @@ Validation never changes content; it only normalizes shapes (string -> one messa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,6 +42,8 @@ class FormatConfig:
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
     roles: tuple[str, ...] = DEFAULT_ROLES
+    required_columns: tuple[str, ...] = ()   # prompt rows: extra columns each row must have
+    allow_identical_pairs: bool = False      # preference rows: keep chosen == rejected
 
 
 @dataclass
@@ -94,6 +101,10 @@ def parse_row(row: dict[str, Any], cfg: FormatConfig, *, file: str | None = None
         chosen = _response(_require(row, cfg.chosen_field, where), cfg.chosen_field, cfg, where)
         rejected = _response(_require(row, cfg.rejected_field, where), cfg.rejected_field,
                              cfg, where)
+        if chosen == rejected and not cfg.allow_identical_pairs:
+            raise where.error(cfg.rejected_field, f"equals {cfg.chosen_field!r}: the pair has "
+                              "no preference to learn (data.allow_identical_pairs: true keeps "
+                              "such pairs)", "identical_pair")
         return PreferenceRecord(prompt, chosen, rejected)
     if cfg.format == "prompt":
         prompt = _messages(_require(row, cfg.prompt_field, where), cfg.prompt_field,
@@ -101,7 +112,10 @@ def parse_row(row: dict[str, Any], cfg: FormatConfig, *, file: str | None = None
         if prompt[-1]["role"] == "assistant":
             raise where.error(f"{cfg.prompt_field}[{len(prompt) - 1}].role",
                               "a prompt must not end with an assistant turn", "bad_role")
+        for name in cfg.required_columns:
+            _require_column(row, name, where)
         extras = {k: v for k, v in row.items() if k != cfg.prompt_field}
+        _require_finite(extras, where)
         return PromptRecord(prompt, extras)
     if cfg.format == "sequence":
         return _sequence(row, where)
@@ -113,6 +127,40 @@ def _require(row: dict, key: str, where: _Where) -> Any:
         present = ", ".join(sorted(map(str, row))) or "none"
         raise where.error(key, f"missing required field (row has: {present})", "missing_field")
     return row[key]
+
+
+def _require_column(row: dict, name: str, where: _Where) -> None:
+    if row.get(name) is None:
+        present = ", ".join(sorted(map(str, row)))
+        got = "null" if name in row else "missing"
+        raise where.error(name, f"column {name!r} is {got}, but the reward functions read it "
+                          f"(data.required_columns); the row has: {present}", "missing_field")
+
+
+def _require_finite(columns: dict[str, Any], where: _Where) -> None:
+    for name, value in columns.items():
+        path = _non_finite_path(value, str(name))
+        if path is not None:
+            raise where.error(path, "NaN or infinite number: give a finite number or null",
+                              "non_finite")
+
+
+def _non_finite_path(value: Any, path: str) -> str | None:
+    """The path (``path``, ``path.key``, ``path[i]``) of a NaN or infinite number in `value`,
+    a number or lists and objects of them at any depth; None when there is none."""
+    stack = [(value, path)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, float):
+            if not math.isfinite(node):
+                return where
+        elif isinstance(node, dict):
+            stack.extend((v, f"{where}.{k}") for k, v in node.items()
+                         if isinstance(v, (float, dict, list)))
+        elif isinstance(node, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(node)
+                         if isinstance(v, (float, dict, list)))
+    return None
 
 
 def _messages(value: Any, name: str, roles: tuple[str, ...], where: _Where,

@@ -424,4 +424,23 @@ def sources_from_manifest(prepared_dir: str, split: str = "train") -> dict[str, 
            for s in manifest["sources"] if s["split"] == split and s["shards"]}
     if not out:
         raise DataError(f"the manifest has no non-empty '{split}' source", file=path)
+    for source in manifest["sources"]:
+        if source["split"] == split:
+            for shard in source["shards"]:
+                _check_shard(shard)
     return out
+
+
+def _check_shard(shard: dict) -> None:
+    """A shard is on disk with the size prepare wrote: a truncated or replaced one is an error
+    naming it, not a short epoch (damage within a file fails its page checksums on reading)."""
+    uri, want = shard["uri"], shard.get("bytes")
+    fs, path = fsspec.core.url_to_fs(uri)
+    if not fs.exists(path):
+        raise DataError("a prepared shard is missing (deleted or moved after prepare?); run "
+                        "prepare again", file=uri, reason="missing_file")
+    size = int(fs.size(path))
+    if want is not None and size != int(want):
+        raise DataError(f"the prepared shard has {size} bytes, but prepare wrote {want} "
+                        f"({shard.get('rows')} rows): it was truncated or replaced after "
+                        "prepare; run prepare again", file=uri, reason="shard_changed")

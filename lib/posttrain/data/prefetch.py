@@ -3,12 +3,14 @@
 For data that does not fit on the machine: a background thread downloads the next few files of
 a stream (in reading order) into a private directory whose bytes on disk, partial downloads
 included, never exceed `CacheConfig.max_bytes`; each file is deleted once read. Local files,
-and remote files larger than the cap, are read directly instead.
+and remote files larger than the cap, are read directly instead. A download that fails with a
+transient error starts again after a backoff (`posttrain.retry`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -18,6 +20,10 @@ from dataclasses import dataclass
 import fsspec
 
 from posttrain.errors import ConfigError, DataError
+from posttrain.retry import RetryConfig, RetryError
+from posttrain.retry import call as retry_call
+
+log = logging.getLogger(__name__)
 
 _LOCAL_PROTOCOLS = ("file", "local")
 _COPY_CHUNK_BYTES = 1 << 20
@@ -77,8 +83,9 @@ class Prefetcher:
     """
 
     def __init__(self, uris: list[str], start: int, cache: CacheConfig,
-                 storage_options: dict | None):
+                 storage_options: dict | None, retry: RetryConfig = RetryConfig()):
         self._uris = uris
+        self._retry = retry
         self._max_bytes = cache.max_bytes
         self._ahead = cache.prefetch_files
         self._storage_options = storage_options
@@ -130,6 +137,9 @@ class Prefetcher:
         if isinstance(error, FileNotFoundError):
             return DataError("file not found (deleted or moved after the file list was made?)",
                              file=uri, reason="missing_file")
+        if isinstance(error, RetryError):
+            return DataError(f"prefetching it into the cache {self.dir} failed: {error.detail}",
+                             file=uri, reason="unreadable_file")
         return DataError(f"prefetching it into the cache {self.dir} failed: "
                          f"{type(error).__name__}: {error}", file=uri, reason="unreadable_file")
 
@@ -152,13 +162,13 @@ class Prefetcher:
         if is_local(uri):
             return _Fetched(None)
         fs, path = filesystem(uri, self._storage_options)
-        size = fs.size(path)
+        size = self._retrying(uri, lambda: fs.size(path))
         if size > self._max_bytes:
             self.stats["streamed_direct"] += 1
             return _Fetched(None)
         self._reserve(i, size)
         try:
-            local_path = self._download(fs, path, i, size)
+            local_path = self._retrying(uri, lambda: self._download(fs, path, i, size))
         except BaseException:
             with self._cond:
                 self._reserved -= size
@@ -166,6 +176,15 @@ class Prefetcher:
             raise
         self.stats["downloaded"] += 1
         return _Fetched(local_path, size)
+
+    def _retrying(self, uri: str, fn):
+        """`fn()`, repeated after transient errors; `close` ends the wait between attempts."""
+        return retry_call(fn, self._retry, uri, log, sleep=self._wait_or_stop)
+
+    def _wait_or_stop(self, seconds: float) -> None:
+        with self._cond:
+            if self._cond.wait_for(lambda: self._stopping, timeout=seconds):
+                raise _Stopped
 
     def _reserve(self, i: int, size: int) -> None:
         with self._cond:

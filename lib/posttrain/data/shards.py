@@ -109,7 +109,9 @@ class ShardWriter:
         if self._writer is None:
             path = f"{self.root.rstrip('/')}/{self.prefix}-{len(self.shards):05d}.parquet"
             self._file = self.fs.open(path, "wb")
-            self._writer = pq.ParquetWriter(self._file, self.schema, compression="zstd")
+            # page checksums: a shard damaged on disk fails to read instead of reading garbage
+            self._writer = pq.ParquetWriter(self._file, self.schema, compression="zstd",
+                                            write_page_checksum=True)
             self._path = path
         arrays = [pa.array(self._buffer[f.name], type=f.type) for f in self.schema]
         self._writer.write_table(pa.Table.from_arrays(arrays, schema=self.schema),

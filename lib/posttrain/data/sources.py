@@ -4,12 +4,17 @@ A *source* is one or more paths (files, directories, globs, ``s3://`` URIs). `ex
 turns them into a sorted file list, and `RowStream` reads that list row by row:
 
 * **Formats.** JSONL is read line by line from a binary stream and each line is decoded
-  strictly as UTF-8, so one bad line never costs more than one row. Parquet is read one batch
-  at a time with ``ParquetFile.iter_batches``. Nothing holds a whole file in memory.
+  strictly as UTF-8, so one bad line never costs more than one row. Parquet is read one row
+  group at a time, in batches, with ``ParquetFile.iter_batches``. Nothing holds a whole file
+  in memory.
 * **Bad rows are data, not exceptions.** A malformed JSONL line becomes a `RawRow` with
   ``data=None`` and a `DataError` that names file, line and reason (``invalid_json``,
-  ``invalid_utf8``, ``not_an_object``), so that the caller can write a rejected-rows report and
-  carry on. A missing or unreadable *file* does raise: nothing sensible can follow it.
+  ``invalid_utf8``, ``not_an_object``, ``too_deep``), so that the caller can write a
+  rejected-rows report and carry on. A missing or unreadable *file* does raise: nothing
+  sensible can follow it.
+* **Bounded nesting.** A JSONL row nested deeper than `MAX_JSON_DEPTH` levels is such a bad
+  row (``too_deep``), so that no later stage (serializing columns, rendering a template) can
+  run out of Python's recursion limit on it.
 * **Sharding.** Ranks and loader workers split the data deterministically (see `RowStream`),
   and all shards together yield every row exactly once.
 * **Resumption.** `RowStream.state_dict` records the position (file, row, JSONL byte offset),
@@ -17,6 +22,12 @@ turns them into a sorted file list, and `RowStream` reads that list row by row:
 * **Remote files.** Remote files are streamed directly, or, with a `CacheConfig`, downloaded a
   few files ahead by a background thread into a size-capped local cache, so that training
   never waits on the network and never fills the local disk.
+* **Transient storage errors.** Where reading a remote file fails with an error that may pass
+  (`posttrain.retry.is_transient`: connection refused or reset, a timeout, a 5xx), the file is
+  reopened after a backoff (`RetryConfig`, a warning naming the file each time) and read on from
+  the current position, so no row is lost or read twice; after the last attempt a `DataError`
+  says it gave up. Listing and prefetching retry the same way. Bad content (a malformed line, a
+  file that is not Parquet) fails at once, and so does any error of a local file.
 
 Credentials and endpoints for ``s3://`` come from the environment (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ...) or from ``storage_options``, which is passed to fsspec unchanged for
@@ -28,18 +39,25 @@ from __future__ import annotations
 import codecs
 import contextlib
 import copy
+import dataclasses
 import json
+import logging
 import math
 import os
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import IO, Any, Literal
 
+import fsspec.compression
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from posttrain.data.prefetch import CacheConfig, Prefetcher, filesystem, is_local
 from posttrain.errors import ConfigError, DataError
+from posttrain.retry import Backoff, RetryConfig, RetryError, is_transient
+from posttrain.retry import call as retry_call
+
+log = logging.getLogger(__name__)
 
 Format = Literal["auto", "jsonl", "parquet"]
 ShardBy = Literal["auto", "file", "row"]
@@ -49,6 +67,7 @@ _PARQUET_SUFFIXES = (".parquet", ".pq")
 _COMPRESSION_SUFFIXES = {".gz": "gzip"}
 _GLOB_CHARS = "*?["
 _STATE_VERSION = 1
+MAX_JSON_DEPTH = 100  # levels of objects and arrays in a JSONL row, the row itself 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,15 +99,17 @@ class SourceConfig:
 # Paths
 
 
-def expand_paths(path: str | list[str], storage_options: dict | None = None) -> list[str]:
+def expand_paths(path: str | list[str], storage_options: dict | None = None,
+                 retry: RetryConfig = RetryConfig()) -> list[str]:
     """Turn files, directories, globs and URIs into a deterministic list of files.
 
     Each entry expands to a sorted list: a glob to the files it matches, a directory to the
     data files below it (by extension, recursively), a file to itself; globs and directories
     skip names that start with '.' or '_'. Entries keep their given
     order and a file named twice is kept once. A missing path, an empty glob or directory, or a
-    listing failure raises `DataError` naming the entry. Remote files come back as URIs
-    (``s3://bucket/key``), local ones as absolute paths.
+    listing failure raises `DataError` naming the entry; a remote listing is retried after
+    transient errors as `retry` allows. Remote files come back as URIs (``s3://bucket/key``),
+    local ones as absolute paths.
     """
     entries = [path] if isinstance(path, str) else list(path)
     if not entries:
@@ -97,29 +118,35 @@ def expand_paths(path: str | list[str], storage_options: dict | None = None) -> 
     files: list[str] = []
     seen: set[str] = set()
     for entry in entries:
-        for uri in _expand_entry(entry, storage_options):
+        for uri in _expand_entry(entry, storage_options, retry):
             if uri not in seen:
                 seen.add(uri)
                 files.append(uri)
     return files
 
 
-def _expand_entry(entry: str, storage_options: dict | None) -> list[str]:
+def _expand_entry(entry: str, storage_options: dict | None, retry: RetryConfig) -> list[str]:
     fs, root = filesystem(entry, storage_options)
-    try:
+
+    def listing() -> tuple[list[str], str]:
         fs.invalidate_cache()
         if any(c in root for c in _GLOB_CHARS):
-            found = [p for p, info in fs.glob(root, detail=True).items()
-                     if info["type"] == "file" and not _is_hidden(p)]
-            missing = "the pattern matches no files"
-        elif fs.isdir(root):
-            found = [p for p in fs.find(root) if _is_data_file(p)]
-            missing = ("the directory holds no data files (.jsonl, .json, .ndjson, .parquet, "
-                       ".pq, optionally .gz for JSON Lines)")
-        elif fs.isfile(root):
-            found, missing = [root], ""
-        else:
-            found, missing = [], "no such file or directory"
+            return ([p for p, info in fs.glob(root, detail=True).items()
+                     if info["type"] == "file" and not _is_hidden(p)],
+                    "the pattern matches no files")
+        if fs.isdir(root):
+            return ([p for p in fs.find(root) if _is_data_file(p)],
+                    "the directory holds no data files (.jsonl, .json, .ndjson, .parquet, .pq, "
+                    "optionally .gz for JSON Lines)")
+        if fs.isfile(root):
+            return [root], ""
+        return [], "no such file or directory"
+
+    try:
+        found, missing = listing() if is_local(entry) else retry_call(listing, retry, entry, log)
+    except RetryError as e:
+        raise DataError(f"cannot list it: {e.detail}", file=entry,
+                        reason="unreadable_file") from e
     except Exception as e:  # storage errors vary by backend; the cause stays chained
         raise DataError(f"cannot list it: {type(e).__name__}: {e}", file=entry,
                         reason="unreadable_file") from e
@@ -198,8 +225,10 @@ def shard_for(rank: int, world_size: int, worker_id: int = 0,
     return rank * num_workers + worker_id, world_size * num_workers
 
 
-def _bad_row(file: str, line: int, reason: str, message: str) -> RawRow:
-    return RawRow(None, file, line, DataError(message, file=file, line=line, reason=reason))
+def _bad_row(file: str, line: int, reason: str, message: str,
+             field: str | None = None) -> RawRow:
+    return RawRow(None, file, line, DataError(message, file=file, line=line, field=field,
+                                              reason=reason))
 
 
 def _parse_jsonl_line(raw: bytes, file: str, line: int) -> RawRow:
@@ -216,10 +245,31 @@ def _parse_jsonl_line(raw: bytes, file: str, line: int) -> RawRow:
     except json.JSONDecodeError as e:
         return _bad_row(file, line, "invalid_json",
                         f"not valid JSON: {e.msg} at column {e.colno}")
+    except RecursionError:
+        return _bad_row(file, line, "too_deep", f"nested more than {MAX_JSON_DEPTH} levels deep "
+                        "(too deep for the JSON decoder); flatten the row")
     if not isinstance(value, dict):
         return _bad_row(file, line, "not_an_object",
                         f"expected one JSON object per line, got a JSON {_json_kind(value)}")
+    deep = _too_deep_key(value)
+    if deep is not None:
+        return _bad_row(file, line, "too_deep",
+                        f"nested more than {MAX_JSON_DEPTH} levels deep; flatten the row", deep)
     return RawRow(value, file, line)
+
+
+def _too_deep_key(row: dict) -> str | None:
+    """The top-level key under which `row` nests more than `MAX_JSON_DEPTH` levels, or None.
+    Iterative: the point is to refuse rows that recursion would choke on."""
+    for key, value in row.items():
+        stack = [(value, 2)] if isinstance(value, (dict, list)) else []
+        while stack:
+            node, depth = stack.pop()
+            if depth > MAX_JSON_DEPTH:
+                return str(key)
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return None
 
 
 def _json_kind(value: Any) -> str:
@@ -253,12 +303,15 @@ class RowStream:
     `load_state_dict` save and restore it. `stats` counts, per file, the rows this shard
     yielded, how many of them were errors, and the blank lines it skipped. Use it as a context
     manager (or call `close`) so that a prefetch thread stops and its cache is removed.
+
+    `retry` governs transient errors of remote files (see the module docstring): each outage
+    gets the whole budget anew once reading has moved on since the previous one.
     """
 
     def __init__(self, files: list[str], *, fmt: Format = "auto", shard_index: int = 0,
                  num_shards: int = 1, shard_by: ShardBy = "auto",
                  cache: CacheConfig | None = None, storage_options: dict | None = None,
-                 parquet_batch_rows: int = 1024):
+                 parquet_batch_rows: int = 1024, retry: RetryConfig = RetryConfig()):
         if num_shards < 1 or not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} is outside 0..{num_shards - 1}")
         if shard_by not in ("auto", "file", "row"):
@@ -277,6 +330,7 @@ class RowStream:
         self._cache = cache
         self._storage_options = storage_options
         self._parquet_batch_rows = parquet_batch_rows
+        self._retry = retry
         self._pos = _Position()
         self._stats: dict[str, dict[str, int]] = {}
         self._active: Generator[RawRow, None, None] | None = None
@@ -285,7 +339,8 @@ class RowStream:
     @classmethod
     def from_source(cls, source: SourceConfig, **kwargs: Any) -> RowStream:
         """A stream over `source`'s files; `kwargs` are `RowStream`'s keyword arguments."""
-        files = expand_paths(source.path, kwargs.get("storage_options"))
+        files = expand_paths(source.path, kwargs.get("storage_options"),
+                             kwargs.get("retry", RetryConfig()))
         return cls(files, fmt=source.format, **kwargs)
 
     @property
@@ -385,18 +440,33 @@ class RowStream:
         start = self._pos.file_index
         if self._cache is None or all(is_local(f) for f in files[start:]):
             return None
-        self._prefetcher = Prefetcher(files, start, self._cache, self._storage_options)
+        self._prefetcher = Prefetcher(files, start, self._cache, self._storage_options,
+                                      self._retry)
         return self._prefetcher
 
     def _read_file(self, k: int, prefetcher: Prefetcher | None) -> Iterator[RawRow]:
+        """The rows of file `k` from the current position. A transient failure of a remote
+        file reopens it after a backoff and goes on from the position of the last row read."""
         uri = self._all_files[self._own[k]]
         kind, compression = self._formats[self._own[k]]
         local_copy = prefetcher.acquire(k) if prefetcher is not None else None
-        with _open_binary(uri, local_copy, compression, self._storage_options) as f:
-            if kind == "jsonl":
-                yield from self._jsonl_rows(f, uri)
-            else:
-                yield from self._parquet_rows(f, uri)
+        rows = self._jsonl_rows if kind == "jsonl" else self._parquet_rows
+        backoff, failed_at = None, None
+        while True:
+            try:
+                with _open_binary(uri, local_copy, compression, self._storage_options) as f:
+                    yield from rows(f, uri)
+                return
+            except _TransientRead as e:
+                if backoff is None or self._pos != failed_at:  # rows read since: a new outage
+                    backoff = Backoff(self._retry, uri, log)
+                failed_at = dataclasses.replace(self._pos)
+                try:
+                    backoff.failed(e.error)
+                except RetryError as gave_up:
+                    line = self._pos.line + 1 if kind == "jsonl" else None
+                    raise DataError(f"reading failed: {gave_up.detail}", file=uri, line=line,
+                                    reason="unreadable_file") from e.error
 
     def _mine(self, global_row: int) -> bool:
         return self.shard_by == "file" or global_row % self.num_shards == self.shard_index
@@ -455,23 +525,77 @@ class RowStream:
 # Reading files
 
 
+class _TransientRead(Exception):
+    """Opening or reading a remote file failed with a transient `error`: worth reopening."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+class _RecordingFile:
+    """A remote file that remembers the error of its last failed read or seek.
+
+    A storage failure reaches the reader through a decompressor or pyarrow, changed or wrapped;
+    what the file itself raised tells it apart from bad content.
+    """
+
+    def __init__(self, f: IO[bytes]):
+        self._f = f
+        self.error: BaseException | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+    def _do(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self._f, method)(*args)
+        except Exception as e:
+            self.error = e
+            raise
+
+    def read(self, *args: Any) -> bytes:
+        return self._do("read", *args)
+
+    def readline(self, *args: Any) -> bytes:
+        return self._do("readline", *args)
+
+    def readinto(self, *args: Any) -> int:
+        return self._do("readinto", *args)
+
+    def seek(self, *args: Any) -> int:
+        return self._do("seek", *args)
+
+
 @contextlib.contextmanager
 def _open_binary(uri: str, local_copy: str | None, compression: str | None,
                  storage_options: dict | None) -> Iterator[IO[bytes]]:
-    """Open `uri` (or its cached `local_copy`) for binary reading, failing with a DataError."""
+    """Open `uri` (or its cached `local_copy`) for binary reading, failing with a DataError,
+    or, for a remote file that failed transiently while being opened or read, `_TransientRead`."""
+    remote = local_copy is None and not is_local(uri)
     try:
         fs, path = filesystem(local_copy or uri, storage_options)
-        f = fs.open(path, "rb", compression=compression)
+        raw = fs.open(path, "rb")
     except FileNotFoundError as e:
         raise DataError("file not found (deleted or moved after the file list was made?)",
                         file=uri, reason="missing_file") from e
     except Exception as e:  # storage errors vary by backend; the cause stays chained
+        if remote and is_transient(e):
+            raise _TransientRead(e) from e
         raise DataError(f"cannot open it for reading: {type(e).__name__}: {e}", file=uri,
                         reason="unreadable_file") from e
+    recorder = _RecordingFile(raw) if remote else None
+    f = recorder or raw
     try:
-        yield f
+        with (fsspec.compression.compr[compression](f, mode="rb") if compression
+              else contextlib.nullcontext(f)) as stream:
+            yield stream
+    except Exception:
+        if recorder is not None and recorder.error is not None and is_transient(recorder.error):
+            raise _TransientRead(recorder.error) from recorder.error
+        raise
     finally:
-        f.close()
+        raw.close()
 
 
 def _read_line(f: IO[bytes], uri: str, line: int) -> bytes:
@@ -484,7 +608,7 @@ def _read_line(f: IO[bytes], uri: str, line: int) -> bytes:
 
 def _parquet_file(f: IO[bytes], uri: str) -> pq.ParquetFile:
     try:
-        return pq.ParquetFile(f)
+        return pq.ParquetFile(f, page_checksum_verification=True)   # where a file has them
     except Exception as e:
         raise DataError(f"not a readable Parquet file: {type(e).__name__}: {e}", file=uri,
                         reason="invalid_parquet") from e
@@ -503,16 +627,18 @@ def _locate_row(metadata: pq.FileMetaData, row: int) -> tuple[int, int]:
 
 def _batches(parquet: pq.ParquetFile, groups: range, batch_rows: int,
              uri: str) -> Iterator[pa.RecordBatch]:
-    if not groups:
-        return
-    batches = parquet.iter_batches(batch_size=batch_rows, row_groups=list(groups),
-                                   use_threads=False)
-    while True:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
-        except Exception as e:
-            raise DataError(f"reading Parquet data failed: {type(e).__name__}: {e}", file=uri,
-                            reason="invalid_parquet") from e
-        yield batch
+    """Batches of at most `batch_rows` rows, one row group at a time: pyarrow fetches the
+    groups of one call together, so this bounds what is in memory, and a read that fails
+    costs only the group it was fetching."""
+    for group in groups:
+        batches = parquet.iter_batches(batch_size=batch_rows, row_groups=[group],
+                                       use_threads=False)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            except Exception as e:
+                raise DataError(f"reading Parquet data failed: {type(e).__name__}: {e}",
+                                file=uri, reason="invalid_parquet") from e
+            yield batch

@@ -65,7 +65,7 @@ from posttrain.rl.engine import SamplingConfig, stop_token_ids
 from posttrain.rl.environment import EnvironmentConfig
 from posttrain.rl.factory import RolloutEngineConfig, load_engine
 from posttrain.rl.rewards import (RewardFailures, RewardOutput, RewardSpec, combine,
-                                  parse_number)
+                                  parse_number, required_columns)
 
 __all__ = ["GenerationSettings", "GraderConfig", "SuiteConfig", "SuiteResult", "TaskConfig",
            "TaskResult", "load_suite", "run_suite"]
@@ -338,7 +338,8 @@ def _read_rows(task: TaskConfig, tokenizer: ChatTokenizer
     a bad row fails naming file and line unless the task skips them."""
     c = task.columns
     fmt = FormatConfig(format=task.data_format, messages_field=c.messages,
-                       prompt_field=c.prompt, chosen_field=c.chosen, rejected_field=c.rejected)
+                       prompt_field=c.prompt, chosen_field=c.chosen, rejected_field=c.rejected,
+                       required_columns=required_columns(task.rewards))
     encoder = RecordEncoder(tokenizer, task.data_format,
                             LengthConfig(task.max_tokens_per_sample, "truncate"))
     reference = task.reference_column or "answer"

@@ -25,6 +25,12 @@ A function of your own needs no registration: name it by ``package.module:attrib
 (``{name: "my_rewards:brevity", weight: 0.5, params: {...}}``); it is imported when the config is
 built, so a failing import is a ConfigError at launch.
 
+A function declares the dataset columns it reads, so that a prompt row without them is refused
+when the data is prepared (`RewardConfig.required_columns` -> ``data.required_columns``) rather
+than scoring 0 on every rollout: ``register(name, columns=...)``, or for your own function a
+``required_columns`` attribute. Either is a list of column names or a function of the reward's
+params that returns one (`column_param`: the column its ``column`` param names).
+
 Unknown names and unknown or missing params are ConfigErrors at config time; built-ins that can
 check their param values (a regex compiles, a reward-model dir exists) do so then too.
 """
@@ -50,29 +56,32 @@ from posttrain.rl.sandbox import SandboxLimits, run_python
 log = logging.getLogger(__name__)
 
 RewardFn = Callable[..., list[float]]
+Columns = Sequence[str] | Callable[..., Sequence[str]]
 
 
 @dataclass(frozen=True)
 class _Entry:
     fn: RewardFn
     validate: Callable[..., None] | None
+    columns: Columns = ()
 
 
 _REGISTRY: dict[str, _Entry] = {}
 
 
-def register(name: str, *, validate: Callable[..., None] | None = None
-             ) -> Callable[[RewardFn], RewardFn]:
+def register(name: str, *, validate: Callable[..., None] | None = None,
+             columns: Columns = ()) -> Callable[[RewardFn], RewardFn]:
     """Register a batched reward function under `name`.
 
     `validate(**params)`, if given, checks the param values at config time and raises
-    ValueError with a message naming the param.
+    ValueError with a message naming the param. `columns` are the dataset columns it reads, or
+    ``columns(**params)`` returns them (params with the function's defaults filled in).
     """
     def decorator(fn: RewardFn) -> RewardFn:
         if name in _REGISTRY:
             raise ValueError(f"a reward function named {name!r} is already registered "
                              f"({_REGISTRY[name].fn.__module__}.{_REGISTRY[name].fn.__qualname__})")
-        _REGISTRY[name] = _Entry(fn, validate)
+        _REGISTRY[name] = _Entry(fn, validate, columns)
         return fn
     return decorator
 
@@ -90,12 +99,18 @@ def get_reward(name: str) -> RewardFn:
         if not callable(fn) or not _takes_batch(fn):
             raise ConfigError(f"rewards.functions: {name!r} is not a reward function "
                               "fn(completions, prompts, columns, **params) -> list[float]")
-        _REGISTRY[name] = _Entry(fn, None)
+        _REGISTRY[name] = _Entry(fn, None, getattr(fn, "required_columns", ()))
     if name not in _REGISTRY:
         raise ConfigError(f"unknown reward function {name!r}; registered: "
                           f"{', '.join(registered_names())} (or name your own as "
                           "'package.module:function')")
     return _REGISTRY[name].fn
+
+
+def column_param(*, column: str, **params: Any) -> tuple[str]:
+    """`columns` of a reward that reads the one column its ``column`` param names."""
+    del params
+    return (column,)
 
 
 def _takes_batch(fn: Callable[..., Any]) -> bool:
@@ -128,6 +143,23 @@ class RewardSpec:
                 validate(**self.params)
             except ValueError as e:
                 raise ConfigError(f"reward {self.name!r}: {e}") from None
+        self.required_columns  # a malformed declaration fails now, naming the reward
+
+    @property
+    def required_columns(self) -> tuple[str, ...]:
+        """The dataset columns this function reads with these params."""
+        entry = _REGISTRY[self.name]
+        columns = entry.columns
+        if callable(columns):
+            try:
+                columns = columns(**{**_param_defaults(entry.fn), **self.params})
+            except Exception as e:  # noqa: BLE001 - user code; reported at config time
+                raise ConfigError(f"reward {self.name!r}: its required_columns failed: "
+                                  f"{_describe(e)}") from None
+        if isinstance(columns, str) or not all(isinstance(c, str) and c for c in columns):
+            raise ConfigError(f"reward {self.name!r}: its required_columns must be a list of "
+                              f"column names, got {columns!r}")
+        return tuple(columns)
 
 
 @dataclass(frozen=True)
@@ -144,6 +176,21 @@ class RewardConfig:
         if dups:
             raise ConfigError(f"rewards.functions: {dups} listed more than once; combine their "
                               "checks in one registered function instead")
+
+    @property
+    def required_columns(self) -> tuple[str, ...]:
+        """Every dataset column the functions read, sorted."""
+        return required_columns(self.functions)
+
+
+def required_columns(specs: Sequence[RewardSpec]) -> tuple[str, ...]:
+    """Every dataset column the functions of `specs` read, sorted."""
+    return tuple(sorted({c for spec in specs for c in spec.required_columns}))
+
+
+def _param_defaults(fn: RewardFn) -> dict[str, Any]:
+    return {p.name: p.default for p in list(inspect.signature(fn).parameters.values())[3:]
+            if p.default is not p.empty}
 
 
 def _check_params(name: str, fn: RewardFn, params: dict[str, Any]) -> None:
@@ -296,7 +343,7 @@ def parse_number(text: str) -> Fraction | None:
     return Fraction(re.sub(r"[,\s]", "", token).replace("−", "-"))
 
 
-@register("exact_match_number")
+@register("exact_match_number", columns=column_param)
 def exact_match_number(completions: list[str], prompts: list[list[dict]],
                        columns: dict[str, list[Any]], *, column: str = "answer") -> list[float]:
     """1.0 where the completion's final number equals `column`'s number, else 0.0."""
@@ -317,7 +364,7 @@ def _validate_closeness(*, column: str = "answer", scale: float = 1.0) -> None:
         raise ValueError(f"params.scale must be > 0, got {scale}")
 
 
-@register("numeric_closeness", validate=_validate_closeness)
+@register("numeric_closeness", validate=_validate_closeness, columns=column_param)
 def numeric_closeness(completions: list[str], prompts: list[list[dict]],
                       columns: dict[str, list[Any]], *, column: str = "answer",
                       scale: float = 1.0) -> list[float]:
@@ -448,7 +495,7 @@ def _limits(timeout_s: float, cpu_s: int, memory_mb: int) -> SandboxLimits:
     return SandboxLimits(timeout_s=timeout_s, cpu_s=cpu_s, memory_bytes=memory_mb * 2**20)
 
 
-@register("python_exec", validate=_validate_python_exec)
+@register("python_exec", validate=_validate_python_exec, columns=column_param)
 def python_exec(completions: list[str], prompts: list[list[dict]],
                 columns: dict[str, list[Any]], *, column: str = "expected_stdout",
                 timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: int = 512,

@@ -35,6 +35,13 @@ so no local staging copy (and no local disk the size of a shard) is needed.
 Loading picks the newest checkpoint whose files match its manifest; a damaged newest checkpoint
 is reported with a warning that names the file, and the previous one is used.
 
+Outages. On an object store every file operation is retried after a transient error
+(`CheckpointConfig.retry`, see `checkpoint_storage.py`), and a DCP save or load that fails on one
+runs again as a whole, all ranks together (DCP overwrites the same files, or reads them again).
+So a save that overlaps a short outage of the store still commits a complete checkpoint; one
+that outlasts the retries fails with `CheckpointStorageError`, and a load then fails the same
+way rather than falling back to an older checkpoint or to none.
+
 Unpickling. DCP stores its index (``dcp/.metadata``) as a pickle and reads small non-tensor
 values (optimizer hyper-parameters) with ``torch.load(weights_only=False)``. Here the index is
 read with an unpickler that only admits DCP's own metadata classes, and every small value must
@@ -49,6 +56,7 @@ import os
 import re
 import secrets
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +65,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -66,8 +75,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from posttrain.errors import ConfigError, PosttrainError
-from posttrain.train.checkpoint_storage import SafeLoadPlanner, Store
+from posttrain.errors import ConfigError
+from posttrain.retry import Backoff, RetryConfig
+from posttrain.train.checkpoint_storage import (
+    CheckpointError,
+    CheckpointStorageError,
+    SafeLoadPlanner,
+    Store,
+    dcp_failure,
+    transient_dcp_error,
+)
 from posttrain.train.rng import capture_rng, restore_rng as _restore_rng
 
 log = logging.getLogger(__name__)
@@ -80,22 +97,20 @@ _STEP_RE = re.compile(r"^step-(\d{8})$")
 _TMP_RE = re.compile(r"^step-\d{8}\.tmp-.+$")
 
 
-class CheckpointError(PosttrainError):
-    """A checkpoint is missing, incomplete or damaged, or cannot hold what was asked of it."""
-
-
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Where checkpoints go and how many survive.
 
     `dir` is a local directory or an ``s3://bucket/prefix``; `every_steps` is the save interval in
-    optimizer steps (see `CheckpointManager.due`); `keep_last` complete checkpoints are kept.
+    optimizer steps (see `CheckpointManager.due`); `keep_last` complete checkpoints are kept;
+    `retry` is how an object store's transient errors are retried (see "Outages" above).
     """
 
     dir: str
     every_steps: int = 100
     keep_last: int = 3
     save_frozen: bool = False   # also write parameters with requires_grad=False (see above)
+    retry: RetryConfig = RetryConfig()
 
     def __post_init__(self):
         if not self.dir:
@@ -201,7 +216,7 @@ class CheckpointManager:
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
-        self._store = Store(cfg.dir, dict(storage_options or {}))
+        self._store = Store(cfg.dir, dict(storage_options or {}), cfg.retry)
 
     def due(self, step: int) -> bool:
         """Whether `step` is a save step under `cfg.every_steps`."""
@@ -282,9 +297,9 @@ class CheckpointManager:
         self._barrier()
 
         state = self._state_dict(model, optimizer, self.cfg.save_frozen)
-        with self._quiet_single_process():
-            dcp.save(state, storage_writer=self._store.dcp_writer(f"{work}/{_DCP}"),
-                     no_dist=self.world_size == 1)
+        self._dcp(f"{work}/{_DCP}", lambda: dcp.save(
+            state, storage_writer=self._store.dcp_writer(f"{work}/{_DCP}"),
+            no_dist=self.world_size == 1))
         _write_file(self._store, f"{work}/{_rank_file(self.rank)}", rank_blob)
         if self.rank == 0:
             _write_file(self._store, f"{work}/{_META}", meta_blob)
@@ -306,6 +321,38 @@ class CheckpointManager:
             self._prune()
         self._barrier()
         return self._store.uri(final)
+
+    def _dcp(self, path: str, run: Callable[[], Any]) -> None:
+        """A DCP save or load (`run`), run again as a whole after a transient error of the
+        object store; every rank says how its attempt went, so all retry or stop together."""
+        if not self._store.remote:
+            with self._quiet_single_process():
+                run()
+            return
+        backoff = Backoff(self.cfg.retry, self._store.uri(path), log)
+        while True:
+            error = None
+            try:
+                with self._quiet_single_process():
+                    run()
+            except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+                error = e
+            transient = error is not None and transient_dcp_error(error)
+            outcomes = self._gather("ok" if error is None else
+                                    "transient" if transient else "failed")
+            if set(outcomes) == {"ok"}:
+                return
+            if "failed" in outcomes:
+                if error is not None:
+                    raise error
+                raise CheckpointError(f"{self._store.uri(path)}: rank {outcomes.index('failed')} "
+                                      "failed to write or read its part (see its log)")
+            cause = None if error is None else dcp_failure(error)
+            delay = backoff.next_delay()
+            if any(self._gather(delay is None)):   # one rank's spent budget stops them all
+                last = cause or RuntimeError(f"rank {outcomes.index('transient')} failed")
+                raise CheckpointStorageError(str(backoff.give_up(last))) from error
+            backoff.wait(delay, cause)
 
     @staticmethod
     def _state_dict(model: nn.Module, optimizer, frozen: bool) -> dict:
@@ -388,16 +435,20 @@ class CheckpointManager:
                                   f"says {want['sha256']}")
 
     def _verify_collective(self, root: str) -> CheckpointError | None:
-        """Verify with every rank checking a share of the files; all ranks get the same answer."""
+        """Verify with every rank checking a share of the files; all ranks get the same answer.
+        An unreachable store raises (`CheckpointStorageError`) instead of calling it damage."""
         problem = None
         try:
             files = self._read_manifest(root)
             for name in sorted(files)[self.rank::self.world_size]:
                 self._verify_file(root, name, files[name])
         except CheckpointError as e:
-            problem = str(e)
+            problem = (type(e) is CheckpointStorageError, str(e))
         problems = [p for p in self._gather(problem) if p]
-        return CheckpointError(problems[0]) if problems else None
+        # An unreachable store says nothing about the checkpoint: no falling back past it.
+        if unreachable := [message for storage, message in problems if storage]:
+            raise CheckpointStorageError(unreachable[0])
+        return CheckpointError(problems[0][1]) if problems else None
 
     # -- load -----------------------------------------------------------------------------------
 
@@ -446,9 +497,9 @@ class CheckpointManager:
         if not has_frozen and meta.get("frozen_fingerprint") is not None:
             _check_frozen(uri, meta["frozen_fingerprint"], frozen_fingerprint(model))
         state = self._state_dict(model, optimizer, has_frozen)
-        with self._quiet_single_process():
-            dcp.load(state, storage_reader=self._store.dcp_reader(f"{root}/{_DCP}"),
-                     planner=SafeLoadPlanner(), no_dist=self.world_size == 1)
+        self._dcp(f"{root}/{_DCP}", lambda: dcp.load(
+            state, storage_reader=self._store.dcp_reader(f"{root}/{_DCP}"),
+            planner=SafeLoadPlanner(), no_dist=self.world_size == 1))
         # DCP has filled every key of `state` (a key the checkpoint lacks is an error there), so
         # the keys left out are exactly the frozen parameters, which stay as the model has them.
         opts = StateDictOptions(ignore_frozen_params=not has_frozen, strict=has_frozen)

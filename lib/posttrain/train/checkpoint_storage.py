@@ -1,35 +1,77 @@
 """Where checkpoints live: a local directory or an object-store prefix, and safe DCP reading.
 
 `Store` hides the two commit protocols (an atomic ``os.rename`` locally; the manifest written
-last as the commit marker on s3) behind one small interface. The `Safe*` readers load DCP's own
-pickled index with an unpickler restricted to DCP's metadata classes, and require every small
-non-tensor value to load with ``torch.load(weights_only=True)`` (see `checkpoint.py`).
+last as the commit marker on s3) behind one small interface. On an object store each of its
+operations is retried after a transient error (`posttrain.retry`: connection refused or reset, a
+timeout, a 5xx) as its `RetryConfig` allows, with a warning naming the file each time; that is
+safe because every write overwrites a whole object with the same bytes. When the budget is
+spent it raises `CheckpointStorageError`. The `Safe*` readers load DCP's own pickled index with
+an unpickler restricted to DCP's metadata classes, and require every small non-tensor value to
+load with ``torch.load(weights_only=True)`` (see `checkpoint.py`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import pickle
 import shutil
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
 from fsspec.core import strip_protocol, url_to_fs
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
+
+from posttrain.errors import PosttrainError
+from posttrain.retry import RetryConfig, RetryError, is_transient
+from posttrain.retry import call as retry_call
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _MANIFEST = "manifest.json"
 _HASH_CHUNK = 1 << 20
 
 
+class CheckpointError(PosttrainError):
+    """A checkpoint is missing, incomplete or damaged, or cannot hold what was asked of it."""
+
+
+class CheckpointStorageError(CheckpointError):
+    """The checkpoint storage kept failing with transient errors until the retries ran out: the
+    checkpoint may be fine, the storage is unreachable."""
+
+
+def transient_dcp_error(error: BaseException) -> bool:
+    """Whether a failed DCP save or load is worth running again: every rank's failure in DCP's
+    `CheckpointException` (or `error` itself) is transient."""
+    if isinstance(error, CheckpointException):
+        failures = [exc for exc, _ in error.failures.values()]
+        return bool(failures) and all(is_transient(e) for e in failures)
+    return is_transient(error)
+
+
+def dcp_failure(error: BaseException) -> BaseException:
+    """The lowest rank's own exception in DCP's `CheckpointException` (whose message is every
+    rank's whole traceback), or `error` itself: what a one-line message should name."""
+    if isinstance(error, CheckpointException) and error.failures:
+        return error.failures[min(error.failures)][0]
+    return error
+
+
 class Store:
     """The few file operations a checkpoint needs, on a local directory or through fsspec."""
 
-    def __init__(self, root: str, storage_options: dict):
+    def __init__(self, root: str, storage_options: dict, retry: RetryConfig = RetryConfig()):
         self.remote = "://" in root and not root.startswith("file://")
         self.storage_options = storage_options
+        self.retry = retry
         if self.remote:
             self.protocol = root.split("://", 1)[0]
             self.fs, self.root = url_to_fs(root, **storage_options)
@@ -47,9 +89,17 @@ class Store:
     def strip(self, uri: str) -> str:
         return strip_protocol(uri).rstrip("/") if self.remote else os.path.abspath(uri)
 
+    def retrying(self, path: str, fn: Callable[[], T]) -> T:
+        """`fn()`, an idempotent operation on `path` in the object store, repeated after
+        transient errors; `CheckpointStorageError` when the retries are spent."""
+        try:
+            return retry_call(fn, self.retry, self.uri(path), log)
+        except RetryError as e:
+            raise CheckpointStorageError(str(e)) from e
+
     def write(self, path: str, data: bytes) -> None:
         if self.remote:
-            self.fs.pipe_file(path, data)
+            self.retrying(path, lambda: self.fs.pipe_file(path, data))
             return
         with open(path, "wb") as f:
             f.write(data)
@@ -58,19 +108,29 @@ class Store:
 
     def read(self, path: str) -> bytes:
         if self.remote:
-            return self.fs.cat_file(path)
+            return self.retrying(path, lambda: self.fs.cat_file(path))
         with open(path, "rb") as f:
             return f.read()
 
     def exists(self, path: str) -> bool:
-        return self.fs.exists(path) if self.remote else os.path.exists(path)
+        if self.remote:
+            return self.retrying(path, lambda: self.fs.exists(path))
+        return os.path.exists(path)
 
     def size(self, path: str) -> int:
-        return self.fs.size(path) if self.remote else os.path.getsize(path)
+        if self.remote:
+            return self.retrying(path, lambda: self.fs.size(path))
+        return os.path.getsize(path)
 
     def sha256(self, path: str) -> str:
+        if self.remote:  # a failed read hashes the whole file again
+            return self.retrying(path, lambda: self._sha256(lambda: self.fs.open(path, "rb")))
+        return self._sha256(lambda: open(path, "rb"))
+
+    @staticmethod
+    def _sha256(opener: Callable) -> str:
         h = hashlib.sha256()
-        with (self.fs.open(path, "rb") if self.remote else open(path, "rb")) as f:
+        with opener() as f:
             while chunk := f.read(_HASH_CHUNK):
                 h.update(chunk)
         return h.hexdigest()
@@ -79,18 +139,22 @@ class Store:
         """Names directly under the root ([] when it does not exist yet)."""
         if not self.remote:
             return sorted(os.listdir(self.root)) if os.path.isdir(self.root) else []
-        self.fs.invalidate_cache()
-        try:
-            found = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return []
-        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found)
+
+        def ls() -> list[str]:
+            self.fs.invalidate_cache()
+            try:
+                return self.fs.ls(self.root, detail=False)
+            except FileNotFoundError:
+                return []
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.retrying(self.root, ls))
 
     def files(self, path: str) -> list[str]:
         """Every file under `path`, relative to it, sorted."""
         if self.remote:
-            self.fs.invalidate_cache()
-            return sorted(p[len(path) + 1:] for p in self.fs.find(path))
+            def find() -> list[str]:
+                self.fs.invalidate_cache()
+                return self.fs.find(path)
+            return sorted(p[len(path) + 1:] for p in self.retrying(path, find))
         out = []
         for d, _, names in os.walk(path):
             out += [os.path.relpath(os.path.join(d, n), path).replace(os.sep, "/") for n in names]
@@ -105,11 +169,14 @@ class Store:
         if not self.remote:
             shutil.rmtree(path, ignore_errors=True)
             return
-        for victim in (f"{path}/{_MANIFEST}", path):
-            try:
-                self.fs.rm(victim, recursive=victim == path)
-            except FileNotFoundError:
-                pass
+        for victim, recursive in ((f"{path}/{_MANIFEST}", False), (path, True)):
+            self.retrying(victim, lambda: self._rm(victim, recursive))
+
+    def _rm(self, victim: str, recursive: bool) -> None:
+        try:
+            self.fs.rm(victim, recursive=recursive)
+        except FileNotFoundError:
+            pass
 
     def commit(self, work: str, final: str, nonce: str) -> None:
         """Local: move the finished directory into place atomically. Remote: nothing to do."""

@@ -131,6 +131,10 @@ class ModelInitConfig:
 class ModelConfig:
     hf_dir: str | None = None                 # local HF checkpoint directory
     init: ModelInitConfig | None = None       # or a random init from a config
+    # the SFT recipe config whose export hf_dir is (e.g. configs/sft/arithmetic_tiny.yaml):
+    # when hf_dir does not exist, a flow starts from the newest successful SFTFlow run of that
+    # config, or trains it first; the CLI names the command that makes it
+    produced_by: str | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"     # master weights
     vocab_multiple: int = 64
     lora: LoraSettings | None = None

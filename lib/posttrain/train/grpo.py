@@ -182,6 +182,9 @@ class GRPOConfig:
         if self.data.format != "prompt":
             raise ValueError(f"GRPO trains on prompt data (data.format: prompt), not "
                              f"{self.data.format!r}")
+        # The rows must carry what the rewards read: prepare refuses the others by name.
+        needed = sorted({*self.data.required_columns, *self.rewards.required_columns})
+        object.__setattr__(self, "data", replace(self.data, required_columns=needed))
         if self.algorithm.reference == "lora_base" and self.model.lora is None:
             raise ValueError("algorithm.reference: lora_base needs model.lora")
         check_export(self.export, self.model.lora)

@@ -112,7 +112,11 @@ BAD_ROWS = [
     ({"tokens": [1, 2], "labels": {"dwell": [0.5, "x"]}}, "labels.dwell[1]", "wrong_type",
      "finite number"),
     ({"tokens": [1, 2], "labels": {"dwell": [float("inf"), 1]}}, "labels.dwell[0]",
-     "wrong_type", "finite number"),
+     "non_finite", "finite number"),
+    ({"tokens": [1, 2], "labels": {"dwell": [0.5, float("nan")]}}, "labels.dwell[1]",
+     "non_finite", "got nan"),
+    ({"tokens": [1, 2], "labels": {"dwell": [1e39, 1]}}, "labels.dwell[0]",
+     "non_finite", "as a float32"),
 ]
 
 

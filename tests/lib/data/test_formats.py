@@ -67,6 +67,44 @@ def test_prompt_keeps_extra_columns():
     assert isinstance(rec, PromptRecord) and rec.extras == {"answer": "2", "id": 3}
 
 
+def test_preference_refuses_identical_responses_unless_allowed():
+    row = {"prompt": "2+2?", "chosen": "4", "rejected": [{"role": "assistant", "content": "4"}]}
+    err = _err(row, FormatConfig("preference"))
+    assert (err.field, err.reason) == ("rejected", "identical_pair")
+    assert "equals 'chosen'" in str(err) and "allow_identical_pairs" in str(err)
+    rec = parse_row(row, FormatConfig("preference", allow_identical_pairs=True))
+    assert rec.chosen == rec.rejected
+
+
+@pytest.mark.parametrize("row, field, says", [
+    ({"prompt": "q"}, "answer", "column 'answer' is missing"),
+    ({"prompt": "q", "answer": None, "id": 1}, "answer", "column 'answer' is null"),
+    ({"prompt": "q", "answer": "5"}, "rubric", "the row has: answer, prompt"),
+])
+def test_prompt_refuses_a_row_without_a_required_column(row, field, says):
+    err = _err(row, FormatConfig("prompt", required_columns=("answer", "rubric")))
+    assert (err.field, err.reason) == (field, "missing_field")
+    assert says in str(err) and "data.required_columns" in str(err)
+
+
+def test_prompt_with_its_required_columns_is_accepted():
+    rec = parse_row({"prompt": "q", "answer": "5", "rubric": ""},
+                    FormatConfig("prompt", required_columns=("answer", "rubric")))
+    assert rec.extras == {"answer": "5", "rubric": ""}
+
+
+@pytest.mark.parametrize("extras, field", [
+    ({"answer": float("nan")}, "answer"),
+    ({"answer": "5", "weight": float("inf")}, "weight"),
+    ({"answer": "5", "meta": {"scores": [1.0, 2, -float("inf")]}}, "meta.scores[2]"),
+    ({"answer": [[0.5], [float("nan")]]}, "answer[1][0]"),
+])
+def test_prompt_refuses_non_finite_numbers_naming_where(extras, field):
+    err = _err({"prompt": "q", **extras}, FormatConfig("prompt"))
+    assert (err.field, err.reason) == (field, "non_finite")
+    assert f"field '{field}'" in str(err) and "NaN or infinite" in str(err)
+
+
 def test_prompt_must_not_end_with_assistant():
     err = _err({"prompt": [{"role": "user", "content": "q"},
                            {"role": "assistant", "content": "a"}]}, FormatConfig("prompt"))

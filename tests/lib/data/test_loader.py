@@ -209,3 +209,61 @@ def test_label_columns_reach_the_batch_and_resume_exactly(tmp_path):
     with TrainLoader(sources, cfg) as resumed:
         resumed.load_state_dict(state)
         assert [flat(batch)] + [flat(b) for b in resumed] == full
+
+
+# --------------------------------------------------------------------------- damaged shards
+
+def _prepared(tmp_path, rows=100):
+    """A prepared directory of one train source in 3 shards, with its manifest."""
+    import dataclasses
+    rng = np.random.default_rng(0)
+    writer = ShardWriter(str(tmp_path / "shards"), schema_for("chat"), rows_per_shard=40,
+                         rows_per_group=16)
+    for _ in range(rows):
+        ids = rng.integers(5, 1000, size=int(rng.integers(4, 40))).astype(np.int32)
+        writer.write({"input_ids": ids, "loss_mask": np.ones(len(ids), np.int8),
+                      "num_tokens": len(ids), "num_loss_tokens": len(ids)})
+    shards = [dataclasses.asdict(s) for s in writer.close()]
+    manifest = {"sources": [{"name": "a", "split": "train", "shards": shards}]}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    return [s["uri"] for s in shards]
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("truncate", "has .* bytes, but prepare wrote .* truncated or replaced"),
+    ("delete", "a prepared shard is missing"),
+    ("replace", "has .* bytes, but prepare wrote .*40 rows"),
+])
+def test_a_truncated_missing_or_replaced_shard_is_a_named_error(tmp_path, damage, says):
+    from pathlib import Path
+
+    from posttrain.errors import DataError
+    uris = _prepared(tmp_path)
+    shard = Path(uris[1])
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size - 100])
+    elif damage == "delete":
+        shard.unlink()
+    else:                                 # a valid Parquet file with fewer rows: a short epoch
+        import pyarrow.parquet as pq
+        pq.write_table(pq.read_table(shard).slice(0, 10), shard)
+    with pytest.raises(DataError, match=says) as e:
+        sources_from_manifest(str(tmp_path))
+    assert e.value.file == str(shard)
+
+
+def test_a_corrupted_byte_inside_a_shard_fails_its_page_checksum_naming_the_file(tmp_path):
+    from pathlib import Path
+
+    from posttrain.data.sources import RowStream
+    from posttrain.errors import DataError
+    uris = _prepared(tmp_path)
+    assert sum(1 for _ in RowStream(uris, fmt="parquet")) == 100
+    shard = Path(uris[0])
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x5A                 # inside the column chunks; the size is the same
+    shard.write_bytes(bytes(data))
+    sources_from_manifest(str(tmp_path))           # the size still matches
+    with pytest.raises(DataError) as e:
+        list(RowStream(uris, fmt="parquet"))
+    assert e.value.file == str(shard) and e.value.reason == "invalid_parquet", e.value

@@ -1,13 +1,17 @@
-"""Tests for posttrain.data.sources: reading, bad input, sharding, resumption, prefetch cache."""
+"""Tests for posttrain.data.sources: reading, bad input, sharding, resumption, prefetch cache,
+s3 outages."""
 
 from __future__ import annotations
 
 import gzip
 import itertools
 import json
+import logging
 import os
+import random
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,8 +22,9 @@ from hypothesis import strategies as st
 
 from posttrain.config.loader import build
 from posttrain.errors import ConfigError, DataError
-from posttrain.data.sources import (CacheConfig, RawRow, RowStream, SourceConfig, expand_paths,
-                                    shard_for)
+from posttrain.data.sources import (MAX_JSON_DEPTH, CacheConfig, RawRow, RowStream, SourceConfig,
+                                    expand_paths, shard_for)
+from posttrain.retry import RetryConfig
 
 # ---------------------------------------------------------------------------------------------
 # helpers
@@ -140,6 +145,31 @@ def test_bad_rows_are_reported_not_raised(tmp_path):
     assert "array" in str(rows[3].error) and "string" in str(rows[4].error)
     assert rows[2].error.to_record()["reason"] == "invalid_utf8"
     assert stream.stats[str(path)] == {"rows": 6, "errors": 4, "blank_lines": 0}
+
+
+def nested(depth: int) -> bytes:
+    """A JSON array `depth` levels deep."""
+    return b"[" * depth + b"]" * depth
+
+
+def test_deeply_nested_rows_are_bad_rows_not_crashes(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    lines = [b'{"ok": 1}',
+             b'{"a": ' + nested(5000) + b"}",                      # past the JSON decoder
+             b'{"ok": 2, "meta": {"x": ' + nested(MAX_JSON_DEPTH - 1) + b"}}",  # past the cap
+             b'{"ok": 3, "meta": ' + nested(MAX_JSON_DEPTH - 1) + b"}",          # at the cap
+             nested(5000)]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with RowStream([str(path)]) as stream:
+        rows = list(stream)
+    assert [r.error.reason if r.error else None for r in rows] == [
+        None, "too_deep", "too_deep", None, "too_deep"]
+    assert [r.error.field if r.error else None for r in rows] == [None, None, "meta", None, None]
+    assert all(r.data is None and r.error.line == r.line for r in rows if r.error)
+    assert f"{path}:2" in str(rows[1].error) and f"{MAX_JSON_DEPTH} levels" in str(rows[1].error)
+    assert f"{path}:3, field 'meta'" in str(rows[2].error)
+    assert rows[3].data["ok"] == 3
+    assert stream.stats[str(path)] == {"rows": 5, "errors": 3, "blank_lines": 0}
 
 
 def test_utf8_bom_at_file_start_is_accepted(tmp_path):
@@ -383,3 +413,135 @@ def test_close_stops_the_prefetch_thread_midway(s3, tmp_path):
         assert any(t.name == "posttrain-prefetch" for t in threading.enumerate())
     assert not [t for t in threading.enumerate() if t.name == "posttrain-prefetch"]
     assert disk_bytes(tmp_path) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# s3 outages (`s3_outage`: a proxy in front of moto that goes down and comes back)
+
+FAST_RETRY = RetryConfig(initial_backoff_s=0.25, max_backoff_s=1.0)
+SMALL_READS = {"default_block_size": 4096}  # s3fs fetches 4 kB at a time: many requests per file
+
+
+def random_rows(prefix: str, n: int) -> list[dict]:
+    """Rows that do not compress away, so that a file takes many requests to read."""
+    rnd = random.Random(prefix)
+    return [{"id": f"{prefix}-{i}", "tags": [rnd.getrandbits(62) for _ in range(4)]}
+            for i in range(n)]
+
+
+def outage_data(kind: str, rows: list[dict]) -> bytes:
+    if kind == "parquet":
+        return parquet_bytes(rows, row_group_rows=500)
+    data = jsonl_bytes(rows, blank_every=7)
+    return gzip.compress(data) if kind == "jsonl.gz" else data
+
+
+def read_across_outage(stream: RowStream, proxy, after_rows: int, seconds: float) -> list[tuple]:
+    """Every row of `stream`, while another thread takes the proxy down for `seconds` as soon
+    as `after_rows` rows were read (possibly with a request in flight)."""
+    reached, finished = threading.Event(), threading.Event()
+
+    def outage():
+        if reached.wait(timeout=60) and not finished.is_set():
+            proxy.go_down(seconds)
+
+    thread = threading.Thread(target=outage)
+    thread.start()
+    rows = []
+    try:
+        for row in stream:
+            rows.append(key(row))
+            if len(rows) == after_rows:
+                reached.set()
+    finally:
+        finished.set()
+        reached.set()
+        thread.join()
+    return rows
+
+
+def retry_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and "transient storage error" in r.getMessage()]
+
+
+# Parquet: more rows, since pyarrow reads the last 64 kB of a file (its footer) in one go
+@pytest.mark.parametrize("kind, num_rows", [("jsonl", 1000), ("jsonl.gz", 1000),
+                                            ("parquet", 4000)])
+def test_s3_outage_mid_file_loses_and_repeats_no_row(s3, s3_outage, caplog, kind, num_rows):
+    uri = s3.put(f"outage/{kind}/data.{kind}", outage_data(kind, random_rows(kind, num_rows)))
+    options = {**s3_outage.storage_options, **SMALL_READS}
+
+    def stream() -> RowStream:
+        return RowStream([uri], storage_options=options, retry=FAST_RETRY, parquet_batch_rows=64)
+
+    with stream() as plain:
+        expected = [key(r) for r in plain]
+        expected_stats = plain.stats
+    assert not retry_warnings(caplog)
+    with caplog.at_level(logging.WARNING, logger="posttrain.data.sources"), stream() as flaky:
+        rows = read_across_outage(flaky, s3_outage, after_rows=300, seconds=2.0)
+        assert flaky.stats == expected_stats
+    assert len(rows) == len(expected) == num_rows
+    assert rows == expected     # same rows, same order, same file:line: none lost or repeated
+    warnings = retry_warnings(caplog)
+    assert s3_outage.outages == 1 and warnings
+    assert all(m.startswith(f"{uri}: transient storage error") for m in warnings)
+
+
+def test_s3_outage_while_prefetching_into_the_cache(s3, s3_outage, caplog, tmp_path):
+    files = [s3.put(f"outage/cached/f{i}.jsonl", jsonl_bytes(random_rows(f"f{i}", 300)))
+             for i in range(4)]
+    cache = CacheConfig(dir=str(tmp_path / "cache"), prefetch_files=1)
+
+    def stream() -> RowStream:
+        return RowStream(files, storage_options=s3_outage.storage_options, cache=cache,
+                         retry=FAST_RETRY)
+
+    with stream() as plain:
+        expected = [key(r) for r in plain]
+    # down while file 0 is read: file 2 is fetched (file 1 read from the cache) during it
+    with caplog.at_level(logging.WARNING, logger="posttrain.data.prefetch"), stream() as flaky:
+        rows = read_across_outage(flaky, s3_outage, after_rows=100, seconds=2.0)
+        assert flaky.cache_stats["downloaded"] == 4
+    assert len(rows) == len(expected) == 1200 and rows == expected
+    warnings = retry_warnings(caplog)
+    assert warnings and all(m.split(": transient")[0] in files for m in warnings)
+    assert disk_bytes(tmp_path) == 0
+
+
+@pytest.mark.parametrize("cache", [None, "cache"])
+def test_s3_outage_longer_than_the_retries_fails_naming_the_file(s3, s3_outage, caplog,
+                                                                 tmp_path, cache):
+    files = [s3.put(f"outage/long-{cache}/f{i}.jsonl", jsonl_bytes(random_rows(str(i), 500)))
+             for i in range(2)]
+    retry = RetryConfig(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=0.1)
+    cache_cfg = CacheConfig(dir=str(tmp_path), prefetch_files=1) if cache else None
+    with RowStream(files, storage_options={**s3_outage.storage_options, **SMALL_READS},
+                   retry=retry, cache=cache_cfg) as stream:
+        rows = iter(stream)
+        next(rows)
+        s3_outage.stop()    # and it stays down
+        started = time.monotonic()
+        with pytest.raises(DataError, match="gave up after 3 attempts") as e:
+            for _ in rows:
+                pass
+    assert time.monotonic() - started < 10
+    assert e.value.reason == "unreadable_file" and e.value.file in files
+    assert str(e.value).startswith(e.value.file)
+    assert "EndpointConnectionError" in str(e.value)
+    assert len(retry_warnings(caplog)) == 2
+
+
+def test_s3_bad_content_is_not_retried(s3, s3_outage, caplog):
+    not_parquet = s3.put("outage/bad/not.parquet", b"no magic bytes here " * 500)
+    bad_gzip = s3.put("outage/bad/broken.jsonl.gz",
+                      gzip.compress(jsonl_bytes(make_rows("g", 200)))[:-100] + b"garbage" * 20)
+    options = {**s3_outage.storage_options, **SMALL_READS}
+    with pytest.raises(DataError, match="not a readable Parquet file") as e:
+        list(RowStream([not_parquet], storage_options=options))
+    assert e.value.reason == "invalid_parquet"
+    with pytest.raises(DataError, match="reading failed") as e:
+        list(RowStream([bad_gzip], storage_options=options))
+    assert e.value.reason == "unreadable_file" and "gave up" not in str(e.value)
+    assert not retry_warnings(caplog)

@@ -40,6 +40,16 @@ class RankWorker:
                 "backend": self.backend, "device": str(get_device()),
                 "mesh": tuple(build_mesh().shape), **{k: os.environ.get(k) for k in keys}}
 
+    def pid(self) -> int:
+        return os.getpid()
+
+    def late_all_reduce(self, late_rank: int, seconds: float) -> int:
+        """A step in which `late_rank` arrives `seconds` late: the others wait in the
+        collective for it."""
+        if dist.get_rank() == late_rank:
+            time.sleep(seconds)
+        return self.all_reduce_rank()
+
     def fail_on(self, bad_rank: int) -> str:
         if dist.get_rank() == bad_rank:
             raise ValueError(f"boom from rank {bad_rank}")
@@ -138,6 +148,37 @@ def test_shutdown_kills_actors_and_is_idempotent(local_ray):
         group.call("describe")
     assert ray.util.placement_group_table() == {} or all(
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+def test_a_worker_killed_mid_step_fails_the_call_at_once_naming_it(local_ray):
+    """Rank 1's process is SIGKILLed in the middle of a step while rank 0 waits for it in a
+    collective (where it would wait for the collective's timeout, 30 minutes by default): the
+    driver's call fails as soon as Ray reports the death, naming the rank. The bound below
+    only catches a hang; the failure comes within seconds."""
+    import signal
+    import threading
+    group = WorkerGroup(RankWorker, 2)
+    try:
+        pid = group.call("pid")[1]
+        threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+        outcome: dict = {}
+
+        def step():
+            try:
+                group.call("late_all_reduce", 1, 600.0)
+            except Exception as e:          # noqa: BLE001 - the test inspects it
+                outcome["error"] = e
+
+        caller = threading.Thread(target=step, daemon=True)
+        caller.start()
+        caller.join(timeout=120)
+        assert not caller.is_alive(), "the driver hung on a dead worker"
+        error = outcome.get("error")
+        assert isinstance(error, WorkerError), error
+        assert "rank 1" in str(error) and "died" in str(error), str(error)
+    finally:
+        group.shutdown()
+    assert _live_actors(expect=0) == 0
 
 
 def test_rank_env_gives_each_gpu_rank_its_device():

@@ -236,3 +236,65 @@ def test_mismatched_batch_is_a_caller_error():
 def test_register_twice_is_an_error():
     with pytest.raises(ValueError, match="already registered"):
         register("format")(lambda completions, prompts, columns: [])
+
+
+USER_REWARDS = '''
+def graded(completions, prompts, columns):
+    return [float(r == a) for r, a in zip(columns["rubric"], columns["answer"])]
+graded.required_columns = ["rubric", "answer"]
+
+def keyed(completions, prompts, columns, *, key="label"):
+    return [0.0] * len(completions)
+keyed.required_columns = lambda *, key, **params: [key]
+
+def malformed(completions, prompts, columns):
+    return [0.0] * len(completions)
+malformed.required_columns = "answer"
+
+def undeclared(completions, prompts, columns):
+    return [0.0] * len(completions)
+'''
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch):
+    """A user's reward module on the path; its registry entries are removed afterwards."""
+    (tmp_path / "user_rewards_columns.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "user_rewards_columns"
+    for key in [k for k in rewards._REGISTRY if k.startswith("user_rewards_columns:")]:
+        rewards._REGISTRY.pop(key)
+
+
+def test_built_ins_declare_the_columns_they_read():
+    assert RewardSpec("exact_match_number").required_columns == ("answer",)
+    assert RewardSpec("numeric_closeness", params={"column": "sol"}).required_columns == ("sol",)
+    assert RewardSpec("python_exec").required_columns == ("expected_stdout",)
+    assert RewardSpec("format").required_columns == ()
+    cfg = RewardConfig((RewardSpec("python_exec"), RewardSpec("exact_match_number"),
+                        RewardSpec("numeric_closeness"), RewardSpec("format")))
+    assert cfg.required_columns == ("answer", "expected_stdout")
+
+
+def test_user_rewards_declare_columns_by_attribute(user_rewards):
+    assert RewardSpec(f"{user_rewards}:graded").required_columns == ("rubric", "answer")
+    assert RewardSpec(f"{user_rewards}:keyed").required_columns == ("label",)
+    assert RewardSpec(f"{user_rewards}:keyed", params={"key": "y"}).required_columns == ("y",)
+    assert RewardSpec(f"{user_rewards}:undeclared").required_columns == ()
+    with pytest.raises(ConfigError, match="malformed.*required_columns must be a list of column "
+                                          "names, got 'answer'"):
+        RewardSpec(f"{user_rewards}:malformed")
+
+
+def test_a_grpo_config_requires_the_columns_of_its_rewards(user_rewards):
+    from posttrain.config.recipes import load_recipe
+    from posttrain.train.grpo import GRPOConfig
+    config = ROOT / "configs/grpo/tiny.yaml"
+    assert load_recipe(config, GRPOConfig).data.required_columns == ["answer"]
+    cfg = load_recipe(config, GRPOConfig, {
+        "data.required_columns": ["id"],
+        "rewards.functions": [{"name": "format"}, {"name": f"{user_rewards}:graded"}]})
+    assert cfg.data.required_columns == ["answer", "id", "rubric"]
+    assert cfg.data.format_config().required_columns == ("answer", "id", "rubric")
+    only_format = {"rewards.functions": [{"name": "format"}]}
+    assert load_recipe(config, GRPOConfig, only_format).data.required_columns == []

@@ -1,4 +1,5 @@
-"""Single-process checkpoints: exact resume, pruning, crash safety, damage fallback, s3."""
+"""Single-process checkpoints: exact resume, pruning, crash safety, damage fallback, s3, s3
+outages."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import os
 import pickle
 import random
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from posttrain.errors import ConfigError, PosttrainError
+from posttrain.retry import RetryConfig
 from posttrain.train import checkpoint as ckpt_mod
 from posttrain.train import checkpoint_storage as storage_mod
 from posttrain.train.checkpoint import (
@@ -23,6 +26,7 @@ from posttrain.train.checkpoint import (
     CheckpointConfig,
     CheckpointError,
     CheckpointManager,
+    CheckpointStorageError,
 )
 from posttrain.train.rng import capture_rng, restore_rng
 
@@ -338,3 +342,119 @@ def test_s3_round_trip_prunes_and_ignores_incomplete(s3):
     with pytest.raises(CheckpointError, match="rank-00000.json: size mismatch"):
         mgr.verify(s3.uri(f"{prefix}/step-00000003"))
     assert mgr.load(*fresh[:2], scheduler=fresh[2]).step == 2
+
+
+# --- s3 outages (`s3_outage`: a proxy in front of moto that goes down and comes back) -------
+
+FAST_RETRY = RetryConfig(initial_backoff_s=0.25, max_backoff_s=1.0)
+
+
+def _outage_at(monkeypatch, proxy, at: str, seconds: float | None = None) -> None:
+    """Take the proxy down the first time a save reaches `at` (``dcp``: DCP starts writing its
+    data; else a checkpoint file about to be written), for `seconds` or until started again."""
+    fired = []
+
+    def go_down():
+        if not fired:
+            fired.append(at)
+            proxy.go_down(seconds) if seconds else proxy.stop()
+
+    if at == "dcp":
+        real_writer = storage_mod.Store.dcp_writer
+
+        def dcp_writer(store, path):
+            writer = real_writer(store, path)
+            write_data = writer.write_data
+
+            def down_then_write(*args, **kwargs):
+                go_down()
+                return write_data(*args, **kwargs)
+            writer.write_data = down_then_write
+            return writer
+        monkeypatch.setattr(storage_mod.Store, "dcp_writer", dcp_writer)
+    else:
+        real_write = ckpt_mod._write_file
+
+        def write(store, path, data):
+            if path.endswith(at):
+                go_down()
+            real_write(store, path, data)
+        monkeypatch.setattr(ckpt_mod, "_write_file", write)
+
+
+def _retry_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "transient storage error" in r.getMessage()]
+
+
+@pytest.mark.parametrize("at", ["dcp", "meta.json", "manifest.json"])
+def test_s3_save_across_an_outage_commits_a_complete_checkpoint(s3, s3_outage, caplog,
+                                                                monkeypatch, at):
+    prefix = f"ckpt/outage-{at}"
+    mgr = CheckpointManager(CheckpointConfig(dir=s3.uri(prefix), retry=FAST_RETRY),
+                            storage_options=s3_outage.storage_options)
+    model, opt, sched = _setup()
+    _train(model, opt, sched, 1)
+    mgr.save(1, model, opt, scheduler=sched, extra={"step": 1})
+    _train(model, opt, sched, 1)
+    saved = _snapshot(model, opt, sched)
+
+    _outage_at(monkeypatch, s3_outage, at, seconds=2.0)
+    with caplog.at_level(logging.WARNING):
+        path = mgr.save(2, model, opt, scheduler=sched, extra={"step": 2})
+    assert s3_outage.outages == 1
+    warnings = _retry_warnings(caplog)
+    where = s3.uri(f"{prefix}/step-00000002/{at}")
+    assert warnings and all(m.startswith(f"{where}: transient storage error") for m in warnings)
+
+    assert path == s3.uri(f"{prefix}/step-00000002") == mgr.latest().path
+    assert [c.step for c in mgr.list()] == [1, 2]
+    mgr.verify(path)
+    fresh = _setup(seed=3)
+    got = mgr.load(*fresh[:2], scheduler=fresh[2])
+    assert got.path == path and got.meta["extra"] == {"step": 2}
+    _assert_same_tree(saved, _snapshot(*fresh))   # every tensor bit-identical
+
+
+@pytest.mark.parametrize("at", ["dcp", "meta.json"])
+def test_s3_outage_longer_than_the_retries_fails_naming_the_file(s3, s3_outage, caplog,
+                                                                 monkeypatch, at):
+    prefix = f"ckpt/long-outage-{at}"
+    retry = RetryConfig(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=0.1)
+    mgr = CheckpointManager(CheckpointConfig(dir=s3.uri(prefix), retry=retry),
+                            storage_options=s3_outage.storage_options)
+    model, opt, sched = _setup()
+    mgr.save(1, model, opt, scheduler=sched, extra={"step": 1})
+    good = _snapshot(model, opt, sched)
+    _train(model, opt, sched, 1)
+
+    _outage_at(monkeypatch, s3_outage, at)   # and it stays down
+    started = time.monotonic()
+    with pytest.raises(CheckpointStorageError) as e:
+        mgr.save(2, model, opt, scheduler=sched, extra={"step": 2})
+    assert time.monotonic() - started < 10
+    assert str(e.value).startswith(f"{s3.uri(prefix)}/step-00000002/{at}: gave up after 3 "
+                                   "attempts")
+    assert "EndpointConnectionError" in str(e.value)
+    assert len(_retry_warnings(caplog)) == 2
+
+    # Loading while it is down fails the same way: no falling back to step 1, or to nothing.
+    with pytest.raises(CheckpointStorageError, match="gave up after 3 attempts"):
+        mgr.load(model, opt, scheduler=sched)
+    s3_outage.start()
+    real_read_manifest = CheckpointManager._read_manifest
+
+    def down_then_read(self, root):   # down between listing and verifying
+        s3_outage.stop()
+        return real_read_manifest(self, root)
+
+    monkeypatch.setattr(CheckpointManager, "_read_manifest", down_then_read)
+    caplog.clear()
+    with pytest.raises(CheckpointStorageError, match="manifest.json: gave up after 3 attempts"):
+        mgr.load(model, opt, scheduler=sched)
+    assert not [r for r in caplog.records if "damaged" in r.getMessage()]
+
+    monkeypatch.setattr(CheckpointManager, "_read_manifest", real_read_manifest)
+    s3_outage.start()
+    assert [c.step for c in mgr.list()] == [1]   # the failed save never committed
+    assert mgr.load(model, opt, scheduler=sched).meta["extra"] == {"step": 1}
+    _assert_same_tree(good, _snapshot(model, opt, sched))
