@@ -74,3 +74,12 @@ $(VLLM_STAMP): pyproject.toml
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# Optional, never part of `make test`: the real Metaflow UI locally (PostgreSQL, metaflow-service's
+# metadata service on :8080 and UI backend + UI on :8083, from pinned commits of their GitHub
+# repositories; METAFLOW_SERVICE_REPO / METAFLOW_UI_REPO take a local mirror). infra/README.md.
+.PHONY: ui-local ui-local-stop
+ui-local:
+	infra/ui-local/ui-local.sh up
+ui-local-stop:
+	infra/ui-local/ui-local.sh down
