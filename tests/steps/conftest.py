@@ -7,6 +7,7 @@ to `<run_dir>.log`, so that SIGKILL hits a real process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -60,7 +61,15 @@ def run_and_kill(module: str, config: Path, run_dir: Path, step: int,
             assert time.monotonic() < deadline, f"no checkpoint {step} after {TIMEOUT_S} s"
             time.sleep(0.005)
         time.sleep(delay_s)
+        # the process and everything it started (with `ray`, its Ray cluster: a trainer actor
+        # would otherwise finish a checkpoint the driver had asked for): the machine died
+        import psutil
+        family = psutil.Process(proc.pid).children(recursive=True)
         os.kill(proc.pid, signal.SIGKILL)
+        for child in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        psutil.wait_procs(family, timeout=30)
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:
         if proc.poll() is None:
