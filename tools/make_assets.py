@@ -349,7 +349,7 @@ def _messages(row: dict) -> list[dict]:
 
 # --- tokenizer ----------------------------------------------------------------------------------
 
-def make_tokenizer(corpus: list[str], out_dir: Path) -> None:
+def make_tokenizer(corpus: list[str], out_dir: Path, vocab_size: int = MAX_VOCAB_SIZE) -> None:
     """Train a byte-level BPE on `corpus` and save it in Hugging Face format.
 
     Offsets are left untrimmed (`trim_offsets=False`, as Qwen's tokenizer does) so that loss
@@ -367,7 +367,7 @@ def make_tokenizer(corpus: list[str], out_dir: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=MAX_VOCAB_SIZE - len(think), min_frequency=1,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(think), min_frequency=1,
                                   show_progress=False, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer=trainer)

@@ -18,7 +18,11 @@ only lse_n between forward and backward. Backward recomputes each chunk's logits
     d logp_n / d z_nv = 1[v == y_n] - softmax(z_n)_v
     d z_nv / d x_nv   = (1 - tanh^2(x_nv / softcap)) / tau
 
-accumulating grad_hidden per chunk and grad_weight / grad_bias across chunks in fp32. Peak extra
+accumulating grad_hidden per chunk and grad_weight / grad_bias across chunks in fp32.
+`chunked_cross_entropy` (a scalar loss, one incoming gradient for every position) uses
+`_ChunkedCrossEntropySum` instead, which forms these gradients in the forward pass while each
+chunk's logits exist and only scales them in backward: one projection per chunk instead of two.
+Peak extra
 memory is a few [chunk_tokens, V] fp32 blocks plus the fp32 grad_weight accumulator, instead of
 several [N, V] blocks (see bench/loss_memory.py). Ignored positions are dropped with
 `index_select` before the projection, so padding and prompt tokens cost nothing.
@@ -70,9 +74,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     kept = keep_N.nonzero().squeeze(1)
     targets_K = labels_N.index_select(0, kept)
     _check_targets(targets_K, real, "labels")
-    logp_K = _ChunkedTargetLogProb.apply(hidden_NH.index_select(0, kept), weight, bias, targets_K,
-                                         real, chunk_tokens, softcap, 1.0)
-    loss = -logp_K.sum()
+    loss = _ChunkedCrossEntropySum.apply(hidden_NH.index_select(0, kept), weight, bias,
+                                         targets_K, real, chunk_tokens, softcap)
     if reduction == "mean":
         loss = loss / max(targets_K.numel(), 1)
     return loss
@@ -206,18 +209,12 @@ class _ChunkedTargetLogProb(torch.autograd.Function):
         hidden_KH, weight_VH, bias_V, targets_K, lse_K = ctx.saved_tensors
         real, chunk, softcap, temperature = ctx.config
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden_KH) if need_h else None
-        grad_w32 = (torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
-                    if need_w else None)
-        grad_b32 = (torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device)
-                    if need_b else None)
-        w_real = weight_VH[:real]
+        grads = _GradSums(hidden_KH, weight_VH, bias_V, need_h, need_w, need_b)
         grad_logp_K = grad_logp_K.float()
         for start in range(0, hidden_KH.shape[0], chunk):
             sl = slice(start, start + chunk)
-            h_cH = hidden_KH[sl]
-            z_cV, tanh_cV = _chunk_logits(h_cH, weight_VH, bias_V, real, softcap, temperature,
-                                          want_tanh=True)
+            z_cV, tanh_cV = _chunk_logits(hidden_KH[sl], weight_VH, bias_V, real, softcap,
+                                          temperature, want_tanh=True)
             # d logp / d z = onehot(y) - p, scaled by the incoming gradient; built in place.
             g_cV = z_cV.sub_(lse_K[sl, None]).exp_()
             g_cV.scatter_add_(1, targets_K[sl, None], g_cV.new_full((g_cV.shape[0], 1), -1.0))
@@ -226,20 +223,99 @@ class _ChunkedTargetLogProb(torch.autograd.Function):
                 g_cV.div_(temperature)
             if tanh_cV is not None:
                 g_cV.mul_(tanh_cV.square_().neg_().add_(1.0))  # d/dx c*tanh(x/c) = 1 - tanh^2
-            g_low = g_cV.to(hidden_KH.dtype)
-            if need_h:
-                grad_h[sl] = g_low @ w_real
-            if need_w:
-                if g_low.dtype == torch.float32:
-                    grad_w32[:real].addmm_(g_low.T, h_cH)
-                else:
-                    grad_w32[:real] += (g_low.T @ h_cH).float()
-            if need_b:
-                grad_b32[:real] += g_cV.sum(0)
-            del z_cV, tanh_cV, g_cV, g_low
-        grad_w = grad_w32.to(weight_VH.dtype) if need_w else None
-        grad_b = grad_b32.to(bias_V.dtype) if need_b else None
+            grads.add(sl, g_cV, hidden_KH[sl], real)
+            del z_cV, tanh_cV, g_cV
+        grad_h, grad_w, grad_b = grads.done()
         return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+class _ChunkedCrossEntropySum(torch.autograd.Function):
+    """loss = -sum_K logp_K, with the gradients computed in the forward pass.
+
+    A scalar loss has one incoming gradient for all positions, so d loss / d hidden and
+    d loss / d weight can be formed chunk by chunk while each chunk's logits are at hand, and
+    backward only scales them: the logits are projected once instead of twice (forward, then
+    recomputed in backward), which saves a third of the LM head's matmul FLOPs. Extra memory
+    until backward: grad_hidden [K, H] (it replaces the saved hidden) and the fp32 grad_weight
+    accumulator, which the backward of `_ChunkedTargetLogProb` allocates anyway.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden_KH: torch.Tensor, weight_VH: torch.Tensor,
+                bias_V: torch.Tensor | None, targets_K: torch.Tensor, real: int,
+                chunk_tokens: int, softcap: float | None) -> torch.Tensor:
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        chunk = _check_chunk(chunk_tokens)
+        grads = _GradSums(hidden_KH, weight_VH, bias_V, need_h, need_w, need_b)
+        loss = torch.zeros((), dtype=torch.float64, device=hidden_KH.device)
+        for start in range(0, hidden_KH.shape[0], chunk):
+            sl = slice(start, start + chunk)
+            h_cH = hidden_KH[sl]
+            z_cV, tanh_cV = _chunk_logits(h_cH, weight_VH, bias_V, real, softcap, 1.0,
+                                          want_tanh=grads.any)
+            target_c = z_cV.gather(1, targets_K[sl, None]).squeeze(1)
+            max_c = z_cV.amax(dim=-1)
+            # exp(z - max) in place: the unnormalised softmax, then lse; no second [chunk, V]
+            p_cV = z_cV.sub_(max_c[:, None]).exp_()
+            sum_c = p_cV.sum(dim=-1)
+            lse_c = sum_c.log().add_(max_c)
+            loss += (lse_c - target_c).sum(dtype=torch.float64)
+            if grads.any:
+                # d(-logp)/dz = p - onehot(y)
+                g_cV = p_cV.div_(sum_c[:, None])
+                g_cV.scatter_add_(1, targets_K[sl, None], g_cV.new_full((g_cV.shape[0], 1), -1.0))
+                if tanh_cV is not None:
+                    g_cV.mul_(tanh_cV.square_().neg_().add_(1.0))
+                grads.add(sl, g_cV, h_cH, real)
+            del z_cV, tanh_cV, p_cV
+        ctx.grads = grads.done() if grads.any else None
+        return loss.float()
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_h, grad_w, grad_b = ctx.grads
+        ctx.grads = None
+        scale = grad_loss.float()
+
+        def scaled(g: torch.Tensor | None) -> torch.Tensor | None:
+            return None if g is None else g.mul_(scale.to(g.dtype))
+
+        return scaled(grad_h), scaled(grad_w), scaled(grad_b), None, None, None, None
+
+
+class _GradSums:
+    """grad_hidden rows and the fp32 grad_weight / grad_bias sums of the chunked head, given
+    each chunk's d loss / d z (fp32 [chunk, real]); shared by both kernels."""
+
+    def __init__(self, hidden_KH: torch.Tensor, weight_VH: torch.Tensor,
+                 bias_V: torch.Tensor | None, need_h: bool, need_w: bool, need_b: bool):
+        self.dtype, self.w_dtype = hidden_KH.dtype, weight_VH.dtype
+        self.b_dtype = None if bias_V is None else bias_V.dtype
+        self.weight_VH = weight_VH
+        self.any = need_h or need_w or need_b
+        self.h = torch.empty_like(hidden_KH) if need_h else None
+        self.w32 = (torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
+                    if need_w else None)
+        self.b32 = (torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device)
+                    if need_b else None)
+
+    def add(self, sl: slice, g_cV: torch.Tensor, h_cH: torch.Tensor, real: int) -> None:
+        g_low = g_cV.to(self.dtype)
+        if self.h is not None:
+            self.h[sl] = g_low @ self.weight_VH[:real]
+        if self.w32 is not None:
+            if g_low.dtype == torch.float32:
+                self.w32[:real].addmm_(g_low.T, h_cH)
+            else:
+                self.w32[:real] += (g_low.T @ h_cH).float()
+        if self.b32 is not None:
+            self.b32[:real] += g_cV.sum(0)
+
+    def done(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        w = None if self.w32 is None else self.w32.to(self.w_dtype)
+        b = None if self.b32 is None else self.b32.to(self.b_dtype)
+        self.weight_VH = None
+        return self.h, w, b
 
 
 def _chunk_logits(h_cH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None,

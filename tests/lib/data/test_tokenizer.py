@@ -510,3 +510,56 @@ def test_make_assets_is_deterministic_and_matches_committed_files(tmp_path):
     for rel in produced:
         digest = [hashlib.sha256((d / rel).read_bytes()).hexdigest() for d in (tmp_path, ASSETS)]
         assert digest[0] == digest[1], f"{rel} differs from a fresh run of tools/make_assets.py"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(list("ab c\n\t.,7é😀") + ["<|im_end|>", "<think>", "<sid_7>"]),
+                max_size=60).map("".join))
+def test_direct_backend_encoding_equals_the_transformers_call(text):
+    """Encoding goes straight to the Rust tokenizer (no transformers wrapping): same ids and
+    offsets as ``tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)``, also
+    with added tokens and a tokenizer.json that asks for truncation."""
+    tok = _tok_with_added_tokens()
+    want = tok.hf(text, add_special_tokens=False, return_offsets_mapping=True)
+    got = tok._backend.encode(text, add_special_tokens=False)
+    assert tok.encode_text(text) == want["input_ids"] == got.ids
+    assert [tuple(o) for o in want["offset_mapping"]] == got.offsets
+
+
+@functools.cache
+def _tok_with_added_tokens() -> ChatTokenizer:
+    hf = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    hf.backend_tokenizer.enable_truncation(8)          # the direct path must not apply it
+    return ChatTokenizer(TokenizerConfig(path=str(TOKENIZER_DIR), added_tokens=["<sid_7>"]),
+                         tokenizer=hf)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=0, max_size=40),
+       st.lists(st.integers(0, 300), min_size=0, max_size=8, unique=True))
+def test_mask_from_offsets_equals_the_loop(widths, cuts):
+    """The vectorised mask equals the plain scan: a token is trained iff its first character
+    lies in a span."""
+    from posttrain.data.tokenizer import _mask_from_offsets
+    offsets, pos = [], 0
+    for w in widths:
+        offsets.append((pos, pos + w))
+        pos += w
+    cuts = sorted(cuts)
+    spans = [(a, b) for a, b in zip(cuts[::2], cuts[1::2]) if a < b]
+    want = [int(any(a <= s < b for a, b in spans)) for s, _ in offsets]
+    assert _mask_from_offsets(offsets, spans) == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from(["ab", " c", "\n", "é", "😀", "<|im_end|>", "  ", "x.y"]),
+                min_size=1, max_size=30).map("".join), st.data())
+def test_mask_from_encoding_equals_mask_from_offsets(text, data):
+    """The per-span lookup gives the per-token scan's mask on any spans of the text."""
+    from posttrain.data.tokenizer import _mask_from_encoding, _mask_from_offsets
+    enc = _tok_with_added_tokens()._backend.encode(text, add_special_tokens=False)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6, unique=True)))
+    spans = [(a, b) for a, b in zip(cuts[::2], cuts[1::2]) if a < b]
+    got = _mask_from_encoding(enc, spans)
+    if got is not None:
+        assert got == _mask_from_offsets(enc.offsets, spans)

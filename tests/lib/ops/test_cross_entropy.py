@@ -236,3 +236,29 @@ def test_argmax_is_the_full_logits_argmax_over_the_real_vocabulary(chunk, softca
                          chunk_tokens=chunk, softcap=softcap, bias=bias)
     assert got.shape == (1, N) and got.dtype == torch.int64
     assert torch.equal(got[0], logits.argmax(dim=-1))
+
+
+def test_scaled_loss_gradients_and_one_projection_per_chunk():
+    """The loss's gradients are formed in the forward pass and only scaled in backward: the
+    head projects each chunk once (not again in backward), and an incoming gradient other than
+    1 scales hidden, weight and bias gradients exactly like the reference's."""
+    hidden, weight, b, labels = make(seed=11, bias=True)
+    projections = []
+
+    class CountLinear(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.linear:
+                projections.append(args[0].shape[0])
+            return func(*args, **(kwargs or {}))
+
+    with CountLinear():
+        got = chunked_cross_entropy(hidden, weight, labels, real_vocab_size=REAL,
+                                    chunk_tokens=8, reduction="sum", bias=b)
+        got_grads = grads(-3.5 * got, hidden, weight, b)
+    kept = int((labels != -100).sum())
+    assert projections == [8] * (kept // 8) + ([kept % 8] if kept % 8 else [])
+    want = naive_cross_entropy(hidden, weight, labels, real_vocab_size=REAL, reduction="sum",
+                               bias=b)
+    torch.testing.assert_close(got, want, **TOL)
+    for a, c in zip(got_grads, grads(-3.5 * want, hidden, weight, b)):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)

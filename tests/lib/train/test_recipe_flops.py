@@ -13,9 +13,12 @@ not assumed (as in tests/lib/models/test_flops.py):
 - SDPA on the CPU counts its full score square per document (torch's GPU formula registered
   for the CPU kernel) and a 5-matmul backward; model FLOPs count the causal pairs and a
   4-matmul backward. The SDPA part is scaled by (causal pairs / square) and the backward by 4/5.
-- The chunked loss ops recompute each chunk's logits in backward (`posttrain.ops.
-  cross_entropy`, `posttrain.losses.distill`): one more forward of each head in the loss (the
-  teacher's too in distillation). That is hardware work, not model work; it is taken out.
+- The chunked log-prob ops recompute each chunk's logits in backward (`posttrain.ops.
+  cross_entropy.chunked_logprobs`, `posttrain.losses.distill`): one more forward of each head
+  in the loss (the teacher's too in distillation). That is hardware work, not model work; it
+  is taken out. The cross-entropy of SFT and the sequence recipe forms its gradients in the
+  forward pass and recomputes nothing, so there executed and counted FLOPs must agree as they
+  are.
 - FlopCounterMode has no formula for in-place `addmm_` (the chunked ops accumulate the head's
   weight gradient with it); torch's `addmm` formula is registered for it.
 
@@ -196,6 +199,8 @@ def _logit_recompute(worker, batch: dict) -> float:
     heads = [worker.engine.args]
     if worker.recipe.name == "reward":
         return 0.0                     # a scalar head at one position per sequence, no chunks
+    if worker.recipe.name in ("sft", "sequence"):
+        return 0.0                     # chunked_cross_entropy forms its gradients in forward
     if worker.recipe.name == "distill" and worker.recipe.teacher is not None:
         heads.append(worker.recipe.teacher.args)
     return sum(2.0 * a.hidden_size * a.vocab_size * labelled for a in heads)
