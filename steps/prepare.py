@@ -115,6 +115,48 @@ class _TextEncoder:
         record = parse_row(row, self.fmt, file=file, line=line)
         return self.records.encode(record, file=file, line=line)
 
+    def encode_rows(self, raws: list) -> list[EncodedRow | DataError]:
+        """`encode_row` of many raw rows, each result or DataError in its place; the chat
+        rows among them are tokenized in one batch (`RecordEncoder.encode_many`)."""
+        out: list[EncodedRow | DataError | None] = []
+        records = []
+        for raw in raws:
+            try:
+                if raw.error is not None:
+                    raise raw.error
+                records.append((parse_row(raw.data, self.fmt, file=raw.file, line=raw.line),
+                                raw.file, raw.line))
+                out.append(None)
+            except DataError as err:
+                out.append(err)
+        encoded = iter(self.records.encode_many(records))
+        return [next(encoded) if r is None else r for r in out]
+
+
+ROWS_PER_BATCH = 256     # rows tokenized per batch call; a few MB of text
+
+
+def _encoded(stream, encoder: _TextEncoder | EventEncoder):
+    """(raw row, EncodedRow or DataError) in stream order; text rows go through the tokenizer
+    in batches of ROWS_PER_BATCH."""
+    if not isinstance(encoder, _TextEncoder):
+        for raw in stream:
+            try:
+                if raw.error is not None:
+                    raise raw.error
+                yield raw, encoder.encode_row(raw.data, file=raw.file, line=raw.line)
+            except DataError as err:
+                yield raw, err
+        return
+    batch = []
+    for raw in stream:
+        batch.append(raw)
+        if len(batch) == ROWS_PER_BATCH:
+            yield from zip(batch, encoder.encode_rows(batch))
+            batch = []
+    if batch:
+        yield from zip(batch, encoder.encode_rows(batch))
+
 
 def _encoder(cfg: PrepareConfig) -> tuple[ChatTokenizer | EventVocab, _TextEncoder | EventEncoder]:
     """The vocabulary (saved beside the shards, described in the manifest) and the row encoder:
@@ -137,14 +179,11 @@ def _prepare_source(cfg: PrepareConfig, split: str, name: str, source: SourceCon
     bar = tqdm(desc=f"prepare {split}/{name}", unit=" rows", disable=not show_progress,
                mininterval=1.0)
     try:
-        for raw in stream:
+        for raw, encoded in _encoded(stream, encoder):
             report.rows_read += 1
             bar.update()
-            try:
-                if raw.error is not None:
-                    raise raw.error
-                encoded = encoder.encode_row(raw.data, file=raw.file, line=raw.line)
-            except DataError as err:
+            if isinstance(encoded, DataError):
+                err = encoded
                 if cfg.data.on_bad_row == "error":
                     raise DataError(f"{err.detail} (set data.on_bad_row: skip to count and "
                                     f"skip such rows)", file=err.file, line=err.line,

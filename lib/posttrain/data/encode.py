@@ -10,6 +10,7 @@ skew the token-weighted loss.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -104,6 +105,26 @@ class RecordEncoder:
         if isinstance(record, PromptRecord):
             return self._prompt(record, file, line)
         raise AssertionError(f"unknown record {type(record).__name__}")
+
+    def encode_many(self, records: Sequence[tuple[Record, str | None, int | None]]
+                    ) -> list[EncodedRow | DataError]:
+        """`encode` of many (record, file, line) at once, each result or DataError in its
+        place; chat records are tokenized in one batch (`ChatTokenizer.encode_chats`)."""
+        chats = [(r.messages, f, ln) for r, f, ln in records if isinstance(r, ChatRecord)]
+        encoded = iter(self.tok.encode_chats(chats) if chats else [])
+        out: list[EncodedRow | DataError] = []
+        for record, file, line in records:
+            try:
+                if isinstance(record, ChatRecord):
+                    enc = next(encoded)
+                    if isinstance(enc, DataError):
+                        raise enc
+                    out.append(self._single(enc, file, line, field="messages"))
+                else:
+                    out.append(self.encode(record, file=file, line=line))
+            except DataError as err:
+                out.append(err)
+        return out
 
     def _fit(self, enc: Encoded, file, line, field) -> tuple[Encoded, bool]:
         keep = fitted_length(len(enc.input_ids), self.lengths, file, line, field)

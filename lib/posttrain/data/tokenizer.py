@@ -209,7 +209,10 @@ class ChatTokenizer:
         add_special_tokens=False)`` gives (tests/lib/data/test_tokenizer.py)."""
         from tokenizers import Tokenizer
 
-        backend = Tokenizer.from_str(self.hf.backend_tokenizer.to_str())
+        backend = self.hf.backend_tokenizer
+        if backend.truncation is None and backend.padding is None:
+            return backend            # transformers sets both per call; it has none to undo
+        backend = Tokenizer.from_str(backend.to_str())
         backend.no_truncation()
         backend.no_padding()
         return backend
@@ -229,6 +232,31 @@ class ChatTokenizer:
         self._check_messages(messages, source, line)
         trained = _trained_indices(messages, train_on)
         return self._encode(messages, trained, source, line)
+
+    def encode_chats(self, items: Sequence[tuple[Sequence[Message], str | None, int | None]]
+                     ) -> list[Encoded | DataError]:
+        """`encode_chat` of many conversations ((messages, source, line) each) at once: each is
+        rendered and checked on its own (a bad one gives its DataError in its place), then all
+        texts are tokenized in one batch call, which the Rust tokenizer spreads over the
+        cores."""
+        out: list[Encoded | DataError] = []
+        texts, spans, where = [], [], []
+        for i, (messages, source, line) in enumerate(items):
+            try:
+                self._check_messages(messages, source, line)
+                trained = _trained_indices(messages, self.cfg.train_on)
+                text, row_spans = self._render_with_spans(messages, trained, source, line)
+            except DataError as err:
+                out.append(err)
+                continue
+            out.append(None)                   # type: ignore[arg-type]  (filled below)
+            texts.append(text)
+            spans.append(row_spans)
+            where.append(i)
+        encodings = self._backend.encode_batch(texts, add_special_tokens=False) if texts else []
+        for i, enc, row_spans in zip(where, encodings, spans):
+            out[i] = self._masked(enc, row_spans)
+        return out
 
     def encode_prompt(self, messages: Sequence[Message], *, source: str | None = None,
                       line: int | None = None, tools: Sequence[dict] | None = None
@@ -289,10 +317,19 @@ class ChatTokenizer:
 
     def _encode(self, messages: Sequence[Message], trained: set[int], source: str | None,
                 line: int | None) -> Encoded:
+        text, spans = self._render_with_spans(messages, trained, source, line)
+        return self._masked(self._backend.encode(text, add_special_tokens=False), spans)
+
+    def _render_with_spans(self, messages: Sequence[Message], trained: set[int],
+                           source: str | None, line: int | None
+                           ) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the character spans of its trained assistant turns."""
         text = self._render(messages, source, line, add_generation_prompt=False)
         regions = self._assistant_regions(text, messages, source, line)
-        spans = [(start, end) for i, start, end in regions if i in trained]
-        enc = self._backend.encode(text, add_special_tokens=False)
+        return text, [(start, end) for i, start, end in regions if i in trained]
+
+    @staticmethod
+    def _masked(enc: Any, spans: list[tuple[int, int]]) -> Encoded:
         mask = _mask_from_encoding(enc, spans)
         if mask is None:
             mask = _mask_from_offsets(enc.offsets, spans)

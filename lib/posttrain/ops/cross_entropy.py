@@ -85,12 +85,16 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
                      real_vocab_size: int | None = None, chunk_tokens: int = 1024,
                      softcap: float | None = None, temperature: float = 1.0,
                      bias: torch.Tensor | None = None,
-                     ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                     ignore_index: int = IGNORE_INDEX, return_entropy: bool = False
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log p(token) at every position, differentiable, for DPO / GRPO / distillation.
 
     `tokens` is aligned with `hidden` like `labels` in `chunked_cross_entropy`. Logits are divided
     by `temperature` after the softcap (as a sampler does). Positions equal to `ignore_index` are
-    not projected and get log-prob 0. Returns fp32 of the shape of `tokens`.
+    not projected and get log-prob 0. Returns fp32 of the shape of `tokens`; with
+    `return_entropy` also the entropy of each projected position's distribution (as
+    `chunked_entropy`, not differentiable, 0 at ignored positions), computed from the same
+    logits instead of a second projection.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
@@ -99,10 +103,15 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
     kept = (tokens_N != ignore_index).nonzero().squeeze(1)
     targets_K = tokens_N.index_select(0, kept)
     _check_targets(targets_K, real, "tokens")
-    logp_K = _ChunkedTargetLogProb.apply(hidden_NH.index_select(0, kept), weight, bias, targets_K,
-                                         real, chunk_tokens, softcap, float(temperature))
+    out = _ChunkedTargetLogProb.apply(hidden_NH.index_select(0, kept), weight, bias, targets_K,
+                                      real, chunk_tokens, softcap, float(temperature),
+                                      return_entropy)
+    logp_K, entropy_K = out if return_entropy else (out, None)
     logp_N = logp_K.new_zeros(tokens_N.shape).index_copy(0, kept, logp_K)
-    return logp_N.view(tokens.shape)
+    if not return_entropy:
+        return logp_N.view(tokens.shape)
+    entropy_N = entropy_K.new_zeros(tokens_N.shape).index_copy(0, kept, entropy_K)
+    return logp_N.view(tokens.shape), entropy_N.view(tokens.shape)
 
 
 @torch.no_grad()
@@ -187,25 +196,41 @@ class _ChunkedTargetLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden_KH: torch.Tensor, weight_VH: torch.Tensor,
                 bias_V: torch.Tensor | None, targets_K: torch.Tensor, real: int, chunk_tokens: int,
-                softcap: float | None, temperature: float) -> torch.Tensor:
+                softcap: float | None, temperature: float, return_entropy: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         chunk = _check_chunk(chunk_tokens)
         lse_K = hidden_KH.new_empty(hidden_KH.shape[0], dtype=torch.float32)
         logp_K = torch.empty_like(lse_K)
+        entropy_K = torch.empty_like(lse_K) if return_entropy else None
         for start in range(0, hidden_KH.shape[0], chunk):
             sl = slice(start, start + chunk)
             z_cV, _ = _chunk_logits(hidden_KH[sl], weight_VH, bias_V, real, softcap, temperature)
             target_c = z_cV.gather(1, targets_K[sl, None]).squeeze(1)
-            # logsumexp in place: torch.logsumexp would hold a second [chunk, V] block.
             max_c = z_cV.amax(dim=-1)
-            lse_K[sl] = z_cV.sub_(max_c[:, None]).exp_().sum(dim=-1).log_().add_(max_c)
+            shifted_cV = z_cV.sub_(max_c[:, None])
+            if entropy_K is None:
+                # logsumexp in place: torch.logsumexp would hold a second [chunk, V] block.
+                lse_K[sl] = shifted_cV.exp_().sum(dim=-1).log_().add_(max_c)
+            else:
+                # H = log S - sum_v e_v (z_v - max) / S with e = exp(z - max), S = sum_v e_v
+                e_cV = shifted_cV.exp()
+                log_sum_c = e_cV.sum(dim=-1).log_()
+                lse_K[sl] = log_sum_c + max_c
+                weighted_c = e_cV.mul_(shifted_cV).sum(dim=-1)
+                entropy_K[sl] = log_sum_c - weighted_c / log_sum_c.exp()
+                del e_cV
             logp_K[sl] = target_c - lse_K[sl]
-            del z_cV
+            del z_cV, shifted_cV
         ctx.save_for_backward(hidden_KH, weight_VH, bias_V, targets_K, lse_K)
         ctx.config = (real, chunk, softcap, temperature)
-        return logp_K
+        if entropy_K is None:
+            return logp_K
+        ctx.mark_non_differentiable(entropy_K)
+        return logp_K, entropy_K
 
     @staticmethod
-    def backward(ctx: Any, grad_logp_K: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad_logp_K: torch.Tensor, *_: Any
+                 ) -> tuple[torch.Tensor | None, ...]:
         hidden_KH, weight_VH, bias_V, targets_K, lse_K = ctx.saved_tensors
         real, chunk, softcap, temperature = ctx.config
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -226,7 +251,7 @@ class _ChunkedTargetLogProb(torch.autograd.Function):
             grads.add(sl, g_cV, hidden_KH[sl], real)
             del z_cV, tanh_cV, g_cV
         grad_h, grad_w, grad_b = grads.done()
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):

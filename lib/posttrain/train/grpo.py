@@ -46,7 +46,7 @@ from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.errors import ConfigError
 from posttrain.losses.grpo import grpo_loss
 from posttrain.models.transformer import Transformer
-from posttrain.ops.cross_entropy import IGNORE_INDEX, chunked_entropy, chunked_logprobs
+from posttrain.ops.cross_entropy import chunked_logprobs
 from posttrain.rl.dynamic import DynamicSamplingConfig, OverlongConfig
 from posttrain.rl.engine import Rollout, SamplingConfig
 from posttrain.rl.environment import EnvironmentConfig
@@ -293,16 +293,21 @@ class GRPOLoss(nn.Module):
         self.chunk_tokens = chunk_tokens
 
     def sequence_logprobs(self, input_ids, position_ids, document_lengths, targets,
-                          token_index, mask) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs [S, T] of the completion tokens, 0 off the mask; hidden [1, L, H])."""
+                          token_index, mask, with_entropy: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probs [S, T] of the completion tokens, 0 off the mask; with `with_entropy` the
+        summed entropy of the sampling distribution over the targeted positions, from the same
+        chunked logits, else None)."""
         hidden = self.model(input_ids, position_ids, document_lengths)
         head = self.model.head
-        logp_flat = chunked_logprobs(hidden, head.weight, targets,
-                                     real_vocab_size=head.real_vocab_size,
-                                     chunk_tokens=self.chunk_tokens,
-                                     softcap=getattr(head, "softcap", None),
-                                     temperature=self.temperature).reshape(-1)
-        return logp_flat[token_index].where(mask, 0.0), hidden
+        out = chunked_logprobs(hidden, head.weight, targets, real_vocab_size=head.real_vocab_size,
+                               chunk_tokens=self.chunk_tokens,
+                               softcap=getattr(head, "softcap", None),
+                               temperature=self.temperature, return_entropy=with_entropy)
+        logp, entropy = out if with_entropy else (out, None)
+        logp_flat = logp.reshape(-1)
+        return (logp_flat[token_index].where(mask, 0.0),
+                None if entropy is None else entropy.sum())
 
     def forward(self, input_ids, position_ids, document_lengths, targets, token_index, mask,
                 advantages, engine_logp, old_logp=None, ref_logp=None, global_tokens=None,
@@ -315,7 +320,7 @@ class GRPOLoss(nn.Module):
             from posttrain.models.lora import disable_adapters
             with torch.no_grad(), disable_adapters(self.model):
                 ref_logp = self.sequence_logprobs(*seq_args)[0]
-        logp, hidden = self.sequence_logprobs(*seq_args)
+        logp, entropy_sum = self.sequence_logprobs(*seq_args, with_entropy=self.algo.log_entropy)
         old = old_logp if old_logp is not None else logp.detach()
         use_engine = algo.use_engine_logprobs
         aggregation = algo.aggregation
@@ -331,14 +336,8 @@ class GRPOLoss(nn.Module):
         stats = {k: v * n for k, v in m.items() if k != "ratio_max"}
         with torch.no_grad():
             stats["logprob_gap"] = (old - engine_logp).abs().where(mask, 0.0).sum()
-            if algo.log_entropy:
-                kept = (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
-                head = self.model.head
-                h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept)
-                stats["entropy"] = chunked_entropy(
-                    h, head.weight, real_vocab_size=head.real_vocab_size,
-                    chunk_tokens=self.chunk_tokens, softcap=getattr(head, "softcap", None),
-                    temperature=self.temperature).sum()
+            if entropy_sum is not None:
+                stats["entropy"] = entropy_sum
         if not live:                       # a dummy micro-batch: collectives, no contribution
             return loss * 0.0, {k: torch.zeros_like(v) for k, v in stats.items()}
         return loss, stats

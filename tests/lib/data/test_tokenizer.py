@@ -563,3 +563,17 @@ def test_mask_from_encoding_equals_mask_from_offsets(text, data):
     got = _mask_from_encoding(enc, spans)
     if got is not None:
         assert got == _mask_from_offsets(enc.offsets, spans)
+
+
+def test_encode_chats_is_encode_chat_row_by_row():
+    """The batched path gives each conversation exactly `encode_chat`'s ids and mask, and a
+    bad conversation its own DataError in its place without disturbing its neighbours."""
+    tok = ChatTokenizer(TokenizerConfig(path=str(TOKENIZER_DIR)))
+    bad = [{"role": "wizard", "content": "x"}]
+    items = [(c, "f.jsonl", i) for i, c in enumerate(CONVERSATIONS)]
+    items.insert(2, (bad, "f.jsonl", 99))
+    got = tok.encode_chats(items)
+    assert isinstance(got[2], DataError) and got[2].line == 99
+    for (messages, _, _), enc in zip(items[:2] + items[3:], got[:2] + got[3:]):
+        want = tok.encode_chat(messages)
+        assert (enc.input_ids, enc.loss_mask) == (want.input_ids, want.loss_mask)

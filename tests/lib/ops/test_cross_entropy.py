@@ -262,3 +262,21 @@ def test_scaled_loss_gradients_and_one_projection_per_chunk():
     torch.testing.assert_close(got, want, **TOL)
     for a, c in zip(got_grads, grads(-3.5 * want, hidden, weight, b)):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("softcap,temperature", [(None, 1.0), (2.0, 0.7)])
+def test_logprobs_with_entropy_from_the_same_logits(softcap, temperature):
+    """`return_entropy` gives `chunked_entropy` at the projected positions (0 elsewhere) and
+    leaves the log-probs and their gradients exactly as without it."""
+    hidden, weight, _, labels = make(seed=12)
+    kw = dict(real_vocab_size=REAL, chunk_tokens=8, softcap=softcap, temperature=temperature)
+    logp, entropy = chunked_logprobs(hidden, weight, labels, return_entropy=True, **kw)
+    plain = chunked_logprobs(hidden, weight, labels, **kw)
+    assert torch.equal(logp, plain)
+    keep = labels != -100
+    want = chunked_entropy(hidden, weight, real_vocab_size=REAL, softcap=softcap,
+                           temperature=temperature)
+    torch.testing.assert_close(entropy[keep], want[keep], **TOL)
+    assert torch.all(entropy[~keep] == 0) and not entropy.requires_grad
+    for a, b in zip(grads(logp.sum(), hidden, weight), grads(plain.sum(), hidden, weight)):
+        assert torch.equal(a, b)
