@@ -55,8 +55,13 @@ def _config(recipe: str, hf_dir: Path) -> dict:
               "tokenizer": {"path": str(ROOT / "assets" / "tokenizer")},
               "model": {"hf_dir": str(hf_dir), "dtype": "float32"},
               "eval": {"max_batches": 4}}
+    # Adam's eps 1e-6, not 1e-8: Adam divides each gradient by its own RMS, so an entry whose
+    # gradient is near 0 moves by a fraction of lr that rounding decides. With 1e-8 one embedding
+    # entry differed by 5e-6, then 2e-5 (another float reassociation in the loss), between 1 and
+    # 2 workers while every other weight was within 1e-6; with 1e-6 it differs by 2e-6.
     train = {"max_steps": STEPS, "tokens_per_step": 512,
-             "optimizer": {"lr": 3e-3, "weight_decay": 0.0}, "scheduler": {"kind": "constant"},
+             "optimizer": {"lr": 3e-3, "weight_decay": 0.0, "eps": 1e-6},
+             "scheduler": {"kind": "constant"},
              "parallel": {"activation_checkpointing": "none"}, "seed": 0,
              "checkpoint_every_steps": 1, "keep_checkpoints": 10}
     if recipe == "sft":
