@@ -25,9 +25,12 @@ with 1 thread repeated runs agree within ~20%.
 
 Prints ONE JSON line: per mode the real tokens, seconds, real tokens/s, effective-token fraction
 (non-pad / all tokens) and the worker's peak RSS; the packed/padded throughput ratio; and the
-length distribution of the data.
+length distribution of the data. With ``--profile-steps N`` each mode then runs as many token
+slots as N packed steps hold under the torch profiler and reports microseconds per token slot
+(real or padding), split into the LM head with its loss, the attention kernels and the rest:
+packing pays the effective-token ratio exactly when a packed slot costs what a padded one does.
 
-Run: ``python bench/sft_throughput.py [--packed-steps 6] [--threads 1]``.
+Run: ``python bench/sft_throughput.py [--packed-steps 6] [--threads 1] [--profile-steps 3]``.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def config(run_dir: Path, data: Path, mode: str, args: argparse.Namespace) -> di
 
 
 def train_mode(cfg: dict, prepared: str, hf_dir: str, target_real: int | None,
-               steps: int, threads: int, out: mp.Queue) -> None:
+               steps: int, threads: int, profile_slots: int, out: mp.Queue) -> None:
     """Child process: warm-up step, then timed steps; reports tokens, time and peak RSS."""
     import torch
     torch.set_num_threads(threads)
@@ -112,13 +115,38 @@ def train_mode(cfg: dict, prepared: str, hf_dir: str, target_real: int | None,
         rates.append(m["real_tokens_per_s"])
         done += 1
     seconds = time.perf_counter() - t0
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cost = slot_costs(worker, profile_slots) if profile_slots else None
     worker.close()
     out.put({"steps": done, "real_tokens": real, "token_slots": slots, "seconds": seconds,
              "real_tokens_per_s": real / seconds,
              "median_step_real_tokens_per_s": float(np.median(rates)),
              "effective_token_fraction": real / slots,
-             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-             "first_loss": losses[0], "last_loss": losses[-1]})
+             "peak_rss_bytes": peak_rss,
+             "first_loss": losses[0], "last_loss": losses[-1],
+             **({"us_per_token_slot": cost} if cost else {})})
+
+
+def slot_costs(worker, min_slots: int) -> dict:
+    """Microseconds per token slot (real or padding) over more steps, until `min_slots` token
+    slots, under the torch profiler, split into the LM head with its loss (the `chunked_cross_entropy` range: it
+    forms the head's gradients too), the attention kernels (forward and backward), and the
+    rest (the blocks' matmuls and elementwise work, the optimizer, data)."""
+    from torch.profiler import ProfilerActivity, profile
+    slots = steps = 0
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        while slots < min_slots:
+            m = worker.train_step()
+            steps += 1
+            assert m is not None, "the synthetic set ran out: raise --samples"
+            slots += round(m["real_tokens"] / (1.0 - m["padding_fraction"]))
+    wall_us = (time.perf_counter() - t0) * 1e6
+    events = prof.key_averages()
+    head = sum(e.cpu_time_total for e in events if e.key == "chunked_cross_entropy")
+    attention = sum(e.self_cpu_time_total for e in events if "scaled_dot_product" in e.key)
+    return {"profiled_steps": steps, "profiled_slots": slots, "total": wall_us / slots, "lm_head_and_loss": head / slots,
+            "attention": attention / slots, "rest": (wall_us - head - attention) / slots}
 
 
 def run_child(*args) -> dict:
@@ -141,6 +169,10 @@ def main() -> None:
     parser.add_argument("--packed-steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1, help="torch threads, both modes")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="then profile as many token slots as this many packed steps "
+                             "hold, in each mode, and report microseconds per token slot: "
+                             "LM head + loss, attention, rest")
     args = parser.parse_args()
 
     from steps.common import base_model_dir, ensure_prepared
@@ -151,13 +183,14 @@ def main() -> None:
         data = tmp / "skewed.jsonl"
         write_skewed_chat(data, args.samples, args.pack, args.seed)
         cfgs = {m: config(tmp / m, data, m, args) for m in ("packed", "padded")}
+        profile_slots = args.profile_steps * args.micro_batches * args.rows * args.pack
         sft = build(SFTConfig, cfgs["packed"])
         prepared = ensure_prepared(sft, str(tmp / "prepared"), show_progress=False)
         hf_dir = base_model_dir(sft, prepared, tmp)
         packed = run_child(cfgs["packed"], prepared, hf_dir, None, args.packed_steps,
-                           args.threads)
+                           args.threads, profile_slots)
         padded = run_child(cfgs["padded"], prepared, hf_dir, packed["real_tokens"], 0,
-                           args.threads)
+                           args.threads, profile_slots)
         lengths = data_lengths(prepared)
     print(json.dumps({
         "bench": "sft_throughput", "model": "qwen3 hidden 256, 4 layers, fp32, random init",

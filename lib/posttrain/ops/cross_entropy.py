@@ -74,8 +74,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     kept = keep_N.nonzero().squeeze(1)
     targets_K = labels_N.index_select(0, kept)
     _check_targets(targets_K, real, "labels")
-    loss = _ChunkedCrossEntropySum.apply(hidden_NH.index_select(0, kept), weight, bias,
-                                         targets_K, real, chunk_tokens, softcap)
+    # a named range in profiles: the head's whole cost (its gradients are formed here)
+    with torch.profiler.record_function("chunked_cross_entropy"):
+        loss = _ChunkedCrossEntropySum.apply(hidden_NH.index_select(0, kept), weight, bias,
+                                             targets_K, real, chunk_tokens, softcap)
     if reduction == "mean":
         loss = loss / max(targets_K.numel(), 1)
     return loss
