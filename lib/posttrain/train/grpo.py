@@ -483,16 +483,17 @@ class GRPOWorker:
     def train_rollouts(self, mini_batches: list[list[dict]]) -> dict[str, float]:
         """The policy update of one GRPO step: for each mini-batch (a list of micro-batches,
         this data-parallel rank taking r, r + D, ...) one optimizer step. Old-policy log-probs
-        are computed first when there is more than one mini-batch, reference log-probs when
-        configured."""
+        are computed first for the mini-batches after the first (the first is scored by the
+        policy that has not moved yet, so its own log-probs, detached, are the old ones),
+        reference log-probs when configured."""
         device = self.engine.device
         mine = [self.engine.dp.share(mb) for mb in mini_batches]
         t0 = time.perf_counter()
         with torch.no_grad():
             self.engine.root.eval()
-            for batches in mine:
+            for i, batches in enumerate(mine):
                 for b in batches:
-                    if len(mini_batches) > 1:
+                    if i > 0:
                         b["old_logp"] = self.engine.root(*_args(b, device), score_only=True)
                     if self.reference is not None:
                         b["ref_logp"] = self.reference(*_args(b, device), score_only=True)
@@ -528,14 +529,14 @@ class GRPOWorker:
     def update_flops(self, mini_batches: list[list[dict]]) -> float:
         """Model FLOPs of one GRPO update over all ranks: per live micro-batch the policy's
         forward and backward (the LM head over the completion tokens), and a forward for the
-        old-policy log-probs (more than one mini-batch) and for the reference (when configured).
-        The entropy diagnostic's extra head pass and dummy micro-batches are not model work."""
+        old-policy log-probs (mini-batches after the first) and for the reference (when
+        configured). Dummy micro-batches are not model work."""
         from posttrain.train.recipe import policy_flops
         model, lora = self.engine.model, self.cfg.model.lora
-        old = len(mini_batches) > 1
         reference = self.cfg.algorithm.reference != "none"     # the base model, no adapters
         total = 0.0
-        for b in (b for mbs in mini_batches for b in mbs if b["live"]):
+        for old, b in ((i > 0, b) for i, mbs in enumerate(mini_batches)
+                       for b in mbs if b["live"]):
             view = {"document_lengths": b["document_lengths"], "row_num_pad": [0],
                     "num_real_tokens": b["num_tokens"], "num_loss_tokens": int(b["mask"].sum())}
             total += policy_flops(model, view, lora=lora)

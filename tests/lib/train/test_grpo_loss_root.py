@@ -107,3 +107,34 @@ def test_kl_term_against_k3_formula():
     pg = -(b["advantages"][:, None] * b["mask"]).sum() / n       # ratio 1 on policy
     assert float(loss) == pytest.approx(float(pg + 0.5 * k3), abs=1e-5)
 
+
+
+@pytest.mark.parametrize("is_cap", [None, 1.5])
+def test_first_mini_batch_needs_no_old_policy_pass(is_cap):
+    """`GRPO.train_rollouts` scores old-policy log-probs only for the mini-batches after the
+    first: before the first optimizer step the policy is the old one, so the loss root's own
+    log-probs, detached, must give the loss and gradients that a separate scoring pass gives."""
+    model = tiny_model("qwen3").train()
+    algo = AlgorithmConfig(is_cap=is_cap, use_engine_logprobs=is_cap is not None)
+    root = GRPOLoss(model, algo, temperature=TEMPERATURE, constant_norm=16.0)
+    batches = [b for b in pack_micro_batches(random_samples(10, seed=7), max_tokens=40,
+                                             num_ranks=1) if b["live"]]
+    keys = GRPOLoss.input_keys
+    assert len(batches) > 1
+    results = []
+    for scored in (False, True):
+        total = 0.0
+        for b in batches:
+            args = {k: b.get(k) for k in keys}
+            if scored:
+                with torch.no_grad():
+                    args["old_logp"] = root(*(b[k] for k in keys), score_only=True)
+            loss, _ = root(*(args[k] for k in keys))
+            loss.backward()
+            total += float(loss.detach())
+        results.append((total, grads(model)))
+    (own, own_grads), (scored, scored_grads) = results
+    assert own == pytest.approx(scored, abs=1e-6)
+    for name in own_grads:
+        torch.testing.assert_close(own_grads[name], scored_grads[name], atol=1e-6, rtol=1e-5,
+                                   msg=name)
