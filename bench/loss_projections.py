@@ -4,8 +4,8 @@
 
 `chunked_cross_entropy` forms its gradients in the forward pass, while each chunk's logits
 exist, and only scales them in backward: one LM-head projection per chunk. The log-prob kernel
-(`_ChunkedTargetLogProb`, which DPO, GRPO and distillation need, since their losses are not a
-plain sum of log-probs) keeps only the log-sum-exp and projects each chunk again in backward.
+(`chunked_logprobs`, which DPO, GRPO and distillation need, since their losses are not a plain
+sum of log-probs) keeps only the log-sum-exp and projects each chunk again in backward.
 Before commit 0077bff SFT's loss went through the second path. Both paths run here on the same
 inputs, alternating in one process (the machine is shared: the ratio is what to read), with a
 summed loss; the result reports medians after two warm-up rounds and the largest differences
@@ -44,8 +44,8 @@ def main() -> None:
                                         chunk_tokens=a.chunk_tokens)
 
     def twice_per_chunk() -> torch.Tensor:
-        return -ce._ChunkedTargetLogProb.apply(hidden, weight, None, labels, a.vocab,
-                                               a.chunk_tokens, None, 1.0).sum()
+        return -ce.chunked_logprobs(hidden, weight, labels,
+                                    chunk_tokens=a.chunk_tokens).sum()
 
     variants = {"once_per_chunk": once_per_chunk, "twice_per_chunk": twice_per_chunk}
     seconds: dict[str, list[float]] = {k: [] for k in variants}
