@@ -14,7 +14,11 @@ from typing import Any, Literal
 
 import torch
 
-Family = Literal["qwen3", "qwen3_moe", "llama", "gemma3", "gpt_oss"]
+Family = Literal["qwen3", "qwen3_moe", "llama", "gemma3", "gpt_oss", "qwen3_5", "qwen3_5_moe"]
+
+# layer kinds (`ModelArgs.layer_types`); the token mixer of a layer follows from its kind
+FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION = ("full_attention", "sliding_attention",
+                                                       "linear_attention")
 
 
 def pad_to_multiple(n: int, multiple: int) -> int:
@@ -22,6 +26,37 @@ def pad_to_multiple(n: int, multiple: int) -> int:
     if multiple <= 1:
         return n
     return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class DeltaNetArgs:
+    """The gated-DeltaNet linear-attention layers of Qwen3.5 (`models/deltanet.py`).
+
+    Queries and keys have `num_k_heads` heads of `head_k_dim`, values and the output gate
+    `num_v_heads` heads of `head_v_dim`; value head j reads key head j // (num_v_heads //
+    num_k_heads). `conv_kernel` is the width of the causal depthwise convolution over q, k, v;
+    `chunk_size` the block length of the chunked (training) form of the delta rule.
+    """
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear attention: num_v_heads ({self.num_v_heads}) must be a "
+                             f"multiple of num_k_heads ({self.num_k_heads})")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
 
 
 @dataclass(frozen=True)
@@ -46,13 +81,18 @@ class ModelArgs:
     vocab_multiple: int = 64             # embedding/head rows padded to a multiple of this
     # Gemma 3
     sliding_window: int | None = None
-    layer_types: tuple[str, ...] | None = None    # per layer: "full_attention" | "sliding_attention"
+    # per layer: "full_attention" | "sliding_attention" | "linear_attention"
+    layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None          # rope base of sliding layers
     query_pre_attn_scalar: float | None = None     # attention scale = scalar ** -0.5
     embed_scale: bool = False            # multiply embeddings by sqrt(hidden_size)
     norm_offset: bool = False            # RMSNorm weight applied as (1 + w)
     sandwich_norm: bool = False          # extra post-attention / post-MLP norms
     final_logit_softcapping: float | None = None
+    # Qwen3.5
+    partial_rotary_factor: float = 1.0    # RoPE turns the first head_dim * factor dims only
+    attn_output_gate: bool = False        # q projects to [q, gate] per head; out *= sigmoid(gate)
+    linear_attention: DeltaNetArgs | None = None   # the "linear_attention" layers
     # mixture of experts (Qwen3-MoE)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -61,6 +101,8 @@ class ModelArgs:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0    # weight of the load-balancing loss (models/moe.py)
+    shared_expert_intermediate_size: int = 0   # an always-on dense expert beside the routed ones
+    shared_expert_gate: bool = False     # its output scaled by sigmoid(Linear(hidden, 1)) (Qwen3.5)
     # GPT-OSS
     attention_sinks: bool = False        # a learned logit per head joins every softmax
     router_bias: bool = False
@@ -70,6 +112,9 @@ class ModelArgs:
     swiglu_alpha: float = 1.702
     # anything a bridge needs to write config.json back unchanged
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # the checkpoint directory the weights came from: tensors outside the text model of a
+    # multimodal checkpoint (vision tower, ...) are copied from it on export
+    hf_source_dir: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -79,8 +124,19 @@ class ModelArgs:
         return (self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
 
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else FULL_ATTENTION
+
     def is_sliding_layer(self, i: int) -> bool:
-        return bool(self.layer_types) and self.layer_types[i] == "sliding_attention"
+        return self.layer_type(i) == SLIDING_ATTENTION
+
+    def is_linear_layer(self, i: int) -> bool:
+        return self.layer_type(i) == LINEAR_ATTENTION
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that RoPE turns (all unless `partial_rotary_factor`)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def replace(self, **changes: Any) -> "ModelArgs":
         return dataclasses.replace(self, **changes)

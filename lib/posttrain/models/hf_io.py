@@ -29,7 +29,7 @@ from torch import nn
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.models import mxfp4
 from posttrain.models.args import ModelArgs, pad_to_multiple
-from posttrain.models.families import FamilyBridge, bridge_for_config, bridge_for_family
+from posttrain.models.families import FamilyBridge, bridge_for_args, bridge_for_config
 from posttrain.models.families.base import VOCAB_PARAMS
 from posttrain.models.transformer import (LMHead, MLPFactory, Transformer,
                                           default_mlp_factory)
@@ -92,7 +92,7 @@ def iter_hf_tensors(hf_dir: str | Path, args: ModelArgs, *,
     slice (MoE experts) are stacked and yielded once their last slice has been read; an HF
     tensor that holds several native ones (GPT-OSS's fused experts) yields each.
     """
-    bridge = bridge_for_family(args.family)
+    bridge = bridge_for_args(args)
     files = weight_map(hf_dir)
     quantized = mxfp4.quantized_names(files)
     for name in quantized:
@@ -164,6 +164,7 @@ def load_hf(hf_dir: str | Path, *, device: torch.device | str = "cpu",
                           "pass on_meta=True with it")
     config = read_hf_config(hf_dir)
     args = bridge_for_config(config).args_from_hf(config, vocab_multiple=vocab_multiple)
+    args = args.replace(hf_source_dir=str(hf_dir))
     dtype = dtype or config_dtype(config) or torch.float32
     with torch.device("meta"):
         model = Transformer(args, mlp_factory)
@@ -224,6 +225,35 @@ def _hf_tensors(model: Transformer, bridge: FamilyBridge,
             return bridge.to_hf_tensor(hf_name, parts).contiguous().clone()
 
         yield hf_name, thunk, nbytes
+    yield from _passthrough_tensors(args, bridge)
+
+
+def _passthrough_tensors(args: ModelArgs, bridge: FamilyBridge,
+                         ) -> Iterator[tuple[str, Callable[[], torch.Tensor], int]]:
+    """The source checkpoint's tensors outside the native model (a multimodal checkpoint's
+    vision tower, multi-token prediction layers), unchanged, in their own dtype."""
+    source = args.hf_source_dir
+    files = weight_map(source) if source and Path(source).is_dir() else {}
+    kept = sorted(name for name in files if bridge.is_passthrough(name))
+    if not kept and args.hf_config and bridge.architecture.endswith("ForConditionalGeneration"):
+        raise PosttrainError(f"save_hf: this {args.family} model comes from a multimodal "
+                             f"checkpoint whose other tensors (vision tower) are read from the "
+                             f"source checkpoint on export, but {source!r} is not readable here")
+    for name in kept:
+        with safe_open(files[name], framework="pt") as f:
+            sl = f.get_slice(name)
+            nbytes = (int(torch.Size(sl.get_shape()).numel())
+                      * _SAFETENSORS_BYTES.get(sl.get_dtype(), 4))
+
+        def thunk(name: str = name) -> torch.Tensor:
+            with safe_open(files[name], framework="pt") as f:
+                return f.get_tensor(name)
+
+        yield name, thunk, nbytes
+
+
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2,
+                      "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def _slice_tensors(value: torch.Tensor, hf_names: list[str], dtype: torch.dtype,
@@ -255,7 +285,7 @@ def hf_named_tensors(args: ModelArgs, named_tensors: Iterable[tuple[str, torch.T
     For handing weights to an engine that loads HF checkpoints (vLLM) without writing them to
     disk. Tensors stay on their device; `dtype` casts them when given.
     """
-    bridge = bridge_for_family(args.family)
+    bridge = bridge_for_args(args)
     fusing: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)   # fused HF tensors' parts
     for name, tensor in named_tensors:
         if args.tie_word_embeddings and name == "head.weight":
@@ -294,7 +324,7 @@ def save_hf(model: Transformer, out_dir: str | Path, *, tokenizer_dir: str | Pat
     the output directory.
     """
     args = model.args
-    bridge = bridge_for_family(args.family)
+    bridge = bridge_for_args(args)
     config = bridge.hf_config(args)
     dtype = dtype or config_dtype(config) or model.embed.weight.dtype
     config["torch_dtype" if "torch_dtype" in config and "dtype" not in config

@@ -167,18 +167,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
-    """Rotate q or k [B, H, T, D] by the half-split (GPT-NeoX / HF) convention."""
-    cos, sin = cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
-    return x_BHTD * cos + _rotate_half(x_BHTD) * sin
+def apply_rope(x_BHTD: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tensor) -> torch.Tensor:
+    """Rotate q or k [B, H, T, D] by the half-split (GPT-NeoX / HF) convention. Tables narrower
+    than the head (R < D, partial rotary) turn the first R dims and pass the rest through."""
+    cos, sin = cos_BTR.unsqueeze(1), sin_BTR.unsqueeze(1)
+    rotary = cos.shape[-1]
+    if rotary == x_BHTD.shape[-1]:
+        return x_BHTD * cos + _rotate_half(x_BHTD) * sin
+    x_rot, x_pass = x_BHTD[..., :rotary], x_BHTD[..., rotary:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention with optional per-head q/k norm, a sliding window and
-    attention sinks (`sinks` [H], GPT-OSS).
+    """Causal GQA self-attention with optional per-head q/k norm, a sliding window, attention
+    sinks (`sinks` [H], GPT-OSS), partial RoPE and an output gate (Qwen3.5: `q` projects every
+    head to [query, gate], and the attention output is multiplied by sigmoid(gate)).
 
     The kernel is `posttrain.ops.attention.attention`, which applies the causal mask, the
-    document mask of packed rows and the sliding window itself.
+    document mask of packed rows and the sliding window itself. With `state` and `step`
+    (`posttrain.models.kv_cache`) the layer runs incrementally over a KV cache instead.
     """
 
     def __init__(self, args: ModelArgs, layer_id: int):
@@ -190,7 +197,9 @@ class Attention(nn.Module):
         pre_scalar = args.query_pre_attn_scalar
         self.scale = (pre_scalar if pre_scalar is not None else args.head_dim) ** -0.5
         bias = args.attention_bias
-        self.q = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=bias)
+        self.output_gate = args.attn_output_gate
+        q_out = args.num_heads * args.head_dim * (2 if self.output_gate else 1)
+        self.q = nn.Linear(args.hidden_size, q_out, bias=bias)
         self.k = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
         self.v = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
         self.o = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=bias)
@@ -208,25 +217,60 @@ class Attention(nn.Module):
         if self.sinks is not None:
             nn.init.normal_(self.sinks, std=std)
 
-    def forward(self, x_BTH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                mask: attention_ops.DocumentMask | None = None) -> torch.Tensor:
-        """`mask`: the batch's mask for this layer's kind (`Transformer.forward` builds it
-        once); None is one causal document per row."""
+    def _project(self, x_BTH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q [B, H, T, D], k and v [B, Hkv, T, D] (normed, rotated) and the gate [B, T, H*D]."""
         B, T, _ = x_BTH.shape
-        q = self.q(x_BTH).view(B, T, -1, self.head_dim)
+        q = self.q(x_BTH)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(B, T, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(B, T, -1)
+        q = q.reshape(B, T, -1, self.head_dim)
         k = self.k(x_BTH).view(B, T, -1, self.head_dim)
         v = self.v(x_BTH).view(B, T, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+    def _output(self, out_BHTD: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        B, _, T, _ = out_BHTD.shape
+        out = out_BHTD.transpose(1, 2).reshape(B, T, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o(out)
+
+    def forward(self, x_BTH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                mask: attention_ops.DocumentMask | None = None, *, state: Any = None,
+                step: Any = None) -> torch.Tensor:
+        """`mask`: the batch's mask for this layer's kind (`Transformer.forward` builds it
+        once); None is one causal document per row. `state` / `step`: this layer's
+        `AttentionState` and the call's `DecodeStep` (`posttrain.models.kv_cache`)."""
+        B, T, _ = x_BTH.shape
+        q, k, v, gate = self._project(x_BTH, rope)
+        if state is not None:
+            state.keys[:, :, step.start:step.end] = k
+            state.values[:, :, step.start:step.end] = v
+            out = attention_ops.masked_attention(
+                q, state.keys[:, :, :step.end], state.values[:, :, :step.end],
+                step.masks[self.sliding_window], scale=self.scale, sinks=self.sinks)
+            return self._output(out, gate)
         if mask is None:
             mask = attention_ops.build_mask(None, B, T, x_BTH.device,
                                             sliding_window=self.sliding_window,
                                             sinks=self.sinks is not None)
         out = attention_ops.attention(q, k, v, mask=mask, scale=self.scale, sinks=self.sinks)
-        return self.o(out.transpose(1, 2).reshape(B, T, -1))
+        return self._output(out, gate)
+
+    def new_state(self, batch: int, capacity: int, *, dtype: torch.dtype,
+                  device: torch.device) -> Any:
+        """An empty KV cache for this layer (`posttrain.models.kv_cache.AttentionState`)."""
+        from posttrain.models.kv_cache import AttentionState
+        shape = (batch, self.num_kv_heads, capacity, self.head_dim)
+        return AttentionState(torch.zeros(shape, dtype=dtype, device=device),
+                              torch.zeros(shape, dtype=dtype, device=device))
 
 
 _ACTIVATIONS = {

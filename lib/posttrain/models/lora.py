@@ -467,9 +467,9 @@ def _default_hf_names(model: nn.Module) -> Callable[[str], str]:
     if args is None or not hasattr(args, "family"):
         raise ConfigError(f"save_peft_adapter: cannot name the parameters of a "
                           f"{type(model).__name__} in HF terms; pass hf_names=")
-    from posttrain.models.families import bridge_for_family
+    from posttrain.models.families import bridge_for_args
 
-    return bridge_for_family(args.family).to_hf
+    return bridge_for_args(args).to_hf
 
 
 def check_peft_export(targets: tuple[str, ...] | list[str], dropout: float) -> None:

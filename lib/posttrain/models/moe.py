@@ -8,6 +8,10 @@ of `families/qwen3_moe.py` and `families/gpt_oss.py`):
     layers[i].mlp.experts.up    Parameter [E, I, H]
     layers[i].mlp.experts.down  Parameter [E, H, I]
     layers[i].mlp.experts.{gate,up,down}_bias   [E, I], [E, I], [E, H] with `expert_bias`
+    layers[i].mlp.shared.{gate,up,down}  a dense gated MLP every token runs (Qwen3.5-MoE),
+                                         with `shared_expert_intermediate_size`
+    layers[i].mlp.shared_gate   nn.Linear [1, hidden]: the shared expert's output is scaled by
+                                sigmoid(shared_gate(x)) (`shared_expert_gate`)
 
 Routing per token x, by `moe_routing`:
 
@@ -47,7 +51,7 @@ from torch import nn
 
 from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
-from posttrain.models.layers import _ACTIVATIONS
+from posttrain.models.layers import _ACTIVATIONS, FeedForward
 
 __all__ = ["Experts", "MoEBlock", "build_moe", "clamped_swiglu", "grouped_mm_available",
            "grouped_mm_flops", "load_balancing_loss", "moe_aux_loss", "router_logits",
@@ -231,6 +235,11 @@ class MoEBlock(nn.Module):
                                args.hidden_act, bias=args.expert_bias,
                                swiglu_limit=args.swiglu_limit, swiglu_alpha=args.swiglu_alpha)
         self.router_logits_NE: torch.Tensor | None = None
+        self.shared = self.shared_gate = None
+        if args.shared_expert_intermediate_size > 0:
+            self.shared = FeedForward(args, intermediate_size=args.shared_expert_intermediate_size)
+            if args.shared_expert_gate:
+                self.shared_gate = nn.Linear(args.hidden_size, 1, bias=False)
 
     def route(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (router logits [N, E], chosen experts [N, k], their weights [N, k])."""
@@ -248,7 +257,13 @@ class MoEBlock(nn.Module):
         x_NH = x.reshape(-1, x.shape[-1])
         logits, expert, weight = self.route(x_NH)
         self.router_logits_NE = logits
-        return self.experts(x_NH, expert, weight).view_as(x)
+        y = self.experts(x_NH, expert, weight)
+        if self.shared is not None:
+            shared = self.shared(x_NH)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x_NH)) * shared
+            y = y + shared
+        return y.view_as(x)
 
 
 def build_moe(args: ModelArgs, layer_id: int) -> nn.Module:

@@ -1,12 +1,16 @@
-"""The native decoder-only transformer shared by Qwen3, Llama 3.x, Gemma 3 (text), Qwen3-MoE
-and GPT-OSS.
+"""The native decoder-only transformer shared by Qwen3, Llama 3.x, Gemma 3 (text), Qwen3-MoE,
+GPT-OSS and Qwen3.5 (dense and MoE).
 
 Module tree (names are the contract for LoRA, sharding and the HF name maps):
 
     embed                       nn.Embedding [padded_vocab, hidden]
     layers[i].attn_norm         RMSNorm
+    layers[i].attn              the layer's token mixer, by its kind (`args.layer_types`):
+                                attention (`layers.Attention`) on full and sliding layers,
+                                gated DeltaNet (`deltanet.GatedDeltaNet`) on linear ones
     layers[i].attn.{q,k,v,o}    nn.Linear   (+ q_norm, k_norm with qk-norm families)
     layers[i].attn.sinks        Parameter [heads]   (GPT-OSS attention sinks only)
+    layers[i].attn.{z,a,b}      nn.Linear   (DeltaNet: output gate, decay and write strength)
     layers[i].post_attn_norm    RMSNorm     (Gemma sandwich norms only)
     layers[i].mlp_norm          RMSNorm
     layers[i].mlp               dense: {gate,up,down}; MoE: router + experts (models/moe.py)
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.errors import ConfigError
-from posttrain.models.args import ModelArgs
+from posttrain.models.args import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, ModelArgs
 from posttrain.models.layers import Attention, FeedForward, RMSNorm, RotaryEmbedding
 from posttrain.ops.attention import DocumentMask, build_mask
 from posttrain.ops.vocab import mask_padded_logits
@@ -37,7 +41,16 @@ from posttrain.ops.vocab import mask_padded_logits
 MLPFactory = Callable[[ModelArgs, int], nn.Module]
 """Builds `layers[i].mlp` from the model args and the layer index."""
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, LINEAR = FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION
+
+
+def build_mixer(args: ModelArgs, layer_id: int) -> nn.Module:
+    """`layers[i].attn`: the token mixer of the layer's kind. Every mixer takes
+    `(x, rope, mask, *, state=None, step=None)` and makes its own decode state (`new_state`)."""
+    if args.is_linear_layer(layer_id):
+        from posttrain.models.deltanet import GatedDeltaNet
+        return GatedDeltaNet(args, layer_id)
+    return Attention(args, layer_id)
 
 
 def default_mlp_factory(args: ModelArgs, layer_id: int) -> nn.Module:
@@ -54,16 +67,18 @@ def default_mlp_factory(args: ModelArgs, layer_id: int) -> nn.Module:
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block; with `args.sandwich_norm` also post-norms each branch (Gemma 3)."""
+    """Pre-norm block; with `args.sandwich_norm` also post-norms each branch (Gemma 3).
+
+    `state` / `step` run it incrementally over a decode cache (`posttrain.models.kv_cache`)."""
 
     def __init__(self, args: ModelArgs, layer_id: int,
                  mlp_factory: MLPFactory = default_mlp_factory):
         super().__init__()
         self.layer_id = layer_id
-        self.layer_type = SLIDING if args.is_sliding_layer(layer_id) else FULL
+        self.layer_type = args.layer_type(layer_id)
         eps, offset = args.rms_norm_eps, args.norm_offset
         self.attn_norm = RMSNorm(args.hidden_size, eps, offset=offset)
-        self.attn = Attention(args, layer_id)
+        self.attn = build_mixer(args, layer_id)
         self.mlp_norm = RMSNorm(args.hidden_size, eps, offset=offset)
         self.mlp = mlp_factory(args, layer_id)
         if args.sandwich_norm:
@@ -73,8 +88,9 @@ class TransformerBlock(nn.Module):
             self.post_attn_norm = self.post_mlp_norm = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                mask: DocumentMask | None = None) -> torch.Tensor:
-        h = self.attn(self.attn_norm(x), rope, mask)
+                mask: DocumentMask | None = None, *, state: object = None,
+                step: object = None) -> torch.Tensor:
+        h = self.attn(self.attn_norm(x), rope, mask, state=state, step=step)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
@@ -147,11 +163,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.embed = nn.Embedding(args.padded_vocab_size, args.hidden_size)
-        self.rope = nn.ModuleDict({FULL: RotaryEmbedding(args.head_dim, args.rope_theta,
+        self.rope = nn.ModuleDict({FULL: RotaryEmbedding(args.rotary_dim, args.rope_theta,
                                                          args.rope_scaling)})
         if any(args.is_sliding_layer(i) for i in range(args.num_layers)):
             self.rope[SLIDING] = (
-                RotaryEmbedding(args.head_dim, args.rope_local_theta)
+                RotaryEmbedding(args.rotary_dim, args.rope_local_theta)
                 if args.rope_local_theta is not None else self.rope[FULL])
         self.layers = nn.ModuleList(
             TransformerBlock(args, i, mlp_factory) for i in range(args.num_layers))
@@ -192,21 +208,30 @@ class Transformer(nn.Module):
         tables = {name: rope(position_ids, h.dtype) for name, rope in self.rope.items()}
         masks = self.attention_masks(document_lengths, B, T, input_ids.device)
         for layer in self.layers:
-            h = layer(h, tables[layer.layer_type], masks[layer.layer_type])
+            h = layer(h, tables[self.rope_key(layer.layer_type)], masks[layer.layer_type])
         return self.norm(h)
+
+    def rope_key(self, layer_type: str) -> str:
+        """The RoPE table a kind of layer reads (linear-attention layers read none; they get
+        the full layers' table, which they ignore)."""
+        return layer_type if layer_type in self.rope else FULL
 
     def attention_masks(self, document_lengths: list[list[int]] | None, batch: int,
                         seq_len: int, device: torch.device) -> dict[str, DocumentMask]:
-        """One mask per kind of layer (full, sliding), built once per batch and shared by the
-        layers; compiled blocks get tensor masks (`compiled_blocks`), so that a new packing
-        does not recompile them."""
+        """One mask per kind of layer (full, sliding, linear), built once per batch and shared
+        by the layers; compiled blocks get tensor masks (`compiled_blocks`), so that a new
+        packing does not recompile them. Linear-attention layers read the documents from the
+        `split` mask's lengths (their recurrence restarts at each document)."""
         windows = {FULL: None}
         if SLIDING in self.rope:
             windows[SLIDING] = self.args.sliding_window
-        return {kind: build_mask(document_lengths, batch, seq_len, device, sliding_window=window,
-                                 tensors_only=self.compiled_blocks,
-                                 sinks=self.args.attention_sinks)
-                for kind, window in windows.items()}
+        masks = {kind: build_mask(document_lengths, batch, seq_len, device, sliding_window=window,
+                                  tensors_only=self.compiled_blocks,
+                                  sinks=self.args.attention_sinks)
+                 for kind, window in windows.items()}
+        if self.args.linear_attention is not None:
+            masks[LINEAR] = build_mask(document_lengths, batch, seq_len, device, backend="split")
+        return masks
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, H] -> head output; [B, T, padded_vocab] for an `LMHead`."""

@@ -66,20 +66,39 @@ _TINY: dict[str, dict[str, Any]] = {
                                      "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                      "truncate": False,
                                      "original_max_position_embeddings": 4096}),
+    # three gated-DeltaNet layers and one full-attention layer (Qwen3.5's 3:1 pattern), value
+    # heads shared two per key head, partial RoPE (a quarter of each head), output gates
+    "qwen3_5": dict(num_hidden_layers=4, tie_word_embeddings=False,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                     "partial_rotary_factor": 0.25}),
+    # the same with a routed MoE (8 experts, top-2) and a gated shared expert in every layer
+    "qwen3_5_moe": dict(num_hidden_layers=4, tie_word_embeddings=False,
+                        linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=16, linear_value_head_dim=8,
+                        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                         "partial_rotary_factor": 0.25}),
 }
 _NOT_CONFIG_KWARGS = ("model_type", "architectures", "transformers_version")
+_NO_DENSE_MLP = ("qwen3_5_moe",)      # configs without intermediate_size
 
 
 def tiny_hf_config(family: str, **overrides: Any) -> Any:
     """A tiny transformers config (hidden 64, 2-4 layers, vocab 250) of `family`."""
-    from transformers import (Gemma3TextConfig, GptOssConfig, LlamaConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (Gemma3TextConfig, GptOssConfig, LlamaConfig, Qwen3_5MoeTextConfig,
+                              Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig)
 
     classes = {"qwen3": Qwen3Config, "llama": LlamaConfig, "gemma3": Gemma3TextConfig,
-               "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig}
+               "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig,
+               "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig}
     if family not in classes:
         raise ConfigError(f"no tiny config for family '{family}'; known: {sorted(classes)}")
     kwargs = {**_TINY_COMMON, **_TINY[family]}
+    if family in _NO_DENSE_MLP:
+        kwargs.pop("intermediate_size")
     kwargs.update({k: v for k, v in overrides.items() if k not in _NOT_CONFIG_KWARGS})
     return classes[family](**kwargs)
 
@@ -205,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--hf-dir", help="Hugging Face checkpoint directory")
-    where.add_argument("--family", choices=["qwen3", "llama", "gemma3", "qwen3_moe", "gpt_oss"],
+    where.add_argument("--family", choices=sorted(_TINY),
                        help="random tiny model of this family")
     parser.add_argument("--config", help="with --family: HF config fields (JSON or a file)")
     parser.add_argument("--seq-len", type=int, default=64)

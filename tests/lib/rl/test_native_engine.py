@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from posttrain.models.args import ModelArgs
+from posttrain.models.args import DeltaNetArgs, ModelArgs
 from posttrain.models.transformer import Transformer, build_model
 from posttrain.rl.engine import Rollout, RolloutEngine, SamplingConfig
 from posttrain.rl.native import NativeEngine
@@ -43,6 +43,21 @@ def tiny_args(family: str, **overrides) -> ModelArgs:
                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                         router_bias=True, expert_bias=True, moe_routing="topk_softmax",
                         swiglu_limit=7.0),
+        # two gated-DeltaNet layers around a gated full-attention layer with partial RoPE;
+        # chunks of 4 tokens, so prompts and completions span several
+        "qwen3_5": dict(qk_norm=True, norm_offset=True, layer_types=(
+                            "linear_attention", "full_attention", "linear_attention"),
+                        partial_rotary_factor=0.25, attn_output_gate=True,
+                        linear_attention=DeltaNetArgs(num_k_heads=2, num_v_heads=4, head_k_dim=8,
+                                                      head_v_dim=8, chunk_size=4)),
+        "qwen3_5_moe": dict(qk_norm=True, norm_offset=True, layer_types=(
+                                "linear_attention", "linear_attention", "full_attention"),
+                            partial_rotary_factor=0.25, attn_output_gate=True,
+                            linear_attention=DeltaNetArgs(num_k_heads=2, num_v_heads=2,
+                                                          head_k_dim=8, head_v_dim=16,
+                                                          chunk_size=4),
+                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=48, shared_expert_gate=True),
     }
     return ModelArgs(family=family, **{**common, **per_family[family], **overrides})
 
@@ -55,7 +70,10 @@ def tiny_model(family: str, seed: int = 0, **overrides) -> Transformer:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            p.add_(0.3 * noise) if "norm" in name else p.mul_(4.0)
+            if name.endswith("A_log"):      # slow decay: the recurrent state carries far
+                p.copy_(torch.empty(p.shape).uniform_(0.02, 0.3, generator=gen).log())
+            else:
+                p.add_(0.3 * noise) if "norm" in name else p.mul_(4.0)
         model.embed.weight[model.args.vocab_size:].zero_()
     return model.eval()
 
@@ -83,7 +101,8 @@ def naive_logprobs(model: Transformer, seq: list[int], prompt_len: int,
     return [float(logp[t - 1, seq[t]]) for t in range(prompt_len, len(seq))]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3", "qwen3_moe", "gpt_oss",
+                                    "qwen3_5", "qwen3_5_moe"])
 def test_greedy_with_cache_equals_full_recompute(family: str) -> None:
     model = tiny_model(family)
     engine = NativeEngine(model)
@@ -100,7 +119,7 @@ def test_greedy_with_cache_equals_full_recompute(family: str) -> None:
     assert ids(out_small) == ids(out)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_5"])
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5)])
 def test_rollout_logprobs_equal_teacher_forced(family: str, temperature: float,
                                                top_k: int) -> None:

@@ -52,12 +52,24 @@ class FamilyBridge:
     family: str = ""
     model_types: tuple[str, ...] = ()
     architecture: str = ""                     # HF `architectures[0]` written on save
+    # multimodal checkpoints whose text model is this family: model_type -> its architecture
+    multimodal_types: dict[str, str] = {}
     layer_names: dict[str, str] = COMMON_LAYER_NAMES
     ignored_hf_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
     def __init__(self) -> None:
         self._to_native = {hf: native for native, hf in self.layer_names.items()}
         self._top_to_native = {hf: native for native, hf in TOP_NAMES.items()}
+
+    def bind(self, config: dict[str, Any]) -> "FamilyBridge":
+        """This bridge for one config.json, for families whose names depend on it (which
+        layers are linear attention); most are the same for every config."""
+        return self
+
+    def is_passthrough(self, hf: str) -> bool:
+        """Whether checkpoint key `hf` lies outside the model this bridge builds (a multimodal
+        checkpoint's vision tower): not loaded, copied unchanged on export."""
+        return False
 
     # ---- names ---------------------------------------------------------------------------
     def to_hf(self, native: str) -> str:
@@ -170,7 +182,8 @@ def common_fields(cfg: Any, *, vocab_multiple: int) -> dict[str, Any]:
     return dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
+        # MoE-only configs (Qwen3.5-MoE) have no dense MLP width
+        intermediate_size=int(cfg.to_dict().get("intermediate_size") or 0),
         num_layers=cfg.num_hidden_layers,
         num_heads=cfg.num_attention_heads,
         num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
@@ -203,3 +216,97 @@ def sliding_fields(cfg: Any) -> dict[str, Any]:
     if window is None or "sliding_attention" not in layer_types:
         return {}
     return {"sliding_window": int(window), "layer_types": layer_types}
+
+
+class MultimodalBridge(FamilyBridge):
+    """A text family's bridge over a multimodal checkpoint (`Qwen3_5ForConditionalGeneration`,
+    `Gemma3ForConditionalGeneration`): the text model lives under `model.language_model.`, the
+    LM head stays `lm_head.weight`, and everything else (vision tower, projector, multi-token
+    prediction layers) is passthrough: never loaded into the native model, copied unchanged from
+    the source checkpoint on export (`hf_io.save_hf`), so the export loads as the same
+    multimodal class. config.json keeps its shape; the text model's settings are its
+    `text_config`.
+    """
+
+    TEXT_PREFIX = "model.language_model."
+
+    def __init__(self, inner: FamilyBridge, model_type: str,
+                 config: dict[str, Any] | None = None) -> None:
+        if config is not None:
+            inner = inner.bind(self.text_config(config, inner))
+        self.inner = inner
+        self.family = inner.family
+        self.model_types = (model_type,)
+        self.architecture = inner.multimodal_types[model_type]
+        self.layer_names = inner.layer_names
+        super().__init__()
+
+    def _text(self, hf: str) -> str | None:
+        """Multimodal key -> the text-only checkpoint's key (None: passthrough)."""
+        if hf.startswith(self.TEXT_PREFIX):
+            return "model." + hf[len(self.TEXT_PREFIX):]
+        return hf if hf == TOP_NAMES["head.weight"] else None
+
+    def _outer(self, hf: str) -> str:
+        return self.TEXT_PREFIX + hf[len("model."):] if hf.startswith("model.") else hf
+
+    def is_passthrough(self, hf: str) -> bool:
+        return self._text(hf) is None
+
+    def to_hf(self, native: str) -> str:
+        return self._outer(self.inner.to_hf(native))
+
+    def to_native(self, hf: str) -> str | None:
+        text = self._text(hf)
+        return None if text is None else self.inner.to_native(text)
+
+    def hf_names(self, native: str, args: ModelArgs) -> list[str]:
+        return [self._outer(n) for n in self.inner.hf_names(native, args)]
+
+    def stack_index(self, hf: str) -> int | None:
+        text = self._text(hf)
+        return None if text is None else self.inner.stack_index(text)
+
+    def native_names(self, hf: str) -> list[str]:
+        text = self._text(hf)
+        return [] if text is None else self.inner.native_names(text)
+
+    def to_native_tensors(self, hf: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return self.inner.to_native_tensors(self._text(hf) or hf, tensor)
+
+    def to_hf_tensor(self, hf: str, natives: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.inner.to_hf_tensor(self._text(hf) or hf, natives)
+
+    @staticmethod
+    def text_config(config: dict[str, Any], inner: FamilyBridge) -> dict[str, Any]:
+        """The text model's config.json dict inside a multimodal one."""
+        text = dict(config.get("text_config") or {})
+        if not text:
+            raise ConfigError(f"config.json (model_type '{config.get('model_type')}') has no "
+                              "text_config; is it a multimodal checkpoint?")
+        text.setdefault("model_type", inner.model_types[0])
+        if "tie_word_embeddings" in config:    # the multimodal model ties by its own flag
+            text["tie_word_embeddings"] = config["tie_word_embeddings"]
+        return text
+
+    def args_from_hf(self, config: dict[str, Any], *, vocab_multiple: int = 64) -> ModelArgs:
+        args = self.inner.args_from_hf(self.text_config(config, self.inner),
+                                       vocab_multiple=vocab_multiple)
+        return args.replace(hf_config=dict(config))
+
+    def config_from_args(self, args: ModelArgs) -> dict[str, Any]:
+        raise PosttrainError("a multimodal checkpoint's config.json comes from the checkpoint; "
+                             "models built from args alone are text-only")
+
+    def hf_config(self, args: ModelArgs) -> dict[str, Any]:
+        cfg = dict(args.hf_config)
+        text = dict(cfg["text_config"])
+        text["vocab_size"] = args.vocab_size
+        cfg["text_config"] = text
+        cfg.pop("quantization_config", None)
+        if "vocab_size" in cfg:
+            cfg["vocab_size"] = args.vocab_size
+        cfg["tie_word_embeddings"] = args.tie_word_embeddings
+        if not cfg.get("architectures"):
+            cfg["architectures"] = [self.architecture]
+        return cfg

@@ -26,29 +26,48 @@ _NATIVE_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate|up|down)$")
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
-class Qwen3MoeBridge(FamilyBridge):
+def expert_slice_names(native: str, num_experts: int) -> list[str] | None:
+    """The per-expert HF keys of a stacked native expert weight, in expert order (None for any
+    other parameter). Shared by every family that stores experts one tensor each."""
+    m = _NATIVE_EXPERTS.match(native)
+    if m is None:
+        return None
+    layer, proj = m.groups()
+    return [f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_NAMES[proj]}.weight"
+            for e in range(num_experts)]
+
+
+def expert_slice(hf: str) -> tuple[str, int] | None:
+    """HF per-expert key -> (the stacked native parameter, the expert index), else None."""
+    m = _HF_EXPERT.match(hf)
+    return (f"layers.{m.group(1)}.mlp.experts.{m.group(3)}", int(m.group(2))) if m else None
+
+
+class PerExpertTensors:
+    """Bridge mixin for checkpoints that store MoE experts one tensor each
+    (`mlp.experts.{e}.{gate,up,down}_proj.weight`), stacked into [E, ...] natively."""
+
+    def hf_names(self, native: str, args: ModelArgs) -> list[str]:
+        return expert_slice_names(native, args.num_experts) or super().hf_names(native, args)
+
+    def stack_index(self, hf: str) -> int | None:
+        found = expert_slice(hf)
+        return found[1] if found else None
+
+    def to_native(self, hf: str) -> str | None:
+        found = expert_slice(hf)
+        return found[0] if found else super().to_native(hf)
+
+    def native_names(self, hf: str) -> list[str]:
+        found = expert_slice(hf)
+        return [found[0]] if found else super().native_names(hf)
+
+
+class Qwen3MoeBridge(PerExpertTensors, FamilyBridge):
     family = "qwen3_moe"
     model_types = ("qwen3_moe",)
     architecture = "Qwen3MoeForCausalLM"
     layer_names = QWEN3_MOE_LAYER_NAMES
-
-    def hf_names(self, native: str, args: ModelArgs) -> list[str]:
-        m = _NATIVE_EXPERTS.match(native)
-        if m is None:
-            return super().hf_names(native, args)
-        layer, proj = m.groups()
-        return [f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_NAMES[proj]}.weight"
-                for e in range(args.num_experts)]
-
-    def stack_index(self, hf: str) -> int | None:
-        m = _HF_EXPERT.match(hf)
-        return int(m.group(2)) if m else None
-
-    def to_native(self, hf: str) -> str | None:
-        m = _HF_EXPERT.match(hf)
-        if m:
-            return f"layers.{m.group(1)}.mlp.experts.{m.group(3)}"
-        return super().to_native(hf)
 
     def args_from_hf(self, config: dict[str, Any], *, vocab_multiple: int = 64) -> ModelArgs:
         cfg = parse_hf_config(config)

@@ -1,0 +1,201 @@
+"""The gated delta rule (Yang, Kautz, Hatamizadeh 2024, "Gated Delta Networks", arXiv:2412.06464)
+over packed rows: a chunked form for training and a recurrent form for decoding that agree.
+
+Per head, with a state S [Dk, Dv] that starts at zero at every document start:
+
+    S_t = exp(g_t) S_{t-1}                                  (gated decay, g_t <= 0)
+    S_t = S_t + beta_t k_t (v_t - S_t^T k_t)^T              (delta rule: correct the read)
+    o_t = S_t^T q_t
+
+with q and k L2-normalised (eps 1e-6) and q scaled by Dk ** -0.5, everything in fp32, as the
+FLA kernels and transformers' reference (`torch_chunk_gated_delta_rule`) compute it. Key heads
+are shared by `Hv // Hk` consecutive value heads.
+
+Chunked form (training). The sequence is cut into chunks of C tokens. Within a chunk, the
+writes of all C tokens are folded into one lower-triangular solve (the WY / UT transform of
+DeltaNet), and the chunk reads the state carried in from the previous chunk with two matmuls:
+
+    A_ij   = [i > j] exp(G_i - G_j) beta_i <k_i, k_j>       G = cumsum of g within the chunk
+    U      = (I + A)^-1 (beta v)            W = (I + A)^-1 (beta exp(G) k)
+    V'     = U - W S                        (what the chunk writes, given the state it reads)
+    o      = exp(G) q S + ([i >= j] exp(G_i - G_j) <q_i, k_j>) V'
+    S_next = exp(G_C) S + (exp(G_C - G) k)^T V'
+
+Packed rows. Every document is laid out from a chunk boundary (a row is re-spaced so that each
+document starts a chunk, padded with zero tokens whose write strength is 0 and decay 1), and the
+carried state is zeroed at the chunks that start a document. A chunk therefore never mixes two
+documents, and a document's outputs equal those of running it alone. The convolution in front
+of the rule (`causal_conv`) restarts at document starts through the positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["causal_conv", "chunk_gated_delta_rule", "gated_delta_rule",
+           "recurrent_gated_delta_rule", "l2_normalize"]
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (FLA's and transformers' convention)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """[B, T, H*, D] inputs -> fp32 [B, Hv, T, D] (key heads repeated for their value heads),
+    q and k normalised, q scaled; g and beta [B, Hv, T]."""
+    hv, hk = v.shape[2], k.shape[2]
+    if hv != hk:
+        q = q.repeat_interleave(hv // hk, dim=2)
+        k = k.repeat_interleave(hv // hk, dim=2)
+    q, k, v, g, beta = (x.transpose(1, 2).float() for x in (q, k, v, g, beta))
+    q = l2_normalize(q) * q.shape[-1] ** -0.5
+    return q, l2_normalize(k), v, g, beta
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, *, chunk_size: int = 64,
+                           initial_state: torch.Tensor | None = None,
+                           reset_BN: torch.Tensor | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form over whole rows.
+
+    Args:
+        q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; g (log decay, <= 0), beta: [B, T, Hv].
+        initial_state: [B, Hv, Dk, Dv] fp32, or None for zeros.
+        reset_BN: [B, T / chunk_size] bool, True where a chunk starts a new document (the
+            carried state is dropped there); T must then be a multiple of chunk_size.
+
+    Returns:
+        the output [B, T, Hv, Dv] in q's dtype and the final state [B, Hv, Dk, Dv] (fp32).
+    """
+    dtype = q.dtype
+    B, T = q.shape[:2]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    C = chunk_size
+    pad = (C - T % C) % C
+    if pad:
+        assert reset_BN is None, "a reset mask needs rows laid out in whole chunks"
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    H, N = v.shape[1], (T + pad) // C
+    q, k, v = (x.reshape(B, H, N, C, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(B, H, N, C), beta.reshape(B, H, N, C)
+
+    G = g.cumsum(dim=-1)                                        # [B, H, N, C]
+    later = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
+    decay_CC = (G[..., :, None] - G[..., None, :]).masked_fill(later, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    # I + A: the solve reads the strictly lower triangle and takes the diagonal as ones
+    ut = (k_beta @ k.transpose(-1, -2)) * decay_CC
+    u = torch.linalg.solve_triangular(ut, v * beta[..., None], upper=False,
+                                      unitriangular=True)        # [B, H, N, C, Dv]
+    w = torch.linalg.solve_triangular(ut, k_beta * G.exp()[..., None], upper=False,
+                                      unitriangular=True)        # [B, H, N, C, Dk]
+    intra = (q @ k.transpose(-1, -2)) * decay_CC                # [B, H, N, C, C]
+    q_read = q * G.exp()[..., None]
+    k_write = k * (G[..., -1:] - G).exp()[..., None]
+    chunk_decay = G[..., -1].exp()[..., None, None]             # [B, H, N, 1, 1]
+
+    state = (q.new_zeros(B, H, k.shape[-1], v.shape[-1]) if initial_state is None
+             else initial_state.float())
+    keep = None if reset_BN is None else (~reset_BN).to(state.dtype)[:, None, :, None, None]
+    outs = []
+    for n in range(N):
+        if keep is not None:
+            state = state * keep[:, :, n]
+        v_new = u[:, :, n] - w[:, :, n] @ state
+        outs.append(q_read[:, :, n] @ state + intra[:, :, n] @ v_new)
+        state = state * chunk_decay[:, :, n] + k_write[:, :, n].transpose(-1, -2) @ v_new
+    out = torch.stack(outs, dim=2).reshape(B, H, N * C, -1)[:, :, :T]
+    return out.transpose(1, 2).to(dtype), state
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               g: torch.Tensor, beta: torch.Tensor, *,
+                               initial_state: torch.Tensor | None = None,
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrent form, one token at a time (decoding); the arguments and results of
+    `chunk_gated_delta_rule` without chunking or resets."""
+    dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    B, H, T = v.shape[:3]
+    state = (q.new_zeros(B, H, k.shape[-1], v.shape[-1]) if initial_state is None
+             else initial_state.float())
+    outs = []
+    for t in range(T):
+        state = state * g[:, :, t].exp()[..., None, None]
+        read = (state * k[:, :, t, :, None]).sum(dim=-2)        # S^T k   [B, H, Dv]
+        delta = (v[:, :, t] - read) * beta[:, :, t, None]
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
+        outs.append((state * q[:, :, t, :, None]).sum(dim=-2))
+    out = torch.stack(outs, dim=2)
+    return out.transpose(1, 2).to(dtype), state
+
+
+def _chunk_layout(lengths: list[list[int]], seq_len: int, chunk: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each token of each row goes when every document starts a chunk: flat indices
+    [B * T] into a [B, T'] layout, the reset mask [B, T' / chunk], and T'."""
+    starts, padded_rows = [], []
+    for row in lengths:
+        offsets, at = [], 0
+        for n in row:
+            offsets.append(at)
+            at += -(-n // chunk) * chunk
+        starts.append(offsets)
+        padded_rows.append(at)
+    width = max(padded_rows)
+    index, reset = [], torch.zeros(len(lengths), width // chunk, dtype=torch.bool)
+    for b, (row, offsets) in enumerate(zip(lengths, starts)):
+        for n, at in zip(row, offsets):
+            index.append(torch.arange(at, at + n) + b * width)
+            reset[b, at // chunk] = True
+    return torch.cat(index).to(device), reset.to(device), width
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, *, document_lengths: list[list[int]] | None = None,
+                     chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunk_gated_delta_rule` over packed rows ([B, T] with `document_lengths[b]` summing to
+    T; None: one document per row): each document from a zero state. Returns the output
+    [B, T, Hv, Dv] and each row's state after its last token (the last document's)."""
+    if document_lengths is None or all(len(row) == 1 for row in document_lengths):
+        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size)
+    B, T = q.shape[:2]
+    index, reset, width = _chunk_layout(document_lengths, T, chunk_size, q.device)
+
+    def spread(x: torch.Tensor) -> torch.Tensor:     # [B, T, ...] -> [B, T', ...], zeros between
+        flat = x.new_zeros(B * width, *x.shape[2:])
+        return flat.index_copy(0, index, x.reshape(B * T, *x.shape[2:])).view(B, width,
+                                                                              *x.shape[2:])
+
+    out, state = chunk_gated_delta_rule(spread(q), spread(k), spread(v), spread(g), spread(beta),
+                                        chunk_size=chunk_size, reset_BN=reset)
+    out = out.reshape(B * width, *out.shape[2:]).index_select(0, index)
+    return out.view(B, T, *out.shape[1:]), state
+
+
+def causal_conv(x_BTC: torch.Tensor, weight_CK: torch.Tensor, position_ids_BT: torch.Tensor,
+                history_BCk: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal convolution with restarts: out[t] = sum_j w[K-1-j] x[t-j] over the
+    j <= position(t) of the token's own document (earlier inputs count as zero), which is
+    `F.conv1d(x, w, padding=K-1, groups=C)[:T]` run on every document alone.
+
+    `history_BCk` [B, C, K-1]: the K-1 inputs before x (decoding; then every token continues
+    the row's document and positions are not consulted). Returns [B, T, C] before activation.
+    """
+    K = weight_CK.shape[-1]
+    T = x_BTC.shape[1]
+    if history_BCk is not None:
+        x_full = torch.cat([history_BCk.transpose(1, 2).to(x_BTC.dtype), x_BTC], dim=1)
+        return sum(x_full[:, K - 1 - j:K - 1 - j + T] * weight_CK[:, K - 1 - j]
+                   for j in range(K))
+    out = x_BTC * weight_CK[:, K - 1]
+    for j in range(1, K):
+        shifted = F.pad(x_BTC, (0, 0, j, 0))[:, :T]
+        visible = (position_ids_BT >= j)[..., None].to(x_BTC.dtype)
+        out = out + shifted * visible * weight_CK[:, K - 1 - j]
+    return out
