@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from posttrain.errors import ConfigError
 
@@ -94,52 +94,79 @@ def _blocks(model: nn.Module, blocks_attr: str) -> nn.ModuleList:
 
 # ---------------------------------------------------------------------------------------- TP
 
-_COLWISE = ("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up")
-_ROWWISE = ("attn.o", "mlp.down")
+_MLP_COLWISE, _MLP_ROWWISE = ("mlp.gate", "mlp.up"), ("mlp.down",)
+
+
+@dataclass(frozen=True)
+class _MixerSplit:
+    """How a token mixer splits by heads; a mixer declares it with class attributes of these
+    names (`models/layers.Attention`, `models/deltanet.GatedDeltaNet`); one that does not is
+    taken for plain attention (q/k/v column-wise, o row-wise)."""
+
+    colwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+    head_modules: tuple[str, ...]     # modules over per-head inputs (q_norm, k_norm)
+    head_params: tuple[str, ...]      # own parameters [heads, ...] split on dim 0 (sinks)
+    head_counts: tuple[str, ...]      # attributes that tp must divide
+
+    @classmethod
+    def of(cls, attn: nn.Module) -> "_MixerSplit":
+        counts = tuple(a for a in ("num_heads", "num_kv_heads", "n_heads", "n_kv_heads")
+                       if isinstance(getattr(attn, a, None), int))
+        return cls(getattr(attn, "tp_colwise", ("q", "k", "v")),
+                   getattr(attn, "tp_rowwise", ("o",)),
+                   getattr(attn, "tp_head_modules", ("q_norm", "k_norm")),
+                   getattr(attn, "tp_head_params", ("sinks",)),
+                   getattr(attn, "tp_head_counts", counts))
 
 
 def tp_plan(block: nn.Module) -> dict[str, Any]:
-    """The tensor-parallel plan of one native block, read from what the block holds:
+    """The tensor-parallel plan of one native block, read from what the block holds. The token
+    mixer (`block.attn`) declares its own split by heads (class attributes `tp_colwise`,
+    `tp_rowwise`, `tp_head_modules`, `tp_head_params`):
 
-    | part | families | plan |
+    | part | mixers / families | plan |
     |---|---|---|
-    | attn.q/k/v (+ bias) | all | column-wise: this rank's heads |
+    | attn.q/k/v (+ bias); DeltaNet's q/k/v/z/b/a | attention, gated DeltaNet | column-wise: this rank's heads |
     | attn.o (+ bias) | all | row-wise: partial sums all-reduced |
-    | attn.q_norm/k_norm | Qwen3, Qwen3-MoE, Gemma 3 | weights replicated, input sharded on heads |
-    | attn.sinks | GPT-OSS | sharded with the heads (dim 0) |
+    | attn.q_norm/k_norm; DeltaNet's gated norm | per-head norms | weights replicated, inputs sharded on heads (`PerHeadModule`) |
+    | attn.sinks; DeltaNet's conv_q/k/v, A_log, dt_bias | GPT-OSS; Qwen3.5 | sharded with the heads (dim 0) |
     | mlp.gate/up, mlp.down | dense MLPs | column-wise / row-wise |
-    | MoE router + experts | Qwen3-MoE, GPT-OSS | replicated over "tp" (every rank routes and runs the experts on the full activations; FSDP still shards them over the data-parallel dims; experts get their own mesh dim with expert parallelism) |
+    | MoE router + experts (+ shared expert) | Qwen3-MoE, GPT-OSS, Qwen3.5-MoE | replicated over "tp" (every rank routes and runs the experts on the full activations; FSDP still shards them over the data-parallel dims; experts get their own mesh dim with expert parallelism) |
     | norms (incl. Gemma's sandwich norms) | all | replicated: they act on full activations |
 
     A LoRA-wrapped projection gets the same split, its adapters following the base weight
     (`LoRAParallel`).
     """
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   SequenceParallel)
-    plan: dict[str, Any] = {}
-    names = [n for n in _COLWISE + _ROWWISE if _has_submodule(block, n)]
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     attn = block.get_submodule("attn")
-    for name in names:
-        if name.startswith("mlp.") and not _is_dense_mlp(block.get_submodule("mlp")):
-            continue
-        colwise = name in _COLWISE
+    split = _MixerSplit.of(attn)
+    colwise = [f"attn.{n}" for n in split.colwise]
+    rowwise = [f"attn.{n}" for n in split.rowwise]
+    if _has_submodule(block, "mlp") and _is_dense_mlp(block.get_submodule("mlp")):
+        colwise += list(_MLP_COLWISE)
+        rowwise += list(_MLP_ROWWISE)
+    plan: dict[str, Any] = {}
+    for name in colwise + rowwise:
         layer = block.get_submodule(name)
         if type(layer) is nn.Linear:
-            plan[name] = ColwiseParallel() if colwise else RowwiseParallel()
+            plan[name] = ColwiseParallel() if name in colwise else RowwiseParallel()
         elif _is_lora_linear(layer):
-            plan[name] = LoRAParallel(colwise=colwise)
+            plan[name] = LoRAParallel(colwise=name in colwise)
         else:
             raise UnsupportedParallelismError(
                 f"tensor parallelism has no plan for {name} of type {type(layer).__name__}; "
                 "set parallel.tp=1")
-    if getattr(attn, "q_norm", None) is not None:
-        # per-head q/k norms see this rank's heads only ([B, T, H/tp, D]): their weights are
-        # replicated DTensors and the input is sharded on the head dim, so each rank's weight
-        # gradient (its heads' part) is summed over "tp"
-        for name in ("attn.q_norm", "attn.k_norm"):
-            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    if isinstance(getattr(attn, "sinks", None), nn.Parameter):
-        plan["attn"] = HeadShardedParameters(("sinks",))
+    # per-head modules see this rank's heads only ([B, T, H/tp, D]): their weights are
+    # replicated DTensors and the inputs are sharded on the head dim, so each rank's weight
+    # gradient (its heads' part) is summed over "tp"
+    for name in split.head_modules:
+        if getattr(attn, name, None) is not None:
+            plan[f"attn.{name}"] = PerHeadModule(sequence_dim=2, use_local_output=True)
+    params = tuple(n for n in split.head_params
+                   if isinstance(getattr(attn, n, None), nn.Parameter))
+    if params:
+        plan["attn"] = HeadShardedParameters(params)
     return plan
 
 
@@ -221,6 +248,19 @@ def _distribute_lora(module: nn.Module, mesh: DeviceMesh, colwise: bool) -> nn.M
     return distribute_module(module, mesh, partition, prepare_input, prepare_output)
 
 
+class PerHeadModule(SequenceParallel):
+    """`SequenceParallel` over the head dim for a module with several per-head inputs (q_norm,
+    k_norm; DeltaNet's gated norm takes the heads' outputs and their gates): every tensor input
+    becomes a DTensor sharded on `sequence_dim`, the weights replicated DTensors, the output a
+    local tensor (with `use_local_output`)."""
+
+    @staticmethod
+    def _prepare_input_fn(sharding, mod, inputs, device_mesh):
+        return tuple(DTensor.from_local(t, device_mesh, sharding, run_check=False)
+                     if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t
+                     for t in inputs)
+
+
 class HeadShardedParameters(ParallelStyle):
     """Shard a module's own per-head parameters (e.g. GPT-OSS's attention sinks [H]) on dim 0
     over "tp", as the column-wise q projection splits the heads. The module reads them as local
@@ -240,34 +280,36 @@ class HeadShardedParameters(ParallelStyle):
 
 
 def _check_tp_block(block: nn.Module, index: int, tp: int) -> None:
-    for name in ("attn.q", "attn.k", "attn.v", "attn.o"):
-        if not _has_submodule(block, name):
-            raise UnsupportedParallelismError(
-                f"tensor parallelism needs block {index}.{name} (a Linear); found nothing; "
-                "set parallel.tp=1")
+    split = _MixerSplit.of(block.get_submodule("attn"))
     if _has_submodule(block, "mlp") and not _is_dense_mlp(block.get_submodule("mlp")) and not (
             _has_submodule(block, "mlp.router") and _has_submodule(block, "mlp.experts")):
         raise UnsupportedParallelismError(
             f"tensor parallelism needs block {index}.mlp to be a gated MLP (gate, up, down) or "
             f"a mixture of experts (router, experts), found "
             f"{type(block.get_submodule('mlp')).__name__}; set parallel.tp=1")
-    for name in _COLWISE + _ROWWISE:
-        if _has_submodule(block, name):
-            layer = block.get_submodule(name)
-            if type(layer) is not nn.Linear and not _is_lora_linear(layer):
-                raise UnsupportedParallelismError(
-                    f"tensor parallelism needs block {index}.{name} to be an nn.Linear (or "
-                    f"LoRA on one), found {type(layer).__name__}; set parallel.tp=1")
-    attn = block.get_submodule("attn")
-    for attr in ("num_heads", "num_kv_heads", "n_heads", "n_kv_heads"):
-        heads = getattr(attn, attr, None)
-        if isinstance(heads, int) and heads % tp:
+    names = [f"attn.{n}" for n in (*split.colwise, *split.rowwise)]
+    if _has_submodule(block, "mlp") and _is_dense_mlp(block.get_submodule("mlp")):
+        names += [*_MLP_COLWISE, *_MLP_ROWWISE]
+    for name in names:
+        if not _has_submodule(block, name):
+            raise UnsupportedParallelismError(
+                f"tensor parallelism needs block {index}.{name} (a Linear); found nothing; "
+                "set parallel.tp=1")
+        layer = block.get_submodule(name)
+        if type(layer) is not nn.Linear and not _is_lora_linear(layer):
+            raise UnsupportedParallelismError(
+                f"tensor parallelism needs block {index}.{name} to be an nn.Linear (or "
+                f"LoRA on one), found {type(layer).__name__}; set parallel.tp=1")
+    for attr in split.head_counts:
+        heads = getattr(block.get_submodule("attn"), attr)
+        if heads % tp:
             raise UnsupportedParallelismError(
                 f"block {index}: attn.{attr}={heads} is not divisible by parallel.tp={tp}; "
                 "choose a tp that divides the number of (key/value) heads")
-    for name in _COLWISE:
-        if not _has_submodule(block, name):
-            continue
+    colwise = [f"attn.{n}" for n in split.colwise]
+    if _has_submodule(block, "mlp") and _is_dense_mlp(block.get_submodule("mlp")):
+        colwise += list(_MLP_COLWISE)
+    for name in colwise:
         out = block.get_submodule(name).out_features
         if out % tp:
             raise UnsupportedParallelismError(

@@ -82,6 +82,14 @@ def _positions(lengths: list[list[int]] | None, batch: int, seq_len: int,
 class GatedDeltaNet(nn.Module):
     """The gated-DeltaNet token mixer (see the module docstring)."""
 
+    # tensor parallelism by heads (`posttrain.distributed.parallelize.tp_plan`): key heads and
+    # their value heads stay together, since both are split into contiguous equal parts
+    tp_colwise = ("q", "k", "v", "z", "b", "a")
+    tp_rowwise = ("o",)
+    tp_head_modules = ("norm",)
+    tp_head_params = ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias")
+    tp_head_counts = ("num_k_heads", "num_v_heads")
+
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         la = args.linear_attention
@@ -122,7 +130,6 @@ class GatedDeltaNet(nn.Module):
 
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """beta = sigmoid(b(x)) and the log decay g = -exp(A_log) softplus(a(x) + dt_bias)."""
-        B, T, _ = x.shape
         beta = torch.sigmoid(self.b(x))
         g = -_local(self.A_log).float().exp() * F.softplus(self.a(x).float()
                                                            + _local(self.dt_bias))

@@ -188,6 +188,13 @@ class Attention(nn.Module):
     (`posttrain.models.kv_cache`) the layer runs incrementally over a KV cache instead.
     """
 
+    # tensor parallelism by heads (`posttrain.distributed.parallelize.tp_plan`)
+    tp_colwise = ("q", "k", "v")
+    tp_rowwise = ("o",)
+    tp_head_modules = ("q_norm", "k_norm")
+    tp_head_params = ("sinks",)
+    tp_head_counts = ("num_heads", "num_kv_heads")
+
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         self.num_heads = args.num_heads
