@@ -21,6 +21,16 @@ from typing import Any
 
 import pytest
 
+# The tests run the checkout they live in: a second worktree (or a copy) beside an installed
+# posttrain must not import the installed one. Subprocesses (spawned ranks, Ray workers, the
+# CLI, Metaflow tasks) inherit the same path through PYTHONPATH.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OWN_PATHS = [os.path.join(_CHECKOUT, "lib"), _CHECKOUT]
+sys.path[:0] = [p for p in _OWN_PATHS if p not in sys.path]
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    _OWN_PATHS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                  if p and p not in _OWN_PATHS])
+
 _S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
