@@ -178,7 +178,8 @@ class GatedDeltaNet(nn.Module):
             mixed = self.act(causal_conv(x_in, weight, _positions(lengths, B, T, x.device)))
             core, recurrent = gated_delta_rule(*self._heads(*mixed.split(split, dim=-1)), g,
                                                beta, document_lengths=lengths,
-                                               chunk_size=self.chunk_size)
+                                               chunk_size=self.chunk_size,
+                                               output_final_state=True)
             # the inputs the next tokens' convolution reads: the prompt's own, zeros before it
             slots = torch.arange(T, device=x.device)
             real = (slots[None] >= step.pad_B[:, None])[..., None].to(x_in.dtype)

@@ -8,6 +8,28 @@ Per layer and token, forward:
     attention     2 * 2 * nh * d * c          (QK^T and AV over the c keys the token sees)
     head          2 * H * padded_vocab        (once per token, as the LM head computes it)
 
+Qwen3.5's attention layers project q to twice its width (query and output gate per head); its
+shared expert adds a dense MLP of its width (+ a [1, H] gate). A gated-DeltaNet layer
+(`models/deltanet.py`) has the projections q, k (H -> Hk Dk), v, z (H -> Hv Dv), b, a (H -> Hv)
+and o, and in place of attention the chunked delta rule (`ops/delta_rule.py`), counted from its
+matmuls per value head and chunk of c tokens of one document (`delta_rule_flops`):
+
+    forward   4 c^2 Dk + 2 c^2 Dv        (A = beta K K^T, Q K^T, and the intra-chunk read)
+              + c (c - 1) (Dk + Dv)      (two unit-triangular solves, (I + A)^-1 [beta V, W])
+              + 2 c Dk Dv                (the state write K^T V'; none after a document's last
+                                          chunk, whose state nothing reads)
+              + 4 c Dk Dv                (the state reads W S, Q S; none in a document's first
+                                          chunk, whose state is zero)
+    backward  twice each matmul, and per solve one solve and one [c, D] x [D, c] product
+
+With LoRA, the first adapted layer's delta rule is counted with its whole backward, which it
+runs when its q, k and v all carry gradients (adapters on all three, as usual); with adapters on
+only some of them it runs part of it.
+
+What the kernel spends on its layout is not model work and is not counted: a document's last
+chunk filled up to C tokens, rows filled to a common width, and, where a document starts
+inside a packed row, the write before and the reads after the state is zeroed.
+
 c is the causal context: a token at position p (0-based) of its document sees min(p + 1, window)
 keys, so a document of L tokens costs sum_p min(p + 1, w) -- L (L + 1) / 2 without a window --
 and a packed row sum_i over its documents, not (sum_i L_i)^2. Work a kernel spends on masked-out
@@ -34,7 +56,7 @@ from dataclasses import dataclass
 from posttrain.models.args import ModelArgs
 from posttrain.models.lora import target_of
 
-__all__ = ["attention_context_sum", "flops_breakdown", "flops_per_token"]
+__all__ = ["attention_context_sum", "delta_rule_flops", "flops_breakdown", "flops_per_token"]
 
 
 @dataclass(frozen=True)
@@ -47,28 +69,67 @@ class _Linear:
 
 
 _ATTENTION = "attention"   # the stage of the score / value matmuls
+_DELTA_RULE = "delta_rule"  # the stage of a gated-DeltaNet layer's recurrence
 
 
 def _stages(args: ModelArgs, layer: int) -> list[list[_Linear] | str]:
     """The matmuls of one block in execution order; a stage's linears read the same input."""
     H, d = args.hidden_size, args.head_dim
     q_out, kv_out = args.num_heads * d, args.num_kv_heads * d
-    stages: list[list[_Linear] | str] = [
-        [_Linear("attn.q", H, q_out), _Linear("attn.k", H, kv_out), _Linear("attn.v", H, kv_out)],
-        _ATTENTION,
-        [_Linear("attn.o", q_out, H)],
-    ]
+    la = args.linear_attention
+    if args.is_linear_layer(layer):
+        assert la is not None
+        stages: list[list[_Linear] | str] = [
+            [_Linear("attn.q", H, la.key_dim), _Linear("attn.k", H, la.key_dim),
+             _Linear("attn.v", H, la.value_dim), _Linear("attn.z", H, la.value_dim),
+             _Linear("attn.b", H, la.num_v_heads), _Linear("attn.a", H, la.num_v_heads)],
+            _DELTA_RULE,
+            [_Linear("attn.o", la.value_dim, H)],
+        ]
+    else:
+        gated_q = q_out * (2 if args.attn_output_gate else 1)
+        stages = [[_Linear("attn.q", H, gated_q), _Linear("attn.k", H, kv_out),
+                   _Linear("attn.v", H, kv_out)],
+                  _ATTENTION,
+                  [_Linear("attn.o", q_out, H)]]
     if args.is_moe_layer(layer):
         k, inter = args.num_experts_per_tok, args.moe_intermediate_size
+        shared_in: list[_Linear] = []
+        shared_out: list[_Linear] = []
+        if args.shared_expert_intermediate_size:
+            s_inter = args.shared_expert_intermediate_size
+            shared_in = [_Linear("mlp.shared.gate", H, s_inter), _Linear("mlp.shared.up", H, s_inter)]
+            shared_in += [_Linear("mlp.shared_gate", H, 1)] if args.shared_expert_gate else []
+            shared_out = [_Linear("mlp.shared.down", s_inter, H)]
         stages += [[_Linear("mlp.router", H, args.num_experts),
                     _Linear("mlp.experts.gate", H, inter, k, stacked=True),
-                    _Linear("mlp.experts.up", H, inter, k, stacked=True)],
-                   [_Linear("mlp.experts.down", inter, H, k, stacked=True)]]
+                    _Linear("mlp.experts.up", H, inter, k, stacked=True), *shared_in],
+                   [_Linear("mlp.experts.down", inter, H, k, stacked=True), *shared_out]]
     else:
         inter = args.intermediate_size
         stages += [[_Linear("mlp.gate", H, inter), _Linear("mlp.up", H, inter)],
                    [_Linear("mlp.down", inter, H)]]
     return stages
+
+
+def delta_rule_flops(lengths: list[int], chunk_size: int, num_v_heads: int, head_k_dim: int,
+                     head_v_dim: int, *, backward: bool = False) -> float:
+    """Matmul FLOPs of the chunked gated delta rule over documents of these lengths (forward,
+    or with `backward` forward + backward); see the module docstring."""
+    Dk, Dv = head_k_dim, head_v_dim
+    total = 0.0
+    for length in lengths:
+        sizes = [chunk_size] * (length // chunk_size) + ([length % chunk_size]
+                                                         if length % chunk_size else [])
+        for j, c in enumerate(sizes):
+            writes = 2 * c * Dk * Dv if j < len(sizes) - 1 else 0
+            reads = 4 * c * Dk * Dv if j else 0
+            mm = 4 * c * c * Dk + 2 * c * c * Dv + writes + reads
+            solves = c * (c - 1) * (Dk + Dv)
+            total += mm + solves
+            if backward:
+                total += 2 * mm + solves + 2 * c * c * (Dk + Dv)
+    return float(num_v_heads * total)
 
 
 def attention_context_sum(length: int, window: int | None = None) -> int:
@@ -93,7 +154,7 @@ def flops_breakdown(args: ModelArgs, seq_len: int, *, training: bool = True,
                          "(LoRA) or neither (full fine-tuning)")
     lora = lora_rank > 0
     paths = [(f"layers.{i}.{lin.path}", lin.stacked) for i in range(args.num_layers)
-             for stage in _stages(args, i) if stage != _ATTENTION for lin in stage]
+             for stage in _stages(args, i) if not isinstance(stage, str) for lin in stage]
     unknown = [t for t in lora_targets
                if not any(target_of(p, (t,), stacked=stacked) for p, stacked in paths)]
     if unknown:
@@ -112,6 +173,12 @@ def flops_breakdown(args: ModelArgs, seq_len: int, *, training: bool = True,
             if stage == _ATTENTION:
                 fwd = 4.0 * args.num_heads * args.head_dim * context
                 out["attention"] += fwd * (1 + (2 if training and flowing else 0))
+                continue
+            if stage == _DELTA_RULE:
+                la = args.linear_attention
+                out["attention"] += delta_rule_flops(
+                    lengths, la.chunk_size, la.num_v_heads, la.head_k_dim, la.head_v_dim,
+                    backward=training and flowing) / seq_len
                 continue
             adapted = False
             for lin in stage:

@@ -504,14 +504,23 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *, base_model_name_
     experts = [(n, m) for n, m in modules if isinstance(m, LoRAExperts)]
     check_peft_export([f"{n}.{p}" for n, m in experts for p in m.projections], dropout)
     to_hf = hf_names or _default_hf_names(model)
+    parts_of = hf_names is None and _fused_parts(model)
     tensors: dict[str, torch.Tensor] = {}
     target_modules: set[str] = set()
+    fused: dict[str, int] = {}          # HF module -> how many rank-r blocks its adapter has
+    by_hf: dict[str, list[tuple[str, LoRALinear]]] = {}
     for name, module in modules:
         if isinstance(module, LoRALinear):
-            hf_module = to_hf(f"{name}.weight").removesuffix(".weight")
-            target_modules.add(hf_module.rpartition(".")[2])
-            tensors[f"base_model.model.{hf_module}.lora_A.weight"] = _full_cpu(module.lora_A)
-            tensors[f"base_model.model.{hf_module}.lora_B.weight"] = _full_cpu(module.lora_B)
+            by_hf.setdefault(to_hf(f"{name}.weight").removesuffix(".weight"), []).append(
+                (name, module))
+    for hf_module, adapted in by_hf.items():
+        target_modules.add(hf_module.rpartition(".")[2])
+        parts = parts_of(hf_module) if parts_of else [adapted[0][0]]
+        a, b = _peft_pair(model, parts, dict(adapted))
+        tensors[f"base_model.model.{hf_module}.lora_A.weight"] = a
+        tensors[f"base_model.model.{hf_module}.lora_B.weight"] = b
+        if len(adapted) > 1:
+            fused[hf_module] = len(adapted)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
@@ -521,6 +530,9 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *, base_model_name_
         "modules_to_save": None, "inference_mode": True, "rank_pattern": {},
         "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None,
     }
+    for hf_module, blocks in fused.items():    # one adapter of rank n r, scaling unchanged
+        config["rank_pattern"][hf_module] = blocks * rank
+        config["alpha_pattern"][hf_module] = blocks * alpha
     if experts:
         config["target_parameters"] = []
         for name, module in experts:
@@ -530,6 +542,40 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *, base_model_name_
     save_file(tensors, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
     return out_dir
+
+
+def _fused_parts(model: nn.Module) -> Callable[[str], list[str]] | None:
+    """HF module -> the native modules its weight holds, in order (one, or several for a fused
+    projection such as Qwen3.5's `linear_attn.in_proj_qkv` = q, k, v); None without a bridge."""
+    args = getattr(model, "args", None)
+    if args is None or not hasattr(args, "family"):
+        return None
+    from posttrain.models.families import bridge_for_args
+    bridge = bridge_for_args(args)
+    return lambda hf_module: [n.removesuffix(".weight")
+                              for n in bridge.native_names(f"{hf_module}.weight")]
+
+
+def _peft_pair(model: nn.Module, parts: list[str], adapted: dict[str, "LoRALinear"],
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's A [n r, in] and B [out, n r] for an HF module made of the native `parts` (output
+    rows in that order), `adapted` of them with adapters: the adapters' A stacked, their B
+    placed block-diagonally in their parts' rows (rows of un-adapted parts zero)."""
+    if len(parts) == 1:
+        (module,) = adapted.values()
+        return _full_cpu(module.lora_A), _full_cpu(module.lora_B)
+    rank = next(iter(adapted.values())).rank
+    outs = [model.get_submodule(p).out_features for p in parts]
+    a_blocks, b = [], None
+    for i, part in enumerate(p for p in parts if p in adapted):
+        module = adapted[part]
+        a_blocks.append(_full_cpu(module.lora_A))
+        if b is None:
+            b = torch.zeros(sum(outs), rank * len(adapted), dtype=a_blocks[0].dtype)
+        row = sum(outs[:parts.index(part)])
+        b[row:row + outs[parts.index(part)], i * rank:(i + 1) * rank] = _full_cpu(module.lora_B)
+    assert b is not None
+    return torch.cat(a_blocks), b
 
 
 def _peft_experts(model: nn.Module, name: str, module: LoRAExperts,

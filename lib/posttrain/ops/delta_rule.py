@@ -59,7 +59,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            beta: torch.Tensor, *, chunk_size: int = 64,
                            initial_state: torch.Tensor | None = None,
                            reset_BN: torch.Tensor | None = None,
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           output_final_state: bool = True,
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked form over whole rows.
 
     Args:
@@ -67,9 +68,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         initial_state: [B, Hv, Dk, Dv] fp32, or None for zeros.
         reset_BN: [B, T / chunk_size] bool, True where a chunk starts a new document (the
             carried state is dropped there); T must then be a multiple of chunk_size.
+        output_final_state: False skips the last chunk's state update (training needs none).
 
     Returns:
-        the output [B, T, Hv, Dv] in q's dtype and the final state [B, Hv, Dk, Dv] (fp32).
+        the output [B, T, Hv, Dv] in q's dtype and the final state [B, Hv, Dk, Dv] (fp32), or
+        None without `output_final_state`.
     """
     dtype = q.dtype
     B, T = q.shape[:2]
@@ -99,16 +102,21 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     k_write = k * (G[..., -1:] - G).exp()[..., None]
     chunk_decay = G[..., -1].exp()[..., None, None]             # [B, H, N, 1, 1]
 
-    state = (q.new_zeros(B, H, k.shape[-1], v.shape[-1]) if initial_state is None
-             else initial_state.float())
-    keep = None if reset_BN is None else (~reset_BN).to(state.dtype)[:, None, :, None, None]
-    outs = []
+    keep = None if reset_BN is None else (~reset_BN).to(q.dtype)[:, None, :, None, None]
+    outs, state = [], None if initial_state is None else initial_state.float()
     for n in range(N):
-        if keep is not None:
-            state = state * keep[:, :, n]
-        v_new = u[:, :, n] - w[:, :, n] @ state
-        outs.append(q_read[:, :, n] @ state + intra[:, :, n] @ v_new)
-        state = state * chunk_decay[:, :, n] + k_write[:, :, n].transpose(-1, -2) @ v_new
+        if state is None:       # a zero state: the chunk reads nothing from it
+            v_new = u[:, :, n]
+            outs.append(intra[:, :, n] @ v_new)
+        else:
+            if keep is not None:
+                state = state * keep[:, :, n]
+            v_new = u[:, :, n] - w[:, :, n] @ state
+            outs.append(q_read[:, :, n] @ state + intra[:, :, n] @ v_new)
+        if n == N - 1 and not output_final_state:
+            break
+        written = k_write[:, :, n].transpose(-1, -2) @ v_new
+        state = written if state is None else state * chunk_decay[:, :, n] + written
     out = torch.stack(outs, dim=2).reshape(B, H, N * C, -1)[:, :, :T]
     return out.transpose(1, 2).to(dtype), state
 
@@ -158,12 +166,15 @@ def _chunk_layout(lengths: list[list[int]], seq_len: int, chunk: int,
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, *, document_lengths: list[list[int]] | None = None,
-                     chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunk_size: int = 64, output_final_state: bool = False,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`chunk_gated_delta_rule` over packed rows ([B, T] with `document_lengths[b]` summing to
     T; None: one document per row): each document from a zero state. Returns the output
-    [B, T, Hv, Dv] and each row's state after its last token (the last document's)."""
+    [B, T, Hv, Dv] and, with `output_final_state`, each row's state after its last token (the
+    last document's)."""
     if document_lengths is None or all(len(row) == 1 for row in document_lengths):
-        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size)
+        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size,
+                                      output_final_state=output_final_state)
     B, T = q.shape[:2]
     index, reset, width = _chunk_layout(document_lengths, T, chunk_size, q.device)
 
@@ -173,7 +184,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                                                                               *x.shape[2:])
 
     out, state = chunk_gated_delta_rule(spread(q), spread(k), spread(v), spread(g), spread(beta),
-                                        chunk_size=chunk_size, reset_BN=reset)
+                                        chunk_size=chunk_size, reset_BN=reset,
+                                        output_final_state=output_final_state)
     out = out.reshape(B * width, *out.shape[2:]).index_select(0, index)
     return out.view(B, T, *out.shape[1:]), state
 

@@ -170,3 +170,54 @@ def test_load_hf_matches_direct_hf_forward(make_hf_dir) -> None:
     with torch.no_grad():
         diff = (native.logits(native(ids))[..., :250].float() - ref(ids).logits).abs().max()
     assert diff < 0.1
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_matches_transformers_over_several_chunks(family: str) -> None:
+    """96 tokens: the delta rule's 64-token chunks, documents that cross a chunk boundary."""
+    report = verify((family, {}), seq_len=96, batch=2, packed=True, seed=3)
+    assert report["passed"], report
+    assert report["packed"]["max_abs_diff"] <= 1e-4
+    assert any(len(row) > 1 for row in report["packed"]["document_lengths"])
+    args = ModelArgs.from_hf_config(tiny_hf_config(family).to_dict())
+    assert args.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert args.rotary_dim == 4 and args.attn_output_gate and args.norm_offset
+
+
+def _tiny_multimodal_qwen3_5(out) -> torch.nn.Module:
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    text = tiny_hf_config("qwen3_5").to_dict()
+    config = Qwen3_5Config(text_config=text, vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    model.save_pretrained(out)
+    return model
+
+
+def test_multimodal_qwen3_5_checkpoint_trains_its_text_model(tmp_path, read_checkpoint) -> None:
+    """A released-layout checkpoint (Qwen3_5ForConditionalGeneration): the native model is its
+    text model, verified against transformers; the export keeps the vision tower byte for byte
+    and loads as the same multimodal class with the native logits."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from posttrain.models import save_hf
+    src, out = tmp_path / "mm", tmp_path / "export"
+    _tiny_multimodal_qwen3_5(src)
+    report = verify(src, seq_len=40, batch=2, packed=True, seed=1)
+    assert report["passed"] and report["family"] == "qwen3_5", report
+    native = load_hf(src)
+    with torch.no_grad():                       # training moved a weight
+        native.layers[0].attn.q.weight.add_(0.01)
+    save_hf(native, out)
+    before, after = read_checkpoint(src), read_checkpoint(out)
+    assert set(before) == set(after)
+    visual = [n for n in before if n.startswith("model.visual.")]
+    assert visual and all(torch.equal(before[n], after[n]) for n in visual)
+    qkv = "model.language_model.layers.0.linear_attn.in_proj_qkv.weight"
+    assert not torch.equal(before[qkv], after[qkv])
+    reloaded = Qwen3_5ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (reloaded(input_ids=ids).logits - native.logits(native(ids))[..., :250]).abs()
+    assert diff.max() < 1e-4

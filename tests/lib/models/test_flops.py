@@ -13,23 +13,32 @@ How the comparison is made meaningful:
   LoRA adapters, the backward matmuls autograd skips for frozen weights) is counted by
   FlopCounterMode as executed and compared unchanged. MoE routing needs no adjustment: every
   token runs exactly top_k experts whatever the router chooses.
+- Qwen3.5's gated-DeltaNet layers run the chunked delta rule: its matmuls are counted as
+  executed; FlopCounterMode has no formula for the unit-triangular solves, so the test gives it
+  one (c (c - 1) D per [c, c] system and D right-hand sides). The documents are whole chunks
+  (no padding); a document that starts inside a row reads the zeroed state once, which the
+  kernel executes but model FLOPs do not count: that read is subtracted.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from posttrain.models import ModelArgs, build_model
-from posttrain.models.flops import attention_context_sum, flops_breakdown, flops_per_token
+from posttrain.models.flops import (attention_context_sum, delta_rule_flops, flops_breakdown,
+                                    flops_per_token)
 from posttrain.models.verify import tiny_hf_config
 from posttrain.ops.attention import _causal_window_mask
 
 aten = torch.ops.aten
 SDPA_FWD = aten._scaled_dot_product_flash_attention_for_cpu
 SDPA_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward
-FAMILIES = ("qwen3", "llama", "gemma3", "qwen3_moe")
+FAMILIES = ("qwen3", "llama", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
 SEQ_LEN, BATCH = 32, 2
 DOCS = [20, 12]      # both rows; longer than gemma3's window of 8 and one shorter than the other
 
@@ -44,7 +53,26 @@ def _sdpa_bwd(grad_out_shape, query_shape, key_shape, value_shape, *args, out_sh
 
 
 def _args(family: str) -> ModelArgs:
-    return ModelArgs.from_hf_config(tiny_hf_config(family).to_dict())
+    args = ModelArgs.from_hf_config(tiny_hf_config(family).to_dict())
+    if args.linear_attention is not None:     # chunks of 4: DOCS and SEQ_LEN are whole chunks
+        args = args.replace(linear_attention=dataclasses.replace(args.linear_attention,
+                                                                 chunk_size=4))
+    return args
+
+
+def _layout_work(args: ModelArgs, docs: list[int] | None) -> float:
+    """Per token: what the chunked delta rule executes for its layout but model FLOPs do not
+    count. With documents of whole chunks, a packed row runs exactly what one document of the
+    row's length would (the state is zeroed, not skipped, at each document start). Every
+    linear-attention layer here has a backward (full fine-tuning, or an adapter before it)."""
+    la = args.linear_attention
+    if la is None or docs is None:
+        return 0.0
+    def rule(lengths: list[int]) -> float:
+        return delta_rule_flops(lengths, la.chunk_size, la.num_v_heads, la.head_k_dim,
+                                la.head_v_dim, backward=True)
+    linear_layers = sum(args.is_linear_layer(i) for i in range(args.num_layers))
+    return linear_layers * (rule([SEQ_LEN]) - rule(docs)) / SEQ_LEN
 
 
 def _allowed_fraction(args: ModelArgs, layer: int, docs: list[int]) -> float:
@@ -52,6 +80,12 @@ def _allowed_fraction(args: ModelArgs, layer: int, docs: list[int]) -> float:
     window = args.sliding_window if args.is_sliding_layer(layer) else None
     allowed = sum(int(_causal_window_mask(n, window, "cpu").sum()) for n in docs)
     return allowed / sum(n * n for n in docs)
+
+
+def _solve_triangular(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """A unit-lower-triangular [c, c] system with D right-hand sides: c (c - 1) D FLOPs."""
+    *batch, c, d = b_shape
+    return math.prod(batch) * c * (c - 1) * d
 
 
 def _counted_flops(model, args: ModelArgs, docs: list[int] | None) -> tuple[float, dict]:
@@ -63,13 +97,16 @@ def _counted_flops(model, args: ModelArgs, docs: list[int] | None) -> tuple[floa
     grouped_mm_available(ids.device, torch.float32)     # its one-time probe is not the model's
     with FlopCounterMode(display=False, custom_mapping={
             SDPA_FWD: _sdpa_fwd, SDPA_BWD: _sdpa_bwd,
-            aten._grouped_mm: grouped_mm_flops}) as counter:     # the grouped MoE experts
+            aten._grouped_mm: grouped_mm_flops,          # the grouped MoE experts
+            aten.linalg_solve_triangular: _solve_triangular}) as counter:
         model.logits(model(ids, document_lengths=rows)).float().sum().backward()
     by_op = counter.get_flop_counts()["Global"]
     fwd_sq, bwd_sq = by_op.get(SDPA_FWD, 0), by_op.get(SDPA_BWD, 0)
     assert fwd_sq > 0 and bwd_sq > 0, f"SDPA was not counted: {dict(by_op)}"
-    # every layer's SDPA calls have the same shapes (so equal counts): average the fractions
-    fractions = [_allowed_fraction(args, i, docs or [SEQ_LEN]) for i in range(args.num_layers)]
+    # every attention layer's SDPA calls have the same shapes (so equal counts): average the
+    # fractions (linear-attention layers run no SDPA)
+    fractions = [_allowed_fraction(args, i, docs or [SEQ_LEN]) for i in range(args.num_layers)
+                 if not args.is_linear_layer(i)]
     fraction = sum(fractions) / len(fractions)
     attention = (fwd_sq + bwd_sq * 4 / 5) * fraction
     total = counter.get_total_flops() - fwd_sq - bwd_sq + attention
@@ -83,10 +120,12 @@ def test_full_finetune_matches_flop_counter(family, packed) -> None:
     model = build_model(args, seed=0)
     docs = DOCS if packed else None
     counted, parts = _counted_flops(model, args, docs)
+    counted -= _layout_work(args, docs)
     predicted = flops_per_token(args, SEQ_LEN, document_lengths=docs)
     breakdown = flops_breakdown(args, SEQ_LEN, document_lengths=docs)
     assert abs(predicted - counted) / counted < 0.05, (predicted, counted)
-    assert abs(breakdown["attention"] - parts["attention"]) / parts["attention"] < 0.05
+    if args.linear_attention is None:     # the counter cannot tell the delta rule's matmuls apart
+        assert abs(breakdown["attention"] - parts["attention"]) / parts["attention"] < 0.05
     # it is in fact exact for these shapes
     assert predicted == pytest.approx(counted, rel=1e-9)
 
@@ -98,6 +137,9 @@ def test_full_finetune_matches_flop_counter(family, packed) -> None:
     ("qwen3_moe", ("q", "router", "gate")),
     ("qwen3_moe", ("o", "experts.gate", "experts.down")),     # stacked expert adapters
     ("qwen3_moe", ("experts.up",)),        # the first adapter inside the first MoE layer
+    ("qwen3_5", ("q", "k", "v", "o", "z")),   # DeltaNet and gated attention projections
+    # q, k and v together: the first delta rule then runs its whole backward (see flops.py)
+    ("qwen3_5_moe", ("q", "k", "v", "experts.gate", "shared_gate")),
 ])
 def test_lora_matches_flop_counter(family, targets) -> None:
     from posttrain.models.lora import LoraConfig, apply_lora, flops_kwargs
@@ -111,6 +153,7 @@ def test_lora_matches_flop_counter(family, targets) -> None:
             if "lora_B" in name:
                 p.normal_(std=0.02)
     counted, _ = _counted_flops(model, args, DOCS)
+    counted -= _layout_work(args, DOCS)
     predicted = flops_per_token(args, SEQ_LEN, document_lengths=DOCS, **flops_kwargs(cfg))
     assert abs(predicted - counted) / counted < 0.05, (predicted, counted)
     assert predicted == pytest.approx(counted, rel=1e-9)

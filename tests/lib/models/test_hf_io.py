@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from posttrain.errors import ConfigError
 from posttrain.models import load_hf, resize_vocab, save_hf
 
-FAMILIES = ("qwen3", "llama", "gemma3")
+FAMILIES = ("qwen3", "llama", "gemma3", "qwen3_5", "qwen3_5_moe")
 
 
 def _ids(seq_len: int = 20, vocab: int = 250, seed: int = 0) -> torch.Tensor:
