@@ -6,16 +6,18 @@ the way `apply_chat_template(tokenize=True)` does (no added BOS/EOS), so the ids
 the ids an inference server (vLLM) builds from the same messages.
 
 Loss masks work for any template, including the real families' templates that carry no
-``{% generation %}`` markers (Qwen3, Llama 3.x, Gemma 3, GPT-OSS's harmony format). Rendering
-each prefix of the conversation does not work for them: Qwen3 and harmony drop the reasoning of
-earlier assistant turns, so a prefix render is not a prefix of the full render. Instead:
+``{% generation %}`` markers (Qwen3, Qwen3.5, Llama 3.x, Gemma 3, Gemma 4, DeepSeek-V3.1,
+GPT-OSS's harmony format). Rendering each prefix of the conversation does not work for them:
+Qwen3 and harmony drop the reasoning of earlier assistant turns, so a prefix render is not a
+prefix of the full render. Instead:
 
 1. Once per tokenizer, small probe conversations reveal the template's *turn layout*: the header
    that opens an assistant turn (``<|im_start|>assistant\\n``, ``<start_of_turn>model\\n``,
-   ``<|start|>assistant``, ...) and the end-of-turn markers that close one (the first special
-   token after the content, in a middle turn and in the final one: ``<|im_end|>``,
-   ``<|eot_id|>``, ``<end_of_turn>``; harmony closes earlier turns with ``<|end|>`` and the
-   final one with ``<|return|>``).
+   ``<|start|>assistant``, ...; what the generation prompt and rendered turns share, up to a
+   token boundary) and the end-of-turn markers that close one (the first special token after
+   the content, in a middle turn and in the final one: ``<|im_end|>``, ``<|eot_id|>``,
+   ``<end_of_turn>``; harmony closes earlier turns with ``<|end|>`` and the final one with
+   ``<|return|>``).
 2. Per conversation, the full render R is scanned forward: each assistant message's region runs
    from the end of its header to the end of the first end-of-turn marker. When the header
    follows that marker at once and the next message is not an assistant's, the same message
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -394,7 +396,11 @@ class ChatTokenizer:
     @cached_property
     def layout(self) -> TurnLayout:
         """The template's assistant-turn framing, probed once per tokenizer."""
-        return _probe_layout(self._probe_render, self.special_tokens)
+        return _probe_layout(self._probe_render, self.special_tokens, self._token_ends)
+
+    def _token_ends(self, text: str) -> list[int]:
+        """The character offset where each token of `text` ends."""
+        return [end for _, end in self._backend.encode(text, add_special_tokens=False).offsets]
 
     def _probe_render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
         try:
@@ -474,13 +480,15 @@ def _load(path: str) -> Any:
         raise ConfigError(f"tokenizer.path: cannot load a tokenizer from {path!r}: {e}") from None
 
 
-def _probe_layout(render: Any, special_tokens: frozenset[str]) -> TurnLayout:
+def _probe_layout(render: Any, special_tokens: frozenset[str],
+                  token_ends: Callable[[str], Sequence[int]]) -> TurnLayout:
     """Find the assistant header, end-of-turn markers and generation prompt of a template.
 
     The header is what the generation prompt, a final assistant turn and a middle assistant turn
     have in common before the content; Qwen3 puts a ``<think>`` block after the header in the
-    final turn only, so the common prefix stops at the header proper. The end-of-turn markers
-    follow the content of the middle and of the final turn.
+    final turn only, so the common prefix stops at the header proper. It is cut back to a token
+    boundary of all three (`_token_aligned`). The end-of-turn markers follow the content of the
+    middle and of the final turn.
     """
     user = {"role": "user", "content": _PROBE_USER}
     answer = {"role": "assistant", "content": _PROBE_ANSWER}
@@ -493,7 +501,8 @@ def _probe_layout(render: Any, special_tokens: frozenset[str]) -> TurnLayout:
     last = render([user, answer])
     middle = render([user, answer, {"role": "user", "content": _PROBE_USER_2}])
     before = [_text_before_answer(base, rendered) for rendered in (last, middle)]
-    header = os.path.commonprefix([generation_prompt, *before])
+    header = _token_aligned(os.path.commonprefix([generation_prompt, *before]),
+                            [generation_prompt, *before], token_ends)
     if not header:
         raise ConfigError("chat template: found no common header that opens assistant turns "
                           f"(generation prompt {generation_prompt!r})")
@@ -508,6 +517,23 @@ def _probe_layout(render: Any, special_tokens: frozenset[str]) -> TurnLayout:
     return TurnLayout(header=header, end_of_turn=end_of_turn, generation_prompt=generation_prompt,
                       turn_ends=tuple(dict.fromkeys((end_of_turn, middle_end))),
                       turn_start=max(starts, key=len) if starts else None)
+
+
+def _token_aligned(prefix: str, texts: Sequence[str],
+                   token_ends: Callable[[str], Sequence[int]]) -> str:
+    """`prefix` (a common prefix of `texts`) cut back to the last offset where every text has a
+    token boundary.
+
+    Where the generation prompt and the rendered turns part inside a token, the character-wise
+    common prefix ends in the middle of it: DeepSeek-V3.1 with ``thinking=True`` prompts
+    ``<｜Assistant｜><think>`` but renders turns as ``<｜Assistant｜></think>...``, which share
+    ``<｜Assistant｜><``. A turn's region starting there would leave its ``</think>`` token, which
+    starts before the region, out of the loss.
+    """
+    common = set(range(len(prefix) + 1))
+    for text in texts:
+        common &= {0, len(text), *token_ends(text)}
+    return prefix[:max(common)]
 
 
 def _text_before_answer(base: str, rendered: str) -> str:
