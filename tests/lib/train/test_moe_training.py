@@ -24,12 +24,20 @@ COEF = 0.05
 VOCAB = 250
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("moe") / "qwen3_moe"
-    random_hf_model(tiny_hf_config("qwen3_moe", router_aux_loss_coef=COEF),
+MOE_LAYERS = {"qwen3_moe": 3,        # layers 0, 1, 3 (layer 2 dense)
+              "qwen3_5_moe": 4}      # every layer, beside a gated shared expert
+
+
+def _hf_dir(tmp_path_factory, family: str) -> Path:
+    out = tmp_path_factory.mktemp("moe") / family
+    random_hf_model(tiny_hf_config(family, router_aux_loss_coef=COEF),
                     seed=0).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return _hf_dir(tmp_path_factory, "qwen3_moe")
 
 
 def _batch(seed: int = 0) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -66,8 +74,11 @@ def _hf_grads(hf_dir: Path, aux: bool) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("aux", [True, False], ids=["with_aux_loss", "coef_0"])
-def test_router_gradients_equal_transformers(hf_dir, tmp_path, aux):
+@pytest.mark.parametrize("family,aux", [("qwen3_moe", True), ("qwen3_moe", False),
+                                        ("qwen3_5_moe", True)])
+def test_router_gradients_equal_transformers(family, aux, hf_dir, tmp_path_factory, tmp_path):
+    if family != "qwen3_moe":
+        hf_dir = _hf_dir(tmp_path_factory, family)
     engine = _engine(hf_dir, tmp_path, **({} if aux else {"moe_aux_loss_coef": 0.0}))
     assert engine.router_coefs == ((COEF, 0.0) if aux else ())
     batch, _, hf_labels = _batch()
@@ -76,7 +87,7 @@ def test_router_gradients_equal_transformers(hf_dir, tmp_path, aux):
     ours = _grads(dict(engine.model.named_parameters()))
     ref = _hf_grads(hf_dir, aux)
     routers = [n for n in ours if n.endswith("mlp.router.weight")]
-    assert len(routers) == 3                               # layers 0, 1, 3 are MoE
+    assert len(routers) == MOE_LAYERS[family]
     for name in routers:
         hf_name = "model." + name.replace("mlp.router", "mlp.gate")
         diff = (ours[name] - ref[hf_name]).abs().max().item()
