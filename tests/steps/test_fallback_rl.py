@@ -12,7 +12,8 @@ models (one inline worker, FSDP2 over a group of one). What is shown:
   reference (the weight sync then sends the adapters only). At every step the rollout
   engine's log-probs equal the trainer's (the sync probe and the logged gap);
 - SIGKILL + restart gives byte-identical exports and identical per-step metrics, for both;
-- a run warns once, naming what does not apply to the architecture;
+- a run warns once, naming what does not apply to the architecture; `steps.evaluate` answers
+  with the export;
 - distillation with a transformers student and a transformers teacher, and each of them
   beside a native one: the held-out divergence the run reports equals KL(teacher || student)
   computed from transformers' own forwards of the exported student and the teacher;
@@ -171,6 +172,25 @@ def test_grpo_sigkill_and_restart_is_bit_identical(grpo, arch):
     got, want = _metrics(run_dir), _metrics(ref)
     for step in want:
         assert [got[step][k] for k in keys] == [want[step][k] for k in keys], step
+
+
+def test_the_evaluate_step_answers_with_the_export(grpo, monkeypatch):
+    """`steps.evaluate` runs the GRPO suite on a transformers export (and its base) with the
+    same engine: the held-out reward of sampled answers rose like the training reward."""
+    from steps import evaluate
+    monkeypatch.syspath_prepend(str(ROOT))
+    cfg = yaml.safe_load(grpo["olmo3"]["config"].read_text())
+    cfg["data"]["eval"] = cfg["data"]["train"]
+    cfg["eval"] = {"max_prompts": 16, "temperature": 1.0, "samples_per_prompt": 4}
+    config = grpo["olmo3"]["ref"].with_name("olmo3_eval.yaml")
+    config.write_text(yaml.safe_dump(cfg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")           # the fallback's, once per checkpoint loaded
+        result = evaluate.run(evaluate.recipe_suite("grpo", config),
+                              str(grpo["olmo3"]["ref"] / "hf"), cfg["model"]["hf_dir"]).tasks[0]
+    print(f"held-out reward {result.baseline['reward_mean']:.3f} -> "
+          f"{result.model['reward_mean']:.3f}")
+    assert result.model["reward_mean"] >= result.baseline["reward_mean"] + MIN_GAIN
 
 
 def test_grpo_warns_once_naming_what_does_not_apply(grpo):

@@ -114,16 +114,16 @@ def load_engine(cfg: RolloutEngineConfig, hf_dir: str, *, dtype: str = "float32"
     """An engine serving the weights of the HF checkpoint `hf_dir`, for evaluation.
 
     vLLM loads `hf_dir` itself; the native engine generates with `model` when given (a native
-    `Transformer` already loaded from `hf_dir`, whose weights it shares), else loads `hf_dir`
-    on the GPU if there is one, in `dtype`.
+    `Transformer`, or the transformers fallback's `HFCausalLM`, already loaded from `hf_dir`,
+    whose weights it shares), else loads `hf_dir` on the GPU if there is one, in `dtype`.
     """
     if cfg.kind == "vllm":
         from posttrain.rl.vllm_engine import VLLMEngine
         return VLLMEngine(hf_dir, seed=seed, **cfg.vllm)
     from posttrain.rl.native import NativeEngine
-    if model is None:
-        from posttrain.models.hf_io import load_hf
+    if model is None:                  # native, or the transformers fallback (`load_model`)
+        from posttrain.models.auto import load_model
         device = "cuda" if torch.cuda.is_available() else "cpu"
         torch_dtype = DTYPES[dtype]
-        model = load_hf(hf_dir, device=device).to(torch_dtype).eval()
+        model = load_model(hf_dir, device=device).to(torch_dtype).eval()
     return NativeEngine(model, max_batch_sequences=cfg.max_batch_sequences)
