@@ -32,7 +32,7 @@ from posttrain.data.loader import sources_from_manifest
 from posttrain.data.prepared import local_view
 from posttrain.data.sources import RowStream
 from posttrain.data.topk import TOPK_DIR, label_positions, read_topk_manifest
-from posttrain.models.hf_io import load_hf
+from posttrain.models.auto import load_model
 from posttrain.models.transformer import Transformer
 
 SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8())),
@@ -51,7 +51,7 @@ def run(teacher_dir: str, prepared_dir: str, *, k: int, tokens_per_forward: int 
     if old is not None and {key: old.get(key) for key in want} == want:
         return old
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    teacher = load_hf(teacher_dir, device=device, dtype=torch.float32).eval()
+    teacher = load_model(teacher_dir, device=device, dtype=torch.float32).eval()
     root = f"{prepared_dir.rstrip('/')}/{TOPK_DIR}"
     sources, rows = [], 0
     for name, shards in sorted(sources_from_manifest(prepared_dir, "train").items()):

@@ -173,10 +173,13 @@ class GRPOController(Controller):
     """GRPO's step loop parts for the one driver (`steps.common.run_recipe`)."""
 
     def __init__(self, cfg: GRPOConfig, group: Any, rollouts: Any, tokenizer: Any,
-                 train_rows: list[PromptRow], eval_rows: list[PromptRow], num_ranks: int):
+                 train_rows: list[PromptRow], eval_rows: list[PromptRow], num_ranks: int,
+                 packs_documents: bool = True):
         super().__init__(cfg, group, {})
         self.rollouts = rollouts
         self.tokenizer, self.num_ranks = tokenizer, num_ranks
+        # False: the model cannot keep the sequences of a row apart (`GRPOWorker.describe`)
+        self.packs_documents = packs_documents
         self.writer: MetricsWriter | None = None
         self.records: dict[str, list[dict]] = {}
         self.stream = PromptStream(train_rows, seed=cfg.train.engine.seed)
@@ -205,8 +208,10 @@ class GRPOController(Controller):
         tokenizer = AutoTokenizer.from_pretrained(f"{local_view(prepared_dir)}/tokenizer")
         rollouts = (ColocatedRollouts(group) if cfg.rollout.placement == "colocated"
                     else SeparateRollouts(cfg, group, context["hf_dir"]))
+        info = context["info"]
         ctl = cls(cfg, group, rollouts, tokenizer, read_prompt_rows(prepared_dir, "train"),
-                  _eval_rows(prepared_dir)[:cfg.eval.max_prompts], context["info"]["world_size"])
+                  _eval_rows(prepared_dir)[:cfg.eval.max_prompts], info["world_size"],
+                  packs_documents=info["packs_documents"])
         ctl.writer = context["writer"]
         return ctl
 
@@ -288,7 +293,7 @@ class GRPOController(Controller):
         samples = [Sample(r.prompt_ids, r.completion_ids, r.logprobs, float(a), r.loss_mask)
                    for r, a in zip(rollouts, advantages.flatten().tolist())]
         mini_batches = [pack_micro_batches(mb, max_tokens=cfg.train.max_tokens_per_micro_batch,
-                                           num_ranks=self.num_ranks)
+                                           num_ranks=self.num_ranks, pack=self.packs_documents)
                         for mb in split_mini_batches(samples, cfg.train.mini_batches)]
         update = self.group.call("train_rollouts", mini_batches)[0]
         t_updated = time.perf_counter()

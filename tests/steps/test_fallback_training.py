@@ -11,7 +11,9 @@ group of one), must
 - export a checkpoint that transformers loads with the logits of the trained model (the
   engine's model restored from the last checkpoint), within 1e-5;
 - warn once, naming what does not apply to them (document masks by transformers' detection,
-  no LoRA target names, no TP, the 6 N FLOPs estimate).
+  LoRA on the architecture's own names, no TP, the 6 N FLOPs estimate).
+
+GRPO, distillation and the reward model on the fallback: tests/steps/test_fallback_rl.py.
 """
 
 from __future__ import annotations
@@ -185,8 +187,9 @@ def test_the_run_warns_once_naming_what_does_not_apply(runs, tmp_path):
 
 
 def test_lora_on_the_fallback_fails_naming_the_key(runs, tmp_path):
-    """The engine fine-tunes a transformers model in full; a LoRA config is refused before
-    training starts (tensor parallelism likewise, `_build_fallback`)."""
+    """LoRA on a transformers model targets its own Linear names; GPT-2's blocks are Conv1D,
+    so the native default targets are refused before training starts, naming the key and
+    what the model has (tensor parallelism is refused likewise, `posttrain.train.fallback_build`)."""
     from posttrain.config.loader import build, to_dict
     from posttrain.errors import ConfigError
     from posttrain.train.recipe import RecipeWorker
@@ -196,7 +199,8 @@ def test_lora_on_the_fallback_fails_naming_the_key(runs, tmp_path):
     cfg["model"]["lora"] = {"rank": 4}
     cfg["export"] = {"format": "peft"}
     cfg = to_dict(build(SFT.config_cls, cfg))
-    with warnings.catch_warnings(), pytest.raises(ConfigError, match="model.lora"):
+    with warnings.catch_warnings(), pytest.raises(ConfigError,
+                                                  match="model.lora.targets.*lm_head"):
         warnings.simplefilter("ignore")
         RecipeWorker(SFT, cfg, cfg["model"]["hf_dir"], str(ref_dir / "prepared"),
                      str(tmp_path / "run"))

@@ -386,7 +386,7 @@ def _evaluate_checkpoint(cfg: SuiteConfig, hf_dir: str, tokenizer: ChatTokenizer
                          teachers: dict[str, Transformer]) -> dict[str, _Pass]:
     """Every task on one checkpoint: log-prob tasks with the native model, then the answers.
     `teachers` caches the distill tasks' teachers across checkpoints."""
-    from posttrain.models.hf_io import load_hf
+    from posttrain.models.auto import load_model
     scoring = [t for t in cfg.tasks if t.kind in ("heldout_loss", "preference", "distill")]
     answering = [t for t in cfg.tasks if t.kind in ("generation", "reward")]
     out: dict[str, _Pass] = {t.name: _reward_model_pass(hf_dir, rows[t.name])
@@ -394,7 +394,7 @@ def _evaluate_checkpoint(cfg: SuiteConfig, hf_dir: str, tokenizer: ChatTokenizer
     model = None
     if scoring or (answering and cfg.rollout.kind == "native"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = load_hf(hf_dir, device=device).to(DTYPES[cfg.dtype]).eval()
+        model = load_model(hf_dir, device=device).to(DTYPES[cfg.dtype]).eval()
         if model.head.real_vocab_size < tokenizer.vocab_size:
             raise ConfigError(f"checkpoint {hf_dir} has {model.head.real_vocab_size} token ids "
                               f"but the suite's tokenizer has {tokenizer.vocab_size}; evaluate "
@@ -403,7 +403,8 @@ def _evaluate_checkpoint(cfg: SuiteConfig, hf_dir: str, tokenizer: ChatTokenizer
     for task in scoring:
         if task.kind == "distill":
             if task.teacher not in teachers:
-                teachers[task.teacher] = (load_hf(task.teacher, device=model.embed.weight.device)
+                teachers[task.teacher] = (load_model(task.teacher,
+                                                     device=model.embed.weight.device)
                                           .to(DTYPES[cfg.dtype]).eval())
             out[task.name] = _distill_pass(model, teachers[task.teacher], rows[task.name],
                                            cfg.max_tokens_per_forward, pad)

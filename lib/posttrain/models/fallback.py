@@ -8,6 +8,10 @@
     model.head.weight / .bias / .softcap / .real_vocab_size    # for chunked cross-entropy
     model.layers                                 # the decoder ModuleList (FSDP, checkpointing)
     model.embed                                  # the input embedding
+    model.head = nn.Linear(H, 1)                 # a custom head (a reward model's) replaces it
+
+Rollouts decode through transformers' own KV cache (`HFKVCache`, `forward_with_hf_cache`),
+driven by the native engine's loop and sampler (`posttrain.rl.native.NativeEngine`).
 
 What does not carry over from the native models (`load_fallback` warns with this list):
 
@@ -26,7 +30,9 @@ Chunked cross-entropy works unchanged: it reads `head.weight` (and `head.bias`, 
 
 from __future__ import annotations
 
+import inspect
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +44,8 @@ from posttrain.models.hf_io import config_dtype, read_hf_config
 from posttrain.models.transformer import position_ids_from_documents
 from posttrain.ops.vocab import mask_padded_logits
 
-__all__ = ["FallbackWarning", "HFCausalLM", "estimated_flops_per_token", "load_fallback"]
+__all__ = ["FallbackWarning", "HFCausalLM", "HFKVCache", "estimated_flops_per_token",
+           "forward_with_hf_cache", "load_fallback"]
 
 _HF_PREFIX = "hf."
 _PROBE_DOCS = (3, 5)
@@ -96,6 +103,10 @@ class HFCausalLM(nn.Module):
 
     `supports_packed_documents`: whether restarting position ids give per-document attention
     (set by `probe_packed_documents`, False until probed).
+
+    Assigning a module to `head` (``model.head = nn.Linear(H, 1)``, as the reward model does)
+    registers it as a submodule named ``head`` that `head` then returns; the transformers LM
+    head stays in `hf`, unused.
     """
 
     def __init__(self, hf_model: nn.Module, *, allow_cross_document_attention: bool = False):
@@ -104,6 +115,8 @@ class HFCausalLM(nn.Module):
         text_config = hf_model.config.get_text_config()
         self.model_type = getattr(hf_model.config, "model_type", type(hf_model).__name__)
         self.real_vocab_size = int(text_config.vocab_size)
+        self.hidden_size = int(text_config.hidden_size)
+        self.max_position_embeddings = getattr(text_config, "max_position_embeddings", None)
         self.softcap = getattr(text_config, "final_logit_softcapping", None)
         self.allow_cross_document_attention = allow_cross_document_attention
         self.supports_packed_documents = False
@@ -118,8 +131,14 @@ class HFCausalLM(nn.Module):
 
     # ---- the native interface -------------------------------------------------------------
     @property
-    def head(self) -> _HeadView:
-        return _HeadView(self)
+    def head(self) -> nn.Module | _HeadView:
+        # nn.Module.__setattr__ files an assigned module under _modules, past this property
+        custom = self._modules.get("head")
+        return custom if custom is not None else _HeadView(self)
+
+    @property
+    def has_custom_head(self) -> bool:
+        return self._modules.get("head") is not None
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -218,6 +237,61 @@ class HFCausalLM(nn.Module):
         return diff
 
 
+@dataclass
+class HFKVCache:
+    """transformers' own KV cache of an `HFCausalLM`, behind the interface of the native
+    `posttrain.models.kv_cache.KVCache` (which `NativeEngine` drives): rows are left-padded,
+    slot s of row b holds the token at position s - pad_b, every step writes all rows at slot
+    `length`. The attention mask (padding slots off) and the positions are passed to
+    transformers at every forward, which masks causally (and by sliding window) itself.
+
+    `select` reorders the transformers cache in place (`Cache.reorder_cache`, which every
+    cache layer kind implements) and returns the cache of the selected rows; the cache it was
+    called on must not be used afterwards.
+    """
+
+    cache: Any                   # a transformers `Cache`
+    pad_B: torch.Tensor          # int64 [B]: left-padding slots of each row
+    capacity: int
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, model: HFCausalLM, pad_B: torch.Tensor, capacity: int) -> "HFKVCache":
+        from transformers import DynamicCache
+        return cls(DynamicCache(config=model.hf.config), pad_B.to(model.embed.weight.device),
+                   capacity)
+
+    def select(self, rows_B: torch.Tensor) -> "HFKVCache":
+        self.cache.reorder_cache(rows_B)
+        return HFKVCache(self.cache, self.pad_B.index_select(0, rows_B), self.capacity,
+                         self.length)
+
+
+def forward_with_hf_cache(model: HFCausalLM, input_ids_BT: torch.Tensor,
+                          cache: HFKVCache) -> torch.Tensor:
+    """`posttrain.models.kv_cache.forward_with_cache` for an `HFCausalLM`: T new tokens per row
+    at slots [length, length + T), through transformers with its cache; returns the final
+    hidden states [B, T, H] and advances `cache.length`."""
+    T = input_ids_BT.shape[1]
+    start, end = cache.length, cache.length + T
+    assert end <= cache.capacity, f"KV cache full: {end} > {cache.capacity} slots"
+    slots_S = torch.arange(end, device=input_ids_BT.device)
+    mask_BS = (slots_S[None] >= cache.pad_B[:, None]).long()
+    positions_BT = (slots_S[None, start:] - cache.pad_B[:, None]).clamp_min(0)
+    out = model.hf.base_model(input_ids=input_ids_BT, attention_mask=mask_BS,
+                              position_ids=positions_BT, use_cache=True,
+                              **{_cache_argument(model.hf.base_model): cache.cache})
+    cache.length = end
+    return out[0]
+
+
+def _cache_argument(decoder: nn.Module) -> str:
+    """The keyword a transformers decoder takes its cache by: `cache` from transformers 5.2x,
+    `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters \
+        else "past_key_values"
+
+
 class _eval_mode:
     def __init__(self, module: nn.Module):
         self.module, self.was_training = module, module.training
@@ -236,6 +310,8 @@ def estimated_flops_per_token(model: nn.Module) -> float:
     embed, head = model.embed.weight, model.head.weight
     if embed is not head:
         params.pop(id(embed), None)
+    if getattr(model, "has_custom_head", False):     # the transformers LM head is not run
+        params.pop(id(model.hf.get_output_embeddings().weight), None)
     return 6.0 * sum(params.values())
 
 
@@ -246,12 +322,16 @@ def _limitations(model: HFCausalLM, vocab_multiple: int | None) -> list[str]:
                "document-masked attention: this architecture's attention does NOT separate "
                "the documents of a packed row; "
                "rows with several documents raise (allow_cross_document_attention=True "
-               "overrides)")
+               "overrides) and GRPO trains one sequence per micro-batch")
+    linears = sorted({name.rpartition(".")[2] for name, m in model.hf.named_modules()
+                      if isinstance(m, nn.Linear) and m is not model.hf.get_output_embeddings()})
     out = [packing,
-           "LoRA targets use this architecture's own Linear names (no native q/k/v/o/gate/up/"
-           "down names)",
+           f"LoRA targets use this architecture's own Linear names ({', '.join(linears)}), "
+           "not the native q/k/v/o/gate/up/down",
            "no tensor parallelism or name-based sharding plan; FSDP wraps `layers` only",
-           "no FLOPs formula: MFU is estimated with 6*N FLOPs per token"]
+           "no FLOPs formula: MFU is estimated with 6*N FLOPs per token",
+           "no vLLM rollouts: GRPO samples with the native engine's loop over transformers' "
+           "KV cache (rollout.kind: native)"]
     if vocab_multiple and vocab_multiple > 1 and model.real_vocab_size % vocab_multiple:
         out.append(f"vocab_multiple={vocab_multiple} is ignored: the vocabulary stays "
                    f"{model.real_vocab_size} rows")

@@ -218,6 +218,21 @@ def _parse_config(text: str | None) -> dict[str, Any]:
         raise ConfigError(f"--config is neither a JSON file nor a JSON object: {exc}") from exc
 
 
+def _fallback_note(hf_dir: str) -> str | None:
+    """One line for a checkpoint without a native definition (nothing native to verify), else
+    None."""
+    from posttrain.models.auto import has_native_definition
+    from posttrain.models.hf_io import read_hf_config
+    config = read_hf_config(hf_dir)
+    if has_native_definition(config):
+        return None
+    return (f"{hf_dir}: model_type '{config.get('model_type')}' has no native definition, so "
+            "there is nothing to verify; it trains through the transformers fallback "
+            "(posttrain.models.fallback), which covers SFT, DPO, GRPO, distillation and reward "
+            "models, LoRA on its own Linear names and FSDP, without tensor parallelism, native "
+            "document masks or a FLOPs formula")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`posttrain verify-model`: print the report as JSON; 0 when it passed, 1 otherwise."""
     parser = argparse.ArgumentParser(prog="posttrain verify-model", description=__doc__,
@@ -238,6 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.config and not ns.family:
         parser.error("--config goes with --family")
+    if ns.hf_dir and (line := _fallback_note(ns.hf_dir)):
+        print(f"posttrain verify-model: {line}", file=sys.stderr)
+        return 2
     source = ns.hf_dir if ns.hf_dir else (ns.family, _parse_config(ns.config))
     report = verify(source, seq_len=ns.seq_len, batch=ns.batch, packed=ns.packed,
                     atol=ns.atol, seed=ns.seed, attn_implementation=ns.attn_implementation,

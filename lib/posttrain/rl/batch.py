@@ -67,10 +67,12 @@ def split_mini_batches(samples: list[Sample], mini_batches: int) -> list[list[Sa
     return [samples[i * size:(i + 1) * size] for i in range(mini_batches)]
 
 
-def pack_micro_batches(samples: list[Sample], *, max_tokens: int, num_ranks: int = 1
-                       ) -> list[dict]:
+def pack_micro_batches(samples: list[Sample], *, max_tokens: int, num_ranks: int = 1,
+                       pack: bool = True) -> list[dict]:
     """Pack one mini-batch into micro-batches (module docstring); the count is a multiple of
-    `num_ranks`, dummies last."""
+    `num_ranks`, dummies last. `pack=False` puts one sequence in each micro-batch, for a model
+    whose attention cannot keep the documents of a row apart (a transformers architecture
+    without a native definition whose masks ignore restarting positions)."""
     if not samples:
         raise ValueError("pack_micro_batches: no samples")
     for i, s in enumerate(samples):
@@ -91,7 +93,7 @@ def pack_micro_batches(samples: list[Sample], *, max_tokens: int, num_ranks: int
     room: list[int] = []
     for i in sorted(range(len(samples)), key=lambda i: (-len(samples[i]), i)):
         for b, free in enumerate(room):
-            if len(samples[i]) <= free:
+            if pack and len(samples[i]) <= free:
                 bins[b].append(i)
                 room[b] -= len(samples[i])
                 break

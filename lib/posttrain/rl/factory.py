@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 
+from posttrain.errors import ConfigError
 from posttrain.models.args import DTYPES, ModelArgs
 from posttrain.rl.engine import RolloutEngine
 
@@ -66,12 +67,23 @@ class RolloutEngineConfig:
             raise ValueError("rollout.vllm options are set but rollout.kind is native")
 
 
-def build_rollout_engine(cfg: RolloutEngineConfig, args: ModelArgs, hf_dir: str,
+def build_rollout_engine(cfg: RolloutEngineConfig, args: ModelArgs | None, hf_dir: str,
                          device: torch.device | str, dtype: torch.dtype = torch.float32,
                          seed: int = 0) -> RolloutEngine:
     """An engine holding the model of `args`. The native engine starts with random weights
     (the first weight sync fills them); vLLM loads `hf_dir`, which must have the trainer's
-    vocabulary (then the sync replaces the weights in place)."""
+    vocabulary (then the sync replaces the weights in place).
+
+    `args` None: `hf_dir` has no native definition and the trainer runs it through
+    transformers; the native engine then decodes the same transformers model (loaded from
+    `hf_dir`, the trainer's `FallbackWarning` not repeated), and vLLM is refused, since the
+    weight sync has no vLLM names for its ``hf.`` parameters."""
+    if args is None:
+        if cfg.kind != "native":
+            raise ConfigError(f"rollout.kind: {cfg.kind}: {hf_dir} has no native definition "
+                              "and trains through transformers, whose parameter names the "
+                              "weight sync cannot map onto vLLM's; use rollout.kind: native")
+        return _fallback_engine(cfg, hf_dir, device, dtype)
     if cfg.kind == "native":
         from posttrain.models.transformer import build_model
         from posttrain.rl.native import NativeEngine
@@ -84,21 +96,34 @@ def build_rollout_engine(cfg: RolloutEngineConfig, args: ModelArgs, hf_dir: str,
     return VLLMEngine(hf_dir, seed=seed, **cfg.vllm)
 
 
+def _fallback_engine(cfg: RolloutEngineConfig, hf_dir: str, device: torch.device | str,
+                     dtype: torch.dtype) -> RolloutEngine:
+    import warnings
+
+    from posttrain.models.fallback import FallbackWarning, load_fallback
+    from posttrain.rl.native import NativeEngine
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        model = load_fallback(hf_dir, device=device, dtype=dtype, check=False).eval()
+    model.requires_grad_(False)
+    return NativeEngine(model, max_batch_sequences=cfg.max_batch_sequences)
+
+
 def load_engine(cfg: RolloutEngineConfig, hf_dir: str, *, dtype: str = "float32", seed: int = 0,
                 model: Any = None) -> RolloutEngine:
     """An engine serving the weights of the HF checkpoint `hf_dir`, for evaluation.
 
     vLLM loads `hf_dir` itself; the native engine generates with `model` when given (a native
-    `Transformer` already loaded from `hf_dir`, whose weights it shares), else loads `hf_dir`
-    on the GPU if there is one, in `dtype`.
+    `Transformer`, or the transformers fallback's `HFCausalLM`, already loaded from `hf_dir`,
+    whose weights it shares), else loads `hf_dir` on the GPU if there is one, in `dtype`.
     """
     if cfg.kind == "vllm":
         from posttrain.rl.vllm_engine import VLLMEngine
         return VLLMEngine(hf_dir, seed=seed, **cfg.vllm)
     from posttrain.rl.native import NativeEngine
-    if model is None:
-        from posttrain.models.hf_io import load_hf
+    if model is None:                  # native, or the transformers fallback (`load_model`)
+        from posttrain.models.auto import load_model
         device = "cuda" if torch.cuda.is_available() else "cpu"
         torch_dtype = DTYPES[dtype]
-        model = load_hf(hf_dir, device=device).to(torch_dtype).eval()
+        model = load_model(hf_dir, device=device).to(torch_dtype).eval()
     return NativeEngine(model, max_batch_sequences=cfg.max_batch_sequences)

@@ -1,4 +1,5 @@
-"""`NativeEngine`: batched sampling from a native `Transformer` with a KV cache (CPU, one GPU).
+"""`NativeEngine`: batched sampling from a native `Transformer` with a KV cache (CPU, one GPU),
+or from a transformers model without a native definition (`posttrain.models.fallback.HFCausalLM`).
 
 How a `generate` call runs (see `posttrain.models.kv_cache` for the cache layout):
 
@@ -12,6 +13,11 @@ How a `generate` call runs (see `posttrain.models.kv_cache` for the cache layout
 3. A row that samples a stop token or reaches `max_new_tokens` is finished and dropped from the
    batch and the cache, so later steps only pay for live rows.
 
+The cache is the model's kind: the native static cache (`posttrain.models.kv_cache`) for a
+`Transformer`, transformers' own cache behind the same interface (`fallback.HFKVCache`) for an
+`HFCausalLM`, whose parameters are then named ``hf.<transformers name>`` for `update_weights`.
+Loop, sampler, log-prob convention and teacher-forced scoring are the same for both.
+
 Determinism: for the same prompts, config, weights, `n` and `max_batch_sequences` the rollouts are
 identical. One generator serves the whole batch, so a sample depends on its batch neighbours.
 """
@@ -24,6 +30,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from posttrain.models.fallback import HFCausalLM, HFKVCache, forward_with_hf_cache
 from posttrain.models.kv_cache import KVCache, forward_with_cache
 from posttrain.models.transformer import LMHead, Transformer
 from posttrain.ops.cross_entropy import IGNORE_INDEX, chunked_logprobs
@@ -34,7 +41,7 @@ __all__ = ["NativeEngine"]
 
 
 class NativeEngine:
-    """A `RolloutEngine` over a native `Transformer`.
+    """A `RolloutEngine` over a native `Transformer` or a transformers fallback `HFCausalLM`.
 
     Args:
         model: the model to sample from. Used as is (weights shared with the caller) unless
@@ -50,6 +57,15 @@ class NativeEngine:
             raise ValueError(f"max_batch_sequences must be >= 1, got {max_batch_sequences}")
         self.model = copy.deepcopy(model) if copy_model else model
         self.max_batch_sequences = max_batch_sequences
+        fallback = isinstance(self.model, HFCausalLM)
+        self._cache, self._forward = ((HFKVCache, forward_with_hf_cache) if fallback
+                                      else (KVCache, forward_with_cache))
+        args = getattr(self.model, "args", None)
+        self.vocab_size = args.vocab_size if args is not None else self.model.real_vocab_size
+        self._max_positions = (args.max_position_embeddings if args is not None
+                               else self.model.max_position_embeddings)
+        # a causal-LM head whose weight the chunked log-probs read (not a custom head)
+        self._lm_head = fallback or isinstance(self.model.head, LMHead)
 
     partial_updates = True        # `update_weights` takes any subset of the parameters
 
@@ -63,7 +79,8 @@ class NativeEngine:
 
     @property
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Native parameter name -> shape (a tied head has no entry: send `embed.weight`)."""
+        """Parameter name -> shape (a tied head has no entry: send `embed.weight`; on an
+        `HFCausalLM` the names are ``hf.<transformers name>``)."""
         return {name: tuple(p.shape) for name, p in self.model.named_parameters()}
 
     # ------------------------------------------------------------------ generation
@@ -91,8 +108,8 @@ class NativeEngine:
         for b, prompt in enumerate(prompts):
             ids_BP[b, prompt_len - len(prompt):] = torch.tensor(prompt, device=device)
         pad_B = torch.tensor([prompt_len - len(p) for p in prompts], device=device)
-        cache = KVCache.allocate(self.model, pad_B, prompt_len + max_new)
-        hidden_BH = forward_with_cache(self.model, ids_BP, cache)[:, -1]
+        cache = self._cache.allocate(self.model, pad_B, prompt_len + max_new)
+        hidden_BH = self._forward(self.model, ids_BP, cache)[:, -1]
 
         rows_B = torch.arange(len(prompts), device=device).repeat_interleave(n)
         cache, hidden_BH = cache.select(rows_B), hidden_BH.index_select(0, rows_B)
@@ -106,7 +123,7 @@ class NativeEngine:
             logits_BV = self._next_token_logits(hidden_BH)
             next_B = sample_next_token(logits_BV, sampling.temperature, sampling.top_p,
                                        sampling.top_k, generator,
-                                       real_vocab_size=self.model.args.vocab_size)
+                                       real_vocab_size=self.vocab_size)
             logp_B = torch.log_softmax(logits_BV / lp_temperature, dim=-1).gather(
                 -1, next_B[:, None]).squeeze(-1)
             keep = []
@@ -123,7 +140,7 @@ class NativeEngine:
                 keep_B = torch.tensor(keep, device=device)
                 cache, next_B = cache.select(keep_B), next_B.index_select(0, keep_B)
                 live = [live[r] for r in keep]
-            hidden_BH = forward_with_cache(self.model, next_B[:, None], cache)[:, -1]
+            hidden_BH = self._forward(self.model, next_B[:, None], cache)[:, -1]
         return [[Rollout(list(prompts[i]), tokens[i * n + j], logps[i * n + j],
                          finish[i * n + j])  # type: ignore[arg-type]
                  for j in range(n)] for i in range(len(prompts))]
@@ -132,16 +149,18 @@ class NativeEngine:
         """fp32 logits [B, V] (padded columns -inf or cut), computed as `chunked_logprobs`
         computes them (projection in the model dtype, soft-cap in fp32), so the sampler's
         log-probs and a trainer's agree."""
-        head, real = self.model.head, self.model.args.vocab_size
-        if isinstance(head, LMHead):
-            logits_BV = F.linear(hidden_BH, head.weight[:real]).float()
+        head, real = self.model.head, self.vocab_size
+        if self._lm_head:
+            bias = getattr(head, "bias", None)
+            logits_BV = F.linear(hidden_BH, head.weight[:real],
+                                 None if bias is None else bias[:real]).float()
             if head.softcap is not None:
                 logits_BV = torch.tanh(logits_BV / head.softcap) * head.softcap
             return logits_BV
         return mask_padded_logits(self.model.logits(hidden_BH).float(), real)
 
     def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
-        vocab = self.model.args.vocab_size
+        vocab = self.vocab_size
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
@@ -150,8 +169,8 @@ class NativeEngine:
                 raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary "
                                  f"[0, {vocab})")
         longest = max((len(p) for p in prompts), default=0)
-        limit = self.model.args.max_position_embeddings
-        if longest + max_new_tokens > limit:
+        limit = self._max_positions
+        if limit is not None and longest + max_new_tokens > limit:
             raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens "
                              f"({max_new_tokens}) exceeds the model's max_position_embeddings "
                              f"({limit}); shorten the prompts or lower max_new_tokens")
@@ -171,7 +190,7 @@ class NativeEngine:
                             if name == "head.weight" else
                             f"; known names look like {sorted(targets)[:4]}")
                     raise ValueError(f"update_weights got '{name}', which is not a parameter "
-                                     f"or buffer of the native model{hint}")
+                                     f"or buffer of the engine's model{hint}")
                 target = targets[name]
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(f"update_weights: '{name}' has shape {tuple(tensor.shape)}, "
@@ -208,13 +227,14 @@ class NativeEngine:
             targets_BT[b, plen - 1:len(seq) - 1] = ids_BT[b, plen:len(seq)]
         hidden_BTH = self.model(ids_BT)
         head = self.model.head
-        if isinstance(head, LMHead):
+        if self._lm_head:
             logp_BT = chunked_logprobs(hidden_BTH, head.weight, targets_BT,
-                                       real_vocab_size=self.model.args.vocab_size,
-                                       softcap=head.softcap, temperature=temperature)
+                                       real_vocab_size=self.vocab_size, softcap=head.softcap,
+                                       bias=getattr(head, "bias", None),
+                                       temperature=temperature)
         else:
             logits = mask_padded_logits(self.model.logits(hidden_BTH).float(),
-                                        self.model.args.vocab_size) / temperature
+                                        self.vocab_size) / temperature
             logp_BT = torch.log_softmax(logits, dim=-1).gather(
                 -1, targets_BT.clamp_min(0)[..., None]).squeeze(-1)
         return [logp_BT[b, plen - 1:len(seq) - 1].tolist()

@@ -183,8 +183,9 @@ class DistillLoss(nn.Module):
         self.input_keys = keys if teacher is not None else keys + TOPK_KEYS
         for m in (model, teacher):
             if m is not None and getattr(m.head, "softcap", None) is not None:
-                raise ConfigError(f"{m.args.family}: final-logit softcapping is not supported "
-                                  "by the distillation loss")
+                name = m.args.family if getattr(m, "args", None) is not None else m.model_type
+                raise ConfigError(f"{name}: final-logit softcapping is not supported by the "
+                                  "distillation loss")
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                 position_ids: torch.Tensor | None = None,
@@ -218,39 +219,80 @@ class DistillLoss(nn.Module):
 class Distill(Recipe):
     """Knowledge distillation: the student is the engine's model; an online teacher sits in the
     same FSDP root (`DistillLoss`), frozen; an offline teacher's top-k come with the batches.
-    The driver hands the teacher's directory in the worker's ``models["teacher"]``."""
+    The driver hands the teacher's directory in the worker's ``models["teacher"]``.
+
+    Either model may lack a native definition (`posttrain.models.fallback`): the student then
+    trains through transformers (the engine's fallback), and such a teacher is loaded whole
+    through transformers, its blocks sharded like a native teacher's; its tensors are kept on
+    the CPU until `ready` writes them back, since the root's materialization gives every
+    parameter and buffer new storage."""
 
     name = "distill"
-    transformers_fallback = False          # not verified through transformers yet
     config_cls = DistillConfig
 
     def __init__(self, worker: Any):
         super().__init__(worker)
-        self.teacher: Transformer | None = None
+        self.teacher: nn.Module | None = None
+        self._teacher_tensors: dict[str, dict[str, torch.Tensor]] | None = None
 
     def loss_root(self, model: Transformer) -> nn.Module:
         if self.cfg.teacher.signal == "online":
             from posttrain.distributed.env import build_mesh
             from posttrain.distributed.parallelize import shard_frozen
-            from posttrain.models.hf_io import load_hf
-            self.teacher = load_hf(self.worker.models["teacher"], on_meta=True,
-                                   param_filter=lambda name: False,
-                                   vocab_multiple=self.cfg.model.vocab_multiple)
+            from posttrain.models.auto import has_native_definition
+            from posttrain.models.hf_io import load_hf, read_hf_config
+            teacher_dir = self.worker.models["teacher"]
+            if has_native_definition(read_hf_config(teacher_dir)):
+                self.teacher = load_hf(teacher_dir, on_meta=True,
+                                       param_filter=lambda name: False,
+                                       vocab_multiple=self.cfg.model.vocab_multiple)
+            else:
+                self.teacher, self._teacher_tensors = self._fallback_teacher(teacher_dir)
             parallel = self.cfg.train.engine.parallel
-            shard_frozen(self.teacher, build_mesh(parallel.dp_shard, parallel.tp, parallel.dp_replicate), parallel)
+            shard_frozen(self.teacher, build_mesh(parallel.dp_shard, parallel.tp,
+                                                  parallel.dp_replicate), parallel)
         return DistillLoss(model, self.teacher, self.cfg.loss, self.cfg.model.loss_chunk_tokens)
 
+    def _fallback_teacher(self, teacher_dir: str
+                          ) -> tuple[nn.Module, dict[str, dict[str, torch.Tensor]]]:
+        """A teacher without a native definition, loaded through transformers (rank 0 warns,
+        naming it), and its parameters (every tied name) and buffers for `ready`."""
+        import warnings
+
+        import torch.distributed as dist
+
+        from posttrain.distributed.materialize import parameters_by_name
+        from posttrain.models.args import DTYPES
+        from posttrain.models.fallback import FallbackWarning, load_fallback
+        with warnings.catch_warnings():
+            if dist.get_rank() != 0:
+                warnings.simplefilter("ignore", FallbackWarning)
+            teacher = load_fallback(teacher_dir, dtype=DTYPES[self.cfg.model.dtype],
+                                    vocab_multiple=self.cfg.model.vocab_multiple)
+        tensors = {"parameters": {n: p.detach() for n, p in parameters_by_name(teacher).items()},
+                   "buffers": {n: b.detach() for n, b in teacher.named_buffers()}}
+        return teacher, tensors
+
     def ready(self) -> None:
-        """Stream the teacher's HF tensors into its shards (the root is already on the device)."""
+        """Write the teacher's tensors into its shards (the root is already on the device): a
+        native teacher's streamed from its HF files, a transformers one's kept at load."""
         if self.teacher is None:
             return
         from posttrain.distributed.materialize import fill_parameters
+        root = self.worker.engine.root
+        if self._teacher_tensors is not None:
+            fill_parameters(root, self._teacher_tensors["parameters"].items(),
+                            prefix="teacher.")
+            with torch.no_grad():
+                for name, buffer in self.teacher.named_buffers():
+                    buffer.copy_(self._teacher_tensors["buffers"][name])
+            self._teacher_tensors = None
+            return
         from posttrain.models.args import DTYPES
         from posttrain.models.hf_io import iter_hf_tensors
         dtype = DTYPES[self.cfg.model.dtype]
         tensors = iter_hf_tensors(self.worker.models["teacher"], self.teacher.args)
-        fill_parameters(self.worker.engine.root, ((n, t.to(dtype)) for n, t in tensors),
-                        prefix="teacher.")
+        fill_parameters(root, ((n, t.to(dtype)) for n, t in tensors), prefix="teacher.")
         self.teacher.tie_weights()
 
     def train_loader(self) -> Any:

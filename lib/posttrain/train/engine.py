@@ -229,7 +229,7 @@ class Engine:
             model_cfg, cfg.parallel, hf_dir, self.device,
             loss_factory or (lambda m: CausalLMLoss(m, model_cfg.loss_chunk_tokens)),
             vocab_size=vocab_size, init_missing=self._init_missing, mesh=self.mesh)
-        # None for a transformers model (no native definition): see `_build_fallback`
+        # None for a transformers model (no native definition): see `posttrain.train.fallback_build`
         self.args: ModelArgs | None = getattr(self.model, "args", None)
         self.optimizer = build_optimizer(self.root, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.max_steps, cfg.scheduler)
@@ -409,13 +409,14 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
     `mesh` is the device mesh to lay it out on (default: a new one from `parallel`).
 
     An architecture without a native definition trains through transformers
-    (`_build_fallback`).
+    (`posttrain.train.fallback_build`), with LoRA on its own Linear names.
     """
     from posttrain.models.auto import has_native_definition
     from posttrain.models.hf_io import read_hf_config
     if not has_native_definition(read_hf_config(hf_dir)):
-        return _build_fallback(model_cfg, parallel, hf_dir, loss_factory, vocab_size=vocab_size,
-                               frozen=frozen, mesh=mesh)
+        from posttrain.train.fallback_build import build_fallback
+        return build_fallback(model_cfg, parallel, hf_dir, loss_factory, vocab_size=vocab_size,
+                               frozen=frozen, mesh=mesh, init_missing=init_missing)
     model = load_hf(hf_dir, on_meta=True, param_filter=lambda name: False,
                     vocab_multiple=model_cfg.vocab_multiple)
     ckpt_args = model.args
@@ -441,44 +442,6 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
                if not (custom_head and name.startswith("head.")))
     materialize(root, device, tensors, prefix="model.", init_missing=init_missing)
     model.tie_weights()
-    return model, root
-
-
-def _build_fallback(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
-                    loss_factory: Callable[[nn.Module], nn.Module], *, vocab_size: int | None,
-                    frozen: bool, mesh: Any) -> tuple[nn.Module, nn.Module]:
-    """`build_sharded` for an architecture without a native definition: transformers'
-    `AutoModelForCausalLM` behind the native interface (`posttrain.models.fallback`), sharded
-    with FSDP2 over its decoder blocks and the loss root.
-
-    Unlike the native path, every rank loads the whole checkpoint (on the CPU) before
-    sharding, and there is no tensor parallelism, LoRA, vocabulary growth or exact FLOPs
-    formula; rank 0 warns once with the list (`FallbackWarning`).
-    """
-    import warnings
-
-    from posttrain.models.fallback import FallbackWarning, load_fallback
-    if model_cfg.lora is not None:
-        raise ConfigError(f"model.lora: {hf_dir} has no native definition and trains through "
-                          "transformers, which the engine fine-tunes in full; remove model.lora")
-    if parallel.tp > 1:
-        raise ConfigError(f"parallel.tp={parallel.tp}: {hf_dir} has no native definition, so "
-                          "there is no tensor-parallel plan for it; use parallel.tp: 1")
-    with warnings.catch_warnings():
-        if dist.get_rank() != 0:
-            warnings.simplefilter("ignore", FallbackWarning)
-        model = load_fallback(hf_dir, dtype=DTYPES[model_cfg.dtype],
-                              vocab_multiple=model_cfg.vocab_multiple)
-    if vocab_size is not None and vocab_size > model.real_vocab_size:
-        raise ConfigError(f"the tokenizer has {vocab_size} tokens but {hf_dir} has "
-                          f"{model.real_vocab_size} rows; the transformers fallback cannot grow "
-                          "the vocabulary")
-    if frozen:
-        model.requires_grad_(False)
-    root = loss_factory(model)
-    mesh = mesh if mesh is not None else build_mesh(parallel.dp_shard, parallel.tp,
-                                                    parallel.dp_replicate)
-    root = (parallelize_frozen if frozen else parallelize)(model, mesh, parallel, root=root)
     return model, root
 
 

@@ -64,8 +64,9 @@ def export_worker(engine, cfg, prepared_dir: str, out_dir: str) -> str | None:
     if engine.rank != 0:
         return None
     if engine.args is None:                     # a transformers model (no native definition)
-        return export_fallback(state, engine.hf_dir, out_dir,
-                               tokenizer_dir=f"{prepared_dir}/tokenizer", dtype=cfg.export.dtype)
+        return export_fallback(state, engine.hf_dir, out_dir, fmt=cfg.export.format,
+                               lora=cfg.model.lora, tokenizer_dir=f"{prepared_dir}/tokenizer",
+                               dtype=cfg.export.dtype)
     return export_hf(state, engine.args, out_dir, fmt=cfg.export.format, lora=cfg.model.lora,
                      tokenizer_dir=f"{prepared_dir}/tokenizer", dtype=cfg.export.dtype,
                      base_dir=engine.hf_dir)
@@ -93,27 +94,49 @@ def write_weight_index(out: Path, *, exclude: set[str]) -> None:
 
 
 def export_fallback(state: dict[str, torch.Tensor], base_dir: str, out_dir: str, *,
+                    fmt: Literal["full", "merged", "peft"] = "full", lora=None,
                     tokenizer_dir: str | None = None, dtype: str | None = None) -> str:
     """Write a transformers-trained model (`posttrain.models.fallback`, names ``hf.<its own>``)
-    with `save_pretrained`: the architecture and config of `base_dir`, the trained weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    with the architecture and config of `base_dir`: ``full`` and ``merged`` (LoRA adapters
+    folded into their weights) with `save_pretrained`, the tokenizer alongside; ``peft`` as a
+    PEFT adapter over `base_dir` (`posttrain.models.lora.save_peft_adapter`)."""
+    from posttrain.models import lora as lora_lib
     from posttrain.models.hf_io import _copy_tokenizer_files
-    config = AutoConfig.from_pretrained(base_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    weights = {k.removeprefix("hf."): v for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
-    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    if set(missing) - tied or unexpected:
-        raise RuntimeError(f"export: the trained weights do not match {type(model).__name__}: "
-                           f"missing {sorted(set(missing) - tied)[:5]}, unexpected "
-                           f"{unexpected[:5]}")
-    model.tie_weights()
+    out = Path(out_dir)
+    if fmt == "peft":
+        model = _fallback_from_state(state, base_dir, lora)
+        lora_lib.save_peft_adapter(model, out, base_model_name_or_path=str(base_dir))
+        return str(out)
+    if fmt == "merged":
+        state = lora_lib.fold_adapters(state, lora.alpha / lora.rank)
+    model = _fallback_from_state(state, base_dir).hf
     if dtype:
         model.to(DTYPES[dtype])
-    out = Path(out_dir)
     model.save_pretrained(out)
     if tokenizer_dir:
         _copy_tokenizer_files(Path(tokenizer_dir), out)
     return str(out)
+
+
+def _fallback_from_state(state: dict[str, torch.Tensor], base_dir: str, lora=None):
+    """An `HFCausalLM` of `base_dir`'s architecture built on the meta device and holding the
+    tensors of `state` (wrapper names, ``hf.`` prefixed), LoRA applied first when given."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from posttrain.models.fallback import HFCausalLM
+    config = AutoConfig.from_pretrained(base_dir)
+    with torch.device("meta"):
+        model = HFCausalLM(AutoModelForCausalLM.from_config(config))
+    if lora is not None:
+        from posttrain.models import lora as lora_lib
+        lora_lib.apply_lora(model, lora_lib.LoraConfig(rank=lora.rank, alpha=lora.alpha,
+                                                       dropout=lora.dropout,
+                                                       targets=tuple(lora.targets)))
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    tied = {"hf.lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"export: the trained weights do not match "
+                           f"{type(model.hf).__name__}: missing {sorted(set(missing) - tied)[:5]},"
+                           f" unexpected {unexpected[:5]}")
+    model.hf.tie_weights()
+    return model

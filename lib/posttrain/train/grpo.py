@@ -43,7 +43,6 @@ from posttrain.data.prepared import local_view
 from posttrain.distributed.env import init_process_group
 from posttrain.distributed.sync_group import GroupAddress
 from posttrain.data.tokenizer import TokenizerConfig
-from posttrain.errors import ConfigError
 from posttrain.losses.grpo import grpo_loss
 from posttrain.models.transformer import Transformer
 from posttrain.ops.cross_entropy import chunked_logprobs
@@ -303,6 +302,7 @@ class GRPOLoss(nn.Module):
         out = chunked_logprobs(hidden, head.weight, targets, real_vocab_size=head.real_vocab_size,
                                chunk_tokens=self.chunk_tokens,
                                softcap=getattr(head, "softcap", None),
+                               bias=getattr(head, "bias", None),
                                temperature=self.temperature, return_entropy=with_entropy)
         logp, entropy = out if with_entropy else (out, None)
         logp_flat = logp.reshape(-1)
@@ -366,9 +366,6 @@ class GRPOWorker:
             loss_factory=lambda m: GRPOLoss(m, self.cfg.algorithm, self._temperature, constant,
                                             self.cfg.model.loss_chunk_tokens))
         self.rank, self.world = self.engine.rank, self.engine.world
-        if self.engine.args is None:
-            raise ConfigError(f"GRPO needs a model with a native definition (the rollout "
-                              f"engines and the weight sync use it); {hf_dir} has none")
         self.reference: GRPOLoss | None = None
         if self.cfg.algorithm.reference == "copy":
             self.reference = self._frozen_copy().eval()
@@ -406,7 +403,16 @@ class GRPOWorker:
     def describe(self) -> dict[str, Any]:
         return {"rank": self.rank, "world_size": self.world, "params": self.engine.num_params,
                 "trainable_params": self.engine.num_trainable,
-                "device": str(self.engine.device)}
+                "device": str(self.engine.device), "packs_documents": self.packs_documents}
+
+    @property
+    def packs_documents(self) -> bool:
+        """Whether a micro-batch row may hold several sequences: always for a native model; for
+        a transformers one (no native definition) where its attention separates them
+        (`posttrain.models.fallback.HFCausalLM.supports_packed_documents`)."""
+        model = self.engine.model
+        return self.engine.args is not None or bool(
+            model.supports_packed_documents or model.allow_cross_document_attention)
 
     def model_args(self):
         return self.engine.args

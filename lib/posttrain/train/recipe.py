@@ -357,8 +357,8 @@ class RecipeWorker:
         self.rank, self.world = self.engine.rank, self.engine.world
         if self.engine.args is None and not recipe_cls.transformers_fallback:
             raise ConfigError(f"the {recipe_cls.name} recipe needs a model with a native "
-                              f"definition; {hf_dir} trains through transformers (SFT and DPO "
-                              "do)")
+                              f"definition; {hf_dir} trains through transformers (SFT, DPO, "
+                              "GRPO, distillation and reward models do)")
         self.recipe.ready()
         self.loader = self.recipe.train_loader()
         self._batches = None

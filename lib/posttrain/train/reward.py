@@ -76,7 +76,7 @@ class RewardLoss(nn.Module):
 
     def __init__(self, model: Transformer):
         super().__init__()
-        model.head = nn.Linear(model.args.hidden_size, 1, device="meta")
+        model.head = nn.Linear(_hidden_size(model), 1, device="meta")
         self.model = model
 
     def forward(self, input_ids, labels, position_ids, document_lengths, sequence_ids,
@@ -95,12 +95,22 @@ class RewardLoss(nn.Module):
 
 
 
+def _hidden_size(model: nn.Module) -> int:
+    """The width of the hidden states the head reads (a native model's args, or a transformers
+    fallback's config)."""
+    args = getattr(model, "args", None)
+    return args.hidden_size if args is not None else model.hidden_size
+
+
 class Reward(Recipe):
-    """A reward model: the Bradley-Terry loss over pairs, a scalar head, its own export."""
+    """A reward model: the Bradley-Terry loss over pairs, a scalar head, its own export.
+
+    A model without a native definition (`posttrain.models.fallback.HFCausalLM`) takes the
+    scalar head the same way (``model.head = ...`` registers it beside transformers' unused LM
+    head, which stays as it was and is exported with the body)."""
 
     name = "reward"
     config_cls = RewardConfig
-    transformers_fallback = False          # the scalar head replaces the native LM head
     unit_field, unit_name = "num_pairs", "pairs"
 
     def loss_root(self, model: Transformer) -> nn.Module:
@@ -132,13 +142,15 @@ class Reward(Recipe):
 
 def export_reward_model(state: dict[str, torch.Tensor], engine: Any, out_dir: str, *,
                         tokenizer_dir: str) -> str:
-    from safetensors.torch import save_file
-
     from posttrain.models.hf_io import iter_hf_tensors
     from posttrain.train.engine import _fit_vocab
-    from posttrain.train.export import export_hf, write_weight_index
+    from posttrain.train.export import export_hf
     head = {k[len("head."):]: state.pop(k) for k in list(state) if k.startswith("head.")}
     args = engine.args
+    if args is None:                         # transformers: its LM head is still in the state
+        from posttrain.train.export import export_fallback
+        export_fallback(state, engine.hf_dir, out_dir, tokenizer_dir=tokenizer_dir)
+        return _write_head(Path(out_dir), head, engine.model.hidden_size)
     if not args.tie_word_embeddings:         # keep the starting LM head: a loadable CausalLM
         base = engine.model_cfg.hf_dir or engine.hf_dir
         from posttrain.models.hf_io import load_hf
@@ -146,11 +158,18 @@ def export_reward_model(state: dict[str, torch.Tensor], engine: Any, out_dir: st
         for name, t in iter_hf_tensors(base, base_args, names={"head.weight"}):
             state[name] = _fit_vocab(name, t, base_args, args)
     export_hf(state, args, out_dir, fmt="full", tokenizer_dir=tokenizer_dir)
-    out = Path(out_dir)
+    return _write_head(Path(out_dir), head, args.hidden_size)
+
+
+def _write_head(out: Path, head: dict[str, torch.Tensor], hidden_size: int) -> str:
+    """The reward head's files beside an exported body."""
+    from safetensors.torch import save_file
+
+    from posttrain.train.export import write_weight_index
     write_weight_index(out, exclude={HEAD_FILE})
     save_file({k: v.contiguous() for k, v in head.items()}, str(out / HEAD_FILE))
     (out / HEAD_JSON).write_text(json.dumps({
-        "kind": "scalar_reward_head", "hidden_size": args.hidden_size, "bias": "bias" in head,
+        "kind": "scalar_reward_head", "hidden_size": hidden_size, "bias": "bias" in head,
         "weights": HEAD_FILE, "pooling": "last_response_token",
         "input": "chat template of prompt + one assistant turn (the tokenizer in this dir)",
         "loss": "bradley_terry"}, indent=2))
@@ -163,11 +182,11 @@ def load_reward_model(model_dir: str, *, device: str = "cpu"
     from safetensors.torch import load_file
 
     from posttrain.data.tokenizer import ChatTokenizer
-    from posttrain.models.hf_io import load_hf
+    from posttrain.models.auto import load_model
     meta = json.loads((Path(model_dir) / HEAD_JSON).read_text())
     if meta.get("kind") != "scalar_reward_head":
         raise ValueError(f"{model_dir}/{HEAD_JSON} does not describe a scalar reward head")
-    model = load_hf(model_dir, device=device, dtype=torch.float32).eval()
+    model = load_model(model_dir, device=device, dtype=torch.float32).eval()
     head = nn.Linear(meta["hidden_size"], 1, bias=meta["bias"])
     head.load_state_dict(load_file(str(Path(model_dir) / meta["weights"])))
     model.head = head.to(device).eval()

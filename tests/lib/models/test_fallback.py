@@ -19,8 +19,13 @@ VOCAB = 250
 
 
 def _tiny_config(arch: str):
-    from transformers import GPT2Config, Phi3Config
+    from transformers import GPT2Config, Olmo3Config, Phi3Config
 
+    if arch == "olmo3":
+        return Olmo3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+                           eos_token_id=2, initializer_range=0.1)
     if arch == "gpt2":      # tied head, absolute positions, Conv1D layers
         return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
                           bos_token_id=0, eos_token_id=0, initializer_range=0.1)
@@ -152,3 +157,45 @@ def test_native_checkpoints_load_natively(make_hf_dir) -> None:
     assert isinstance(model, Transformer) and model.args.padded_vocab_size == 256
     with pytest.warns(UserWarning, match="attn_implementation"):
         load_model(hf_dir, attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("hf_dir", ["olmo3"], indirect=True)
+def test_verify_model_names_the_fallback_in_one_line(hf_dir, capsys) -> None:
+    """`posttrain verify-model` on an architecture without a native definition: one line on
+    stderr naming the fallback and what it covers, a non-zero exit, no traceback."""
+    from steps.cli import main
+    assert main(["verify-model", "--hf-dir", str(hf_dir)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.strip().splitlines()) == 1, out.err
+    for phrase in ("'olmo3' has no native definition", "transformers fallback", "GRPO",
+                   "distillation", "reward models", "LoRA"):
+        assert phrase in out.err, (phrase, out.err)
+
+
+@pytest.mark.parametrize("hf_dir", ["olmo3"], indirect=True)
+@pytest.mark.parametrize("fmt", ["merged", "peft"])
+def test_lora_export_of_a_trained_fallback_state(hf_dir, tmp_path, fmt) -> None:
+    """A recipe's export of a LoRA run on the fallback (the gathered state, ``hf.`` names):
+    merged weights or a PEFT adapter that transformers / PEFT load with the model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.models.lora import LoraConfig, apply_lora, lora_modules
+    from posttrain.train.engine import LoraSettings
+    from posttrain.train.export import export_fallback
+    model, _ = _load(hf_dir)
+    settings = LoraSettings(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
+    apply_lora(model, LoraConfig(rank=4, alpha=8.0, targets=settings.targets, init_seed=0))
+    with torch.no_grad():
+        for _, m in lora_modules(model):
+            m.lora_B.normal_(std=0.05, generator=torch.Generator().manual_seed(1))
+        ours = model.logits(model(_ids()))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    out = export_fallback(state, str(hf_dir), str(tmp_path / fmt), fmt=fmt, lora=settings)
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    if fmt == "merged":
+        exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    else:
+        from peft import PeftModel
+        exported = PeftModel.from_pretrained(base, out).eval()
+    with torch.no_grad():
+        assert (exported(input_ids=_ids()).logits - ours).abs().max() <= 1e-5

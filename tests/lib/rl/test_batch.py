@@ -136,3 +136,14 @@ def test_a_partial_mask_trains_only_the_sampled_tokens():
     assert b["global_tokens"] == 4
     with pytest.raises(ValueError, match="a loss mask of 1 for 2 completion tokens"):
         pack_micro_batches([Sample([1], [2, 3], [0.0, 0.0], 0.0, [1])], max_tokens=8)
+
+
+def test_one_sequence_per_micro_batch_when_documents_cannot_be_separated():
+    """`pack=False`, for a transformers model whose attention ignores document boundaries."""
+    samples = random_samples(6, seed=5)
+    batches = pack_micro_batches(samples, max_tokens=64, num_ranks=4, pack=False)
+    live = [b for b in batches if b["live"]]
+    assert len(live) == 6 and len(batches) == 8
+    assert all(len(b["document_lengths"][0]) == 1 for b in batches)
+    assert sorted(b["num_tokens"] for b in live) == sorted(len(s) for s in samples)
+    assert {b["global_tokens"] for b in batches} == {sum(len(s.completion_ids) for s in samples)}
