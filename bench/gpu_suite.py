@@ -7,8 +7,14 @@ Cases (random weights from `ModelArgs`, nothing downloaded; `--cases` picks some
 * ``sft_qwen3_moe``: Qwen3-30B-A3B's layer shape (hidden 2048, 32 query / 4 KV heads of 128,
   128 experts of width 768, top-8) with `--moe-layers` of its 48 layers (default 4); all
   experts are kept, so routing is as sparse as in the full model.
-* ``rollout_qwen3_0.6b``: `NativeEngine.generate` (KV cache, batched sampling) on the 0.6B shape
-  in bf16: generated tokens/s.
+* ``sft_qwen3_5_0.8b``: the Qwen3.5-0.8B shape (24 layers, three gated-DeltaNet layers to one
+  gated full-attention layer; hidden 1024, MLP 3584, 8 query / 2 KV heads of 256 with a quarter
+  of each turned by RoPE, vocabulary 248,320, as slime's qwen3.5-0.8B model args give it); its
+  DeltaNet layers take transformers' default heads (16 key and 16 value heads of 128: the
+  released checkpoint's exact linear-attention heads are not in this repository). Beside
+  Qwen3's case it shows what the chunked delta rule costs per token.
+* ``rollout_qwen3_0.6b``, ``rollout_qwen3_5_0.8b``: `NativeEngine.generate` (KV cache or the
+  DeltaNet's recurrent state, batched sampling) on those shapes in bf16: generated tokens/s.
 
 Each SFT case is one `posttrain.train.engine.Engine` as the recipes build it: the random model
 is written as an HF checkpoint (bf16) and loaded the sharded way (FSDP2 over the one GPU, bf16
@@ -58,12 +64,22 @@ SHAPES: dict[str, dict[str, Any]] = {
                   "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                   "norm_topk_prob": True, "router_aux_loss_coef": 0.001},
 }
+QWEN3_5_LAYERS = 24
+SHAPES["qwen3_5_0.8b"] = dict(
+    family="qwen3_5", vocab_size=248_320, num_layers=QWEN3_5_LAYERS, hidden_size=1024,
+    intermediate_size=3584, num_heads=8, num_kv_heads=2, head_dim=256,
+    tie_word_embeddings=True, qk_norm=True, norm_offset=True, rope_theta=10_000_000.0,
+    partial_rotary_factor=0.25, attn_output_gate=True, max_position_embeddings=262_144,
+    layer_types=("linear_attention",) * 3 + ("full_attention",),    # repeated per 4 layers
+    linear_attention=dict(num_k_heads=16, num_v_heads=16, head_k_dim=128, head_v_dim=128))
 TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=16)
 TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+TINY_LINEAR = dict(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8)
 
 # in this order: the cheap ones first, the largest checkpoint (the MoE's) last
-CASES = ("sft_qwen3_0.6b", "rollout_qwen3_0.6b", "sft_qwen3_1.7b", "sft_qwen3_moe")
+CASES = ("sft_qwen3_0.6b", "sft_qwen3_5_0.8b", "rollout_qwen3_0.6b", "rollout_qwen3_5_0.8b",
+         "sft_qwen3_1.7b", "sft_qwen3_moe")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -95,12 +111,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def model_args(shape: str, a: argparse.Namespace):
-    from posttrain.models.args import ModelArgs
+    from posttrain.models.args import DeltaNetArgs, ModelArgs
     fields = dict(SHAPES[shape])
     if shape == "qwen3_moe":
         fields["num_layers"] = a.moe_layers
     if a.tiny:
         fields.update(TINY, **(TINY_MOE if fields["family"] == "qwen3_moe" else {}))
+    if "linear_attention" in fields:
+        pattern = fields["layer_types"]
+        fields["layer_types"] = tuple(pattern[i % len(pattern)] if i < fields["num_layers"] - 1
+                                      else "full_attention" for i in range(fields["num_layers"]))
+        fields["linear_attention"] = DeltaNetArgs(**(TINY_LINEAR if a.tiny
+                                                     else fields["linear_attention"]))
     return ModelArgs(**fields)
 
 

@@ -46,20 +46,22 @@ def test_tiny_cpu_mode_prints_one_json_line_per_case(tmp_path) -> None:
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert printed == written
     by_case = {r["case"]: r for r in printed}
-    assert list(by_case) == ["sft_qwen3_0.6b", "rollout_qwen3_0.6b", "sft_qwen3_1.7b",
-                             "sft_qwen3_moe"]
+    assert list(by_case) == ["sft_qwen3_0.6b", "sft_qwen3_5_0.8b", "rollout_qwen3_0.6b",
+                             "rollout_qwen3_5_0.8b", "sft_qwen3_1.7b", "sft_qwen3_moe"]
     for record in printed:
         assert "error" not in record, record
         assert record["bench"] == "gpu_suite" and record["tiny"] and record["device"] == "cpu"
-    for name in ("sft_qwen3_0.6b", "sft_qwen3_1.7b", "sft_qwen3_moe"):
+    for name in ("sft_qwen3_0.6b", "sft_qwen3_5_0.8b", "sft_qwen3_1.7b", "sft_qwen3_moe"):
         record = by_case[name]
         assert SFT_FIELDS <= set(record), SFT_FIELDS - set(record)
         assert record["real_tokens_per_s"] > 0 and 0 < record["mfu"] < 1
         assert record["attention_backends"] and record["dtype"] == "fp32"
     assert "split" in {b for r in printed if r["kind"] == "sft" for b in r["attention_backends"]}
     assert by_case["sft_qwen3_moe"]["num_experts"] == 4
-    rollout = by_case["rollout_qwen3_0.6b"]
-    assert rollout["generated_tokens"] == 2 * 2 * 8 and rollout["generated_tokens_per_s"] > 0
+    assert by_case["sft_qwen3_5_0.8b"]["family"] == "qwen3_5"
+    for name in ("rollout_qwen3_0.6b", "rollout_qwen3_5_0.8b"):
+        rollout = by_case[name]
+        assert rollout["generated_tokens"] == 2 * 2 * 8 and rollout["generated_tokens_per_s"] > 0
 
 
 def test_a_failing_case_is_reported_and_the_rest_runs(tmp_path) -> None:
