@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -184,39 +186,52 @@ def test_qwen3_5_matches_transformers_over_several_chunks(family: str) -> None:
     assert args.rotary_dim == 4 and args.attn_output_gate and args.norm_offset
 
 
-def _tiny_multimodal_qwen3_5(out) -> torch.nn.Module:
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    text = tiny_hf_config("qwen3_5").to_dict()
-    config = Qwen3_5Config(text_config=text, vision_config=dict(
-        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))
+def _tiny_multimodal(family: str, out) -> str:
+    """A tiny random multimodal checkpoint whose text model is `family`'s tiny config, saved
+    as transformers saves it; returns the prefix of its vision tower's keys."""
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Qwen3_5Config,
+                              Qwen3_5ForConditionalGeneration)
+    text = tiny_hf_config(family).to_dict()
+    if family == "qwen3_5":
+        config, cls, vision = Qwen3_5Config(text_config=text, vision_config=dict(
+            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)), \
+            Qwen3_5ForConditionalGeneration, "model.visual."
+    else:
+        config, cls, vision = Gemma3Config(text_config=text, mm_tokens_per_image=4, vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            image_size=28, patch_size=14)), Gemma3ForConditionalGeneration, "vision_tower."
     torch.manual_seed(0)
-    model = Qwen3_5ForConditionalGeneration(config).eval()
-    model.save_pretrained(out)
-    return model
+    cls(config).eval().save_pretrained(out)
+    return vision
 
 
-def test_multimodal_qwen3_5_checkpoint_trains_its_text_model(tmp_path, read_checkpoint) -> None:
-    """A released-layout checkpoint (Qwen3_5ForConditionalGeneration): the native model is its
-    text model, verified against transformers; the export keeps the vision tower byte for byte
-    and loads as the same multimodal class with the native logits."""
-    from transformers import Qwen3_5ForConditionalGeneration
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])
+def test_multimodal_checkpoint_trains_its_text_model(family, tmp_path, read_checkpoint) -> None:
+    """A released-layout checkpoint (Qwen3_5ForConditionalGeneration; Gemma 3 4B-27B's
+    Gemma3ForConditionalGeneration, `language_model.model.*`): the native model is its text
+    model, verified against transformers; the export keeps the vision tower byte for byte and
+    loads as the same multimodal class with the native logits."""
+    from transformers import AutoModelForCausalLM
 
     from posttrain.models import save_hf
     src, out = tmp_path / "mm", tmp_path / "export"
-    _tiny_multimodal_qwen3_5(src)
+    vision = _tiny_multimodal(family, src)
     report = verify(src, seq_len=40, batch=2, packed=True, seed=1)
-    assert report["passed"] and report["family"] == "qwen3_5", report
+    assert report["passed"] and report["family"] == family, report
     native = load_hf(src)
     with torch.no_grad():                       # training moved a weight
         native.layers[0].attn.q.weight.add_(0.01)
     save_hf(native, out)
     before, after = read_checkpoint(src), read_checkpoint(out)
     assert set(before) == set(after)
-    visual = [n for n in before if n.startswith("model.visual.")]
-    assert visual and all(torch.equal(before[n], after[n]) for n in visual)
-    qkv = "model.language_model.layers.0.linear_attn.in_proj_qkv.weight"
-    assert not torch.equal(before[qkv], after[qkv])
-    reloaded = Qwen3_5ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    kept = [n for n in before if n.startswith(vision)]
+    assert kept and all(torch.equal(before[n], after[n]) for n in kept)
+    moved = [n for n in before if not torch.equal(before[n], after[n])]
+    assert len(moved) == 1 and moved[0].endswith(("in_proj_qkv.weight", "q_proj.weight"))
+    assert json.loads((out / "config.json").read_text())["architectures"] == \
+        json.loads((src / "config.json").read_text())["architectures"]
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(reloaded).__name__.endswith("ForConditionalGeneration") or family == "qwen3_5"
     ids = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (reloaded(input_ids=ids).logits - native.logits(native(ids))[..., :250]).abs()

@@ -14,8 +14,9 @@ from typing import Any
 
 from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
-from posttrain.models.families.base import (COMMON_LAYER_NAMES, FamilyBridge, common_fields,
-                                            parse_hf_config, sliding_fields, split_rope)
+from posttrain.models.families.base import (COMMON_LAYER_NAMES, FamilyBridge,
+                                            MultimodalLayout, common_fields, parse_hf_config,
+                                            sliding_fields, split_rope)
 
 GEMMA3_LAYER_NAMES = {
     **COMMON_LAYER_NAMES,
@@ -31,11 +32,14 @@ class Gemma3Bridge(FamilyBridge):
     model_types = ("gemma3_text",)
     architecture = "Gemma3ForCausalLM"
     layer_names = GEMMA3_LAYER_NAMES
+    # the released 4B/12B/27B checkpoints: the text model trains, the vision tower and the
+    # projector are kept for export (`families.base.MultimodalBridge`)
+    multimodal_types = {"gemma3": MultimodalLayout("Gemma3ForConditionalGeneration",
+                                                   text_prefix="language_model.model.",
+                                                   head="language_model.lm_head.weight",
+                                                   applies_final_softcap=False)}
 
     def args_from_hf(self, config: dict[str, Any], *, vocab_multiple: int = 64) -> ModelArgs:
-        if config.get("model_type") == "gemma3":
-            raise ConfigError("this is a multimodal Gemma 3 checkpoint (model_type 'gemma3'); "
-                              "only the text-only Gemma3ForCausalLM ('gemma3_text') is supported")
         cfg = parse_hf_config(config)
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ConfigError("gemma3 config.json: use_bidirectional_attention is not supported")
