@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 import torch
 
-Family = Literal["qwen3", "qwen3_moe", "llama", "gemma3", "gpt_oss", "qwen3_5", "qwen3_5_moe"]
+Family = Literal["qwen3", "qwen3_moe", "llama", "gemma3", "gpt_oss", "qwen3_5", "qwen3_5_moe",
+                 "deepseek_v3"]
 
 # layer kinds (`ModelArgs.layer_types`); the token mixer of a layer follows from its kind
 FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION = ("full_attention", "sliding_attention",
@@ -60,6 +61,29 @@ class DeltaNetArgs:
 
 
 @dataclass(frozen=True)
+class MLAArgs:
+    """Multi-head latent attention (DeepSeek-V2/V3, `models/mla.py`).
+
+    Keys and values are made from a compressed latent of `kv_lora_rank` per token; queries from
+    one of `q_lora_rank` (None: straight from the hidden state). A query / key head is
+    `qk_nope_head_dim` dims without position plus `qk_rope_head_dim` rotated ones (the key's
+    rotated part is one per token, shared by every head); a value head is `v_head_dim`.
+    `rope_interleave`: the rotated dims come in (even, odd) pairs rather than two halves.
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     family: Family
     vocab_size: int                      # real vocabulary (tokenizer size); rows past it are padding
@@ -93,6 +117,9 @@ class ModelArgs:
     partial_rotary_factor: float = 1.0    # RoPE turns the first head_dim * factor dims only
     attn_output_gate: bool = False        # q projects to [q, gate] per head; out *= sigmoid(gate)
     linear_attention: DeltaNetArgs | None = None   # the "linear_attention" layers
+    # DeepSeek-V3: every attention layer is multi-head latent attention; `head_dim` is then
+    # its rotated part (qk_rope_head_dim), as in transformers' config
+    latent_attention: MLAArgs | None = None
     # mixture of experts (Qwen3-MoE)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -107,9 +134,15 @@ class ModelArgs:
     attention_sinks: bool = False        # a learned logit per head joins every softmax
     router_bias: bool = False
     expert_bias: bool = False            # biases on the stacked expert projections
-    moe_routing: str = "softmax_topk"    # "softmax_topk" (Qwen3-MoE) | "topk_softmax" (GPT-OSS)
+    # "softmax_topk" (Qwen3-MoE) | "topk_softmax" (GPT-OSS) | "sigmoid_group_topk" (DeepSeek-V3)
+    moe_routing: str = "softmax_topk"
     swiglu_limit: float | None = None    # experts use the clamped SwiGLU (models/moe.py) when set
     swiglu_alpha: float = 1.702
+    # DeepSeek-V3 routing ("sigmoid_group_topk"): experts in `moe_num_groups` groups, a token
+    # chooses among `moe_topk_groups` of them; routed outputs scaled by routed_scaling_factor
+    moe_num_groups: int = 1
+    moe_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
     # anything a bridge needs to write config.json back unchanged
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # the checkpoint directory the weights came from: tensors outside the text model of a

@@ -8,7 +8,7 @@ are dequantized to bf16 as they are read (`models/mxfp4.py`). The family bridge 
 layouts (`families/base.py`: one to one, stacked slices, fused tensors).
 
 `save_hf` writes the reverse: the original config.json (real vocab size), tensors under their
-HF names, shapes (padding stripped) and dtype, sharded with an index past `max_shard_bytes`,
+HF names, shapes (padding stripped) and dtype (the model's `fp32_names` in fp32), sharded with an index past `max_shard_bytes`,
 and the tokenizer files, so that `transformers.AutoModelForCausalLM.from_pretrained(out_dir)`
 loads it unchanged.
 """
@@ -136,7 +136,13 @@ def iter_hf_tensors(hf_dir: str | Path, args: ModelArgs, *,
                              f"slices of '{native}')")
 
 
-def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
+def _state_names(model: nn.Module) -> list[str]:
+    """What a checkpoint fills: the parameters and the persistent buffers (DeepSeek-V3's
+    score-correction bias)."""
+    return list(model.state_dict(keep_vars=True))
+
+
+def _set_state(model: nn.Module, name: str, value: torch.Tensor) -> None:
     module_path, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_path)
     old = getattr(module, leaf)
@@ -144,7 +150,10 @@ def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
         raise PosttrainError(f"checkpoint tensor for '{name}' has shape {tuple(value.shape)}, "
                              f"the model expects {tuple(old.shape)}; config.json and weights "
                              "disagree")
-    setattr(module, leaf, nn.Parameter(value, requires_grad=old.requires_grad))
+    if isinstance(old, nn.Parameter):
+        setattr(module, leaf, nn.Parameter(value, requires_grad=old.requires_grad))
+    else:
+        module.register_buffer(leaf, value)
 
 
 def load_hf(hf_dir: str | Path, *, device: torch.device | str = "cpu",
@@ -153,10 +162,11 @@ def load_hf(hf_dir: str | Path, *, device: torch.device | str = "cpu",
             mlp_factory: MLPFactory = default_mlp_factory) -> Transformer:
     """Native model with the weights of an HF checkpoint directory.
 
-    The model is built on the meta device and parameters are filled tensor by tensor on
-    `device` in `dtype` (default: the checkpoint's). With `on_meta=True`, only parameters for
-    which `param_filter(native_name)` is true are read; the others stay on the meta device for
-    the caller to shard and fill (`iter_hf_tensors`). Tied head and embedding count as
+    The model is built on the meta device and parameters (and persistent buffers) are filled
+    tensor by tensor on `device` in `dtype` (default: the checkpoint's; the model's
+    `fp32_names` in fp32). With `on_meta=True`, only tensors for which
+    `param_filter(native_name)` is true are read; the others stay on the meta device for the
+    caller to shard and fill (`iter_hf_tensors`). Tied head and embedding count as
     `embed.weight`.
     """
     if param_filter is not None and not on_meta:
@@ -168,10 +178,11 @@ def load_hf(hf_dir: str | Path, *, device: torch.device | str = "cpu",
     dtype = dtype or config_dtype(config) or torch.float32
     with torch.device("meta"):
         model = Transformer(args, mlp_factory)
-    wanted = {name for name, _ in model.named_parameters()
-              if param_filter is None or param_filter(name)}
+    wanted = {name for name in _state_names(model) if param_filter is None or param_filter(name)}
+    fp32 = model.fp32_names()
     for name, tensor in iter_hf_tensors(hf_dir, args, names=wanted):
-        _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
+        _set_state(model, name, tensor.to(device=device,
+                                          dtype=torch.float32 if name in fp32 else dtype))
         wanted.discard(name)
     if wanted:
         raise PosttrainError(f"{hf_dir}: checkpoint lacks tensors for {sorted(wanted)[:8]} "
@@ -198,6 +209,7 @@ def _hf_tensors(model: Transformer, bridge: FamilyBridge,
         raise PosttrainError("save_hf writes causal-LM checkpoints; this model has a custom "
                              f"head ({type(model.head).__name__}); save it separately")
     state = model.state_dict(keep_vars=True)
+    fp32 = model.fp32_names()
     for name, value in state.items():
         if args.tie_word_embeddings and name == "head.weight":
             continue   # HF ties lm_head to embed_tokens on load
@@ -212,16 +224,17 @@ def _hf_tensors(model: Transformer, bridge: FamilyBridge,
             continue                # written with the first of them
         rows = args.vocab_size if name in VOCAB_PARAMS else None
         shape = (rows, *value.shape[1:]) if rows is not None else tuple(value.shape)
-        nbytes = dtype.itemsize * sum(int(torch.Size(shape).numel()) if n == name
-                                      else state[n].numel() for n in natives)
+        out_dtype = torch.float32 if name in fp32 else dtype
+        nbytes = out_dtype.itemsize * sum(int(torch.Size(shape).numel()) if n == name
+                                          else state[n].numel() for n in natives)
 
         def thunk(hf_name: str = hf_name, natives: list[str] = natives,
-                  rows: int | None = rows) -> torch.Tensor:
+                  rows: int | None = rows, out_dtype: torch.dtype = out_dtype) -> torch.Tensor:
             parts = {}
             for native in natives:
                 t = _full_tensor(state[native])
                 t = t[:rows] if rows is not None else t
-                parts[native] = t.to(device="cpu", dtype=dtype)
+                parts[native] = t.to(device="cpu", dtype=out_dtype)
             return bridge.to_hf_tensor(hf_name, parts).contiguous().clone()
 
         yield hf_name, thunk, nbytes
@@ -277,13 +290,15 @@ def _slice_tensors(value: torch.Tensor, hf_names: list[str], dtype: torch.dtype,
 
 
 def hf_named_tensors(args: ModelArgs, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                     dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                     dtype: torch.dtype | None = None,
+                     fp32_names: frozenset[str] = frozenset(),
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs for full tensors named as in the native model, laid out as
     `save_hf` writes them: vocabulary padding rows cut, stacked parameters (MoE experts) split
     into one tensor per slice, a tied model's `head.weight` dropped (HF ties it on load).
 
     For handing weights to an engine that loads HF checkpoints (vLLM) without writing them to
-    disk. Tensors stay on their device; `dtype` casts them when given.
+    disk. Tensors stay on their device; `dtype` casts them when given (`fp32_names` to fp32).
     """
     bridge = bridge_for_args(args)
     fusing: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)   # fused HF tensors' parts
@@ -294,7 +309,7 @@ def hf_named_tensors(args: ModelArgs, named_tensors: Iterable[tuple[str, torch.T
         if name in VOCAB_PARAMS:
             t = t[:args.vocab_size]
         if dtype is not None:
-            t = t.to(dtype)
+            t = t.to(torch.float32 if name in fp32_names else dtype)
         hf_names = bridge.hf_names(name, args)
         if len(hf_names) > 1:
             assert t.shape[0] == len(hf_names), (name, tuple(t.shape), len(hf_names))

@@ -12,6 +12,7 @@ of `families/qwen3_moe.py` and `families/gpt_oss.py`):
                                          with `shared_expert_intermediate_size`
     layers[i].mlp.shared_gate   nn.Linear [1, hidden]: the shared expert's output is scaled by
                                 sigmoid(shared_gate(x)) (`shared_expert_gate`)
+    layers[i].mlp.e_score_correction_bias   buffer [num_experts] fp32 (DeepSeek-V3's routing)
 
 Routing per token x, by `moe_routing`:
 
@@ -19,6 +20,12 @@ Routing per token x, by `moe_routing`:
     "softmax_topk" (Qwen3-MoE): p = softmax(logits) in fp32;  w, e = top_k(p);
         w = w / sum(w) if norm_topk_prob;  w cast back to the model dtype
     "topk_softmax" (GPT-OSS): l, e = top_k(logits);  w = softmax(l) in the model dtype
+    "sigmoid_group_topk" (DeepSeek-V3, arXiv:2412.19437 §2.1.2): logits in fp32 (the router
+        weight and bias held in fp32, as transformers does); s = sigmoid(logits);
+        c = s + e_score_correction_bias (for choosing only); the experts form `moe_num_groups`
+        equal groups, each scored by the sum of its two largest c; e = top_k of c over the
+        `moe_topk_groups` best groups; w = s[e], / sum(w) if norm_topk_prob, times
+        `routed_scaling_factor` (w stays fp32, as transformers multiplies)
     y = sum_j w_j * down_{e_j}(glu(gate_{e_j}(x), up_{e_j}(x)))
 
 The gated unit `glu(g, u)` is act(g) * u (`hidden_act`), or with `swiglu_limit` GPT-OSS's
@@ -57,7 +64,7 @@ __all__ = ["Experts", "MoEBlock", "build_moe", "clamped_swiglu", "grouped_mm_ava
            "grouped_mm_flops", "load_balancing_loss", "moe_aux_loss", "router_logits",
            "router_z_loss"]
 
-ROUTINGS = ("softmax_topk", "topk_softmax")
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk")
 
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
@@ -215,8 +222,23 @@ class Experts(nn.Module):
                 f"bias={self.gate_bias is not None}")
 
 
+def _check_groups(args: ModelArgs) -> None:
+    """The group-limited routing's shape: equal groups of >= 2 experts (a group scores by its
+    top two), enough experts in the chosen groups for top_k."""
+    groups, chosen = args.moe_num_groups, args.moe_topk_groups
+    if groups < 1 or args.num_experts % groups or args.num_experts // groups < 2:
+        raise ConfigError(f"n_group={groups} must split n_routed_experts={args.num_experts} "
+                          "into equal groups of at least 2 experts")
+    if not 0 < chosen <= groups or args.num_experts_per_tok > chosen * (args.num_experts
+                                                                       // groups):
+        raise ConfigError(f"topk_group={chosen} must be in [1, n_group={groups}] and its "
+                          f"groups must hold num_experts_per_tok={args.num_experts_per_tok} "
+                          "experts")
+
+
 class MoEBlock(nn.Module):
-    """Top-k router + experts; keeps the last router logits for the auxiliary loss."""
+    """Top-k router + experts; keeps the last router logits (for the auxiliary loss) and the
+    experts it chose (for the expert loads)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -235,14 +257,34 @@ class MoEBlock(nn.Module):
                                args.hidden_act, bias=args.expert_bias,
                                swiglu_limit=args.swiglu_limit, swiglu_alpha=args.swiglu_alpha)
         self.router_logits_NE: torch.Tensor | None = None
+        self.expert_NK: torch.Tensor | None = None
+        # tensors held in fp32 whatever the model's dtype (`Transformer.fp32_names`)
+        self.keep_fp32: tuple[str, ...] = ()
+        if self.routing == "sigmoid_group_topk":
+            _check_groups(args)
+            self.num_groups, self.topk_groups = args.moe_num_groups, args.moe_topk_groups
+            self.routed_scaling_factor = args.routed_scaling_factor
+            # added to the scores for choosing only; moved by `update_score_bias`, not by
+            # gradients: a buffer (replicated, checkpointed, exported, synced)
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(args.num_experts, dtype=torch.float32))
+            self.keep_fp32 = ("router.weight", "e_score_correction_bias")
         self.shared = self.shared_gate = None
         if args.shared_expert_intermediate_size > 0:
             self.shared = FeedForward(args, intermediate_size=args.shared_expert_intermediate_size)
             if args.shared_expert_gate:
                 self.shared_gate = nn.Linear(args.hidden_size, 1, bias=False)
 
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """The score-correction bias starts at zero (the router and experts init themselves)."""
+        if self.routing == "sigmoid_group_topk":
+            self.e_score_correction_bias.zero_()
+
     def route(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (router logits [N, E], chosen experts [N, k], their weights [N, k])."""
+        if self.routing == "sigmoid_group_topk":
+            return self._route_sigmoid(x_NH)
         logits = self.router(x_NH)
         if self.routing == "topk_softmax":
             top, expert = torch.topk(logits, self.top_k, dim=-1)
@@ -253,10 +295,30 @@ class MoEBlock(nn.Module):
             weight = weight / weight.sum(dim=-1, keepdim=True)
         return logits, expert, weight.to(logits.dtype)
 
+    def _route_sigmoid(self, x_NH: torch.Tensor,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3 (module docstring): sigmoid scores in fp32, the bias added for choosing
+        only, group-limited top-k, weights from the unbiased scores."""
+        logits = self.router(x_NH.to(self.router.weight.dtype)).float()
+        scores = torch.sigmoid(logits)
+        choice = scores + self.e_score_correction_bias
+        N, E = choice.shape
+        group_NG = choice.view(N, self.num_groups, -1).topk(2, dim=-1).values.sum(-1)
+        kept_NG = torch.zeros_like(group_NG).scatter_(
+            1, group_NG.topk(self.topk_groups, dim=-1, sorted=False).indices, 1.0)
+        kept_NE = kept_NG.bool().repeat_interleave(E // self.num_groups, dim=1)
+        expert = choice.masked_fill(~kept_NE, float("-inf")).topk(
+            self.top_k, dim=-1, sorted=False).indices
+        weight = scores.gather(1, expert)
+        if self.norm_topk_prob:
+            weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, expert, weight * self.routed_scaling_factor
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_NH = x.reshape(-1, x.shape[-1])
         logits, expert, weight = self.route(x_NH)
         self.router_logits_NE = logits
+        self.expert_NK = expert.detach()
         y = self.experts(x_NH, expert, weight)
         if self.shared is not None:
             shared = self.shared(x_NH)

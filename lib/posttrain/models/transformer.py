@@ -1,5 +1,5 @@
 """The native decoder-only transformer shared by Qwen3, Llama 3.x, Gemma 3 (text), Qwen3-MoE,
-GPT-OSS and Qwen3.5 (dense and MoE).
+GPT-OSS, Qwen3.5 (dense and MoE) and DeepSeek-V3.
 
 Module tree (names are the contract for LoRA, sharding and the HF name maps):
 
@@ -7,13 +7,17 @@ Module tree (names are the contract for LoRA, sharding and the HF name maps):
     layers[i].attn_norm         RMSNorm
     layers[i].attn              the layer's token mixer, by its kind (`args.layer_types`):
                                 attention (`layers.Attention`) on full and sliding layers,
-                                gated DeltaNet (`deltanet.GatedDeltaNet`) on linear ones
+                                gated DeltaNet (`deltanet.GatedDeltaNet`) on linear ones,
+                                multi-head latent attention (`mla.MultiHeadLatentAttention`)
+                                with `args.latent_attention` (DeepSeek-V3)
     layers[i].attn.{q,k,v,o}    nn.Linear   (+ q_norm, k_norm with qk-norm families)
+    layers[i].attn.{q_a,q_a_norm,q_b,kv_a,kv_a_norm,kv_b,o}   MLA's projections and latent norms
     layers[i].attn.sinks        Parameter [heads]   (GPT-OSS attention sinks only)
     layers[i].attn.{z,a,b}      nn.Linear   (DeltaNet: output gate, decay and write strength)
     layers[i].post_attn_norm    RMSNorm     (Gemma sandwich norms only)
     layers[i].mlp_norm          RMSNorm
-    layers[i].mlp               dense: {gate,up,down}; MoE: router + experts (models/moe.py)
+    layers[i].mlp               dense: {gate,up,down}; MoE: router + experts (models/moe.py),
+                                shared expert `shared`, DeepSeek's `e_score_correction_bias`
     layers[i].post_mlp_norm     RMSNorm     (Gemma sandwich norms only)
     norm                        RMSNorm
     head                        LMHead [padded_vocab, hidden] (tied to embed when configured),
@@ -50,6 +54,9 @@ def build_mixer(args: ModelArgs, layer_id: int) -> nn.Module:
     if args.is_linear_layer(layer_id):
         from posttrain.models.deltanet import GatedDeltaNet
         return GatedDeltaNet(args, layer_id)
+    if args.latent_attention is not None:
+        from posttrain.models.mla import MultiHeadLatentAttention
+        return MultiHeadLatentAttention(args, layer_id)
     return Attention(args, layer_id)
 
 
@@ -244,6 +251,30 @@ class Transformer(nn.Module):
 
         return moe.moe_aux_loss(self, token_mask)
 
+    def fp32_names(self) -> frozenset[str]:
+        """Parameters and buffers held in fp32 whatever the model's dtype: those a module lists
+        in `keep_fp32` (DeepSeek-V3's router weight and score-correction bias, which
+        transformers keeps in fp32 too: `_keep_in_fp32_modules_strict`). Loading, saving,
+        `build_model` and the weight sync keep them so."""
+        return frozenset(f"{prefix}.{name}" for prefix, module in self.named_modules()
+                         for name in getattr(module, "keep_fp32", ()))
+
+    def to_dtype(self, dtype: torch.dtype) -> "Transformer":
+        """`self.to(dtype)`, except for `fp32_names`; returns self."""
+        self.to(dtype)
+        for name in self.fp32_names():
+            module_path, _, leaf = name.rpartition(".")
+            module = self.get_submodule(module_path)
+            t = getattr(module, leaf)
+            if t.dtype == torch.float32:
+                continue
+            if isinstance(t, nn.Parameter):
+                module.register_parameter(leaf, nn.Parameter(t.float(),
+                                                             requires_grad=t.requires_grad))
+            else:
+                module.register_buffer(leaf, t.float())
+        return self
+
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
         """Random init: normal(0, std) matrices, zero biases, unit norms, zero padding rows."""
@@ -274,5 +305,5 @@ def build_model(args: ModelArgs, *, device: torch.device | str | None = None,
             torch.manual_seed(seed)
         model.init_weights()
     if dtype is not None:
-        model.to(dtype)
+        model.to_dtype(dtype)
     return model

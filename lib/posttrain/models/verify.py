@@ -81,6 +81,17 @@ _TINY: dict[str, dict[str, Any]] = {
                         moe_intermediate_size=32, shared_expert_intermediate_size=48,
                         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
                                          "partial_rotary_factor": 0.25}),
+    # multi-head latent attention with a query latent, value heads (12) narrower than query /
+    # key heads (16 + 8), interleaved RoPE; one dense layer then three MoE layers of 8 experts
+    # in 4 groups (top-2 of the best 2 groups, sigmoid scores, score-correction bias), two
+    # shared experts, routed weights renormalised and scaled
+    "deepseek_v3": dict(num_hidden_layers=4, tie_word_embeddings=False, num_key_value_heads=4,
+                        kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True,
+                        first_k_dense_replace=1, n_routed_experts=8, n_group=4, topk_group=2,
+                        num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
+                        norm_topk_prob=True, routed_scaling_factor=2.5,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}),
 }
 _NOT_CONFIG_KWARGS = ("model_type", "architectures", "transformers_version")
 _NO_DENSE_MLP = ("qwen3_5_moe",)      # configs without intermediate_size
@@ -88,17 +99,21 @@ _NO_DENSE_MLP = ("qwen3_5_moe",)      # configs without intermediate_size
 
 def tiny_hf_config(family: str, **overrides: Any) -> Any:
     """A tiny transformers config (hidden 64, 2-4 layers, vocab 250) of `family`."""
-    from transformers import (Gemma3TextConfig, GptOssConfig, LlamaConfig, Qwen3_5MoeTextConfig,
-                              Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (DeepseekV3Config, Gemma3TextConfig, GptOssConfig, LlamaConfig,
+                              Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
     classes = {"qwen3": Qwen3Config, "llama": LlamaConfig, "gemma3": Gemma3TextConfig,
                "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig,
-               "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig}
+               "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig,
+               "deepseek_v3": DeepseekV3Config}
     if family not in classes:
         raise ConfigError(f"no tiny config for family '{family}'; known: {sorted(classes)}")
     kwargs = {**_TINY_COMMON, **_TINY[family]}
     if family in _NO_DENSE_MLP:
         kwargs.pop("intermediate_size")
+    if family == "deepseek_v3":       # its head_dim is qk_rope_head_dim, derived
+        kwargs.pop("head_dim")
     kwargs.update({k: v for k, v in overrides.items() if k not in _NOT_CONFIG_KWARGS})
     return classes[family](**kwargs)
 
@@ -109,7 +124,8 @@ def random_hf_model(config: Any, *, seed: int = 0,
 
     Norm weights are perturbed too: transformers initialises them to exactly 1 (0 with Gemma's
     1 + w), which would hide a wrong norm convention; so are biases and attention sinks (0 or
-    tiny), which would hide a wrong bias layout.
+    tiny), which would hide a wrong bias layout, and bias buffers (DeepSeek-V3's router
+    score-correction bias, zero), which would hide how the router reads them.
     """
     from transformers import AutoModelForCausalLM
 
@@ -123,6 +139,9 @@ def random_hf_model(config: Any, *, seed: int = 0,
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith(("bias", "sinks")):
                 p.add_(0.5 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("bias") and b.is_floating_point():
+                b.add_(0.5 * torch.randn(b.shape, generator=gen))
     return model.eval()
 
 

@@ -17,7 +17,9 @@ scores; FlexAttention rescales its output by Z / (Z + exp(sink)) = sigmoid(lse -
 The window convention is Hugging Face's (`masking_utils.sliding_window_overlay`:
 `kv_idx > q_idx - sliding_window`), so a window of w sees the current token and the w - 1 before it.
 Grouped-query attention (H query heads over Hkv key/value heads, H % Hkv == 0) is handled here:
-query head h reads key/value head h // (H // Hkv), as `repeat_kv` in transformers does.
+query head h reads key/value head h // (H // Hkv), as `repeat_kv` in transformers does. Values
+may have another head dim than queries and keys (multi-head latent attention); SDPA on the CPU
+then runs its math kernel (the flash kernel needs equal dims).
 
 Backends (`backend="auto"` picks; the others can be forced, e.g. by benches and tests):
 
@@ -139,7 +141,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     Args:
         q: [B, H, T, D] queries.
-        k, v: [B, Hkv, T, D] keys and values, H % Hkv == 0.
+        k, v: [B, Hkv, T, D] keys and [B, Hkv, T, Dv] values, H % Hkv == 0 (Dv may differ
+            from D: multi-head latent attention).
         mask: the batch's mask from `build_mask` (a model builds it once per forward and
             hands it to every layer); when given, `document_lengths`, `sliding_window`,
             `backend` and `compile_flex` must be left at their defaults.
@@ -153,7 +156,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         compile_flex: run FlexAttention compiled (the only fast way); False for eager checks.
 
     Returns:
-        [B, H, T, D], the dtype of q.
+        [B, H, T, Dv], the dtype of q.
     """
     batch, heads, seq_len, head_dim = _check_shapes(q, k, v)
     if mask is None:
@@ -247,9 +250,9 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
-    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
-        raise ValueError(f"attention expects q [B, H, T, D] and k, v [B, Hkv, T, D]; got "
-                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"attention expects q [B, H, T, D], k [B, Hkv, T, D] and v [B, Hkv, T, "
+                         f"Dv]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     batch, heads, seq_len, head_dim = q.shape
     if (k.shape[0], k.shape[2], k.shape[3]) != (batch, seq_len, head_dim):
         raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in B, T or D")
@@ -426,8 +429,8 @@ def _compiled_flex() -> Callable:
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                      *, scale: float, softcap: float | None = None,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Queries q [B, H, T, D] over keys/values [B, Hkv, S, D] (S may differ from T: a KV
-    cache) under an explicit boolean mask `allowed` broadcasting to [B, H, T, S]; softcap and
+    """Queries q [B, H, T, D] over keys [B, Hkv, S, D] and values [B, Hkv, S, Dv] (S may
+    differ from T: a KV cache) under an explicit boolean mask `allowed` broadcasting to [B, H, T, S]; softcap and
     sinks as in `attention`."""
     if sinks is not None and hasattr(sinks, "to_local"):
         sinks = sinks.to_local()

@@ -236,3 +236,53 @@ def test_multimodal_checkpoint_trains_its_text_model(family, tmp_path, read_chec
     with torch.no_grad():
         diff = (reloaded(input_ids=ids).logits - native.logits(native(ids))[..., :250]).abs()
     assert diff.max() < 1e-4
+
+
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 8.0,
+                 "original_max_position_embeddings": 64, "mscale": 0.707,
+                 "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+@pytest.mark.parametrize("variant", [
+    {},    # the tiny config: query latent, interleaved RoPE, grouped routing, shared experts
+    # a plain query projection, half-split RoPE, biased latent / output projections, routed
+    # weights not renormalised
+    {"q_lora_rank": None, "rope_interleave": False, "attention_bias": True,
+     "norm_topk_prob": False},
+    # YaRN with DeepSeek's mscale: cos / sin scaled by mscale(f, 0.707) / mscale(f, 1) and the
+    # softmax scale by mscale(f, 1)^2
+    {"rope_parameters": DEEPSEEK_YARN},
+], ids=["q_latent", "q_proj", "yarn"])
+def test_deepseek_v3_matches_transformers(variant) -> None:
+    report = verify(("deepseek_v3", variant), seq_len=40, batch=2, packed=True, seed=1)
+    assert report["passed"], report
+    assert any(len(row) > 1 for row in report["packed"]["document_lengths"])
+
+
+def test_deepseek_v3_module_tree() -> None:
+    from posttrain.models.mla import MultiHeadLatentAttention
+    from posttrain.models.moe import MoEBlock
+    model = _native("deepseek_v3")
+    names = set(model.state_dict())
+    attn = {"attn.q_a.weight", "attn.q_a_norm.weight", "attn.q_b.weight", "attn.kv_a.weight",
+            "attn.kv_a_norm.weight", "attn.kv_b.weight", "attn.o.weight", "attn_norm.weight",
+            "mlp_norm.weight"}
+    dense = {"mlp.gate.weight", "mlp.up.weight", "mlp.down.weight"}
+    moe = {"mlp.router.weight", "mlp.e_score_correction_bias", "mlp.experts.gate",
+           "mlp.experts.up", "mlp.experts.down", "mlp.shared.gate.weight",
+           "mlp.shared.up.weight", "mlp.shared.down.weight"}
+    for i, mlp in enumerate([dense, moe, moe, moe]):
+        assert {n.removeprefix(f"layers.{i}.") for n in names
+                if n.startswith(f"layers.{i}.")} == attn | mlp, i
+    attn0, mlp1 = model.layers[0].attn, model.layers[1].mlp
+    assert isinstance(attn0, MultiHeadLatentAttention) and isinstance(mlp1, MoEBlock)
+    assert attn0.tp_colwise == ("q_b", "kv_b") and attn0.v_head_dim == 12
+    assert mlp1.shared.gate.out_features == 64 and mlp1.shared_gate is None
+    assert model.fp32_names() == {f"layers.{i}.mlp.{n}" for i in (1, 2, 3)
+                                  for n in ("router.weight", "e_score_correction_bias")}
+    plain_q = _native("deepseek_v3", q_lora_rank=None).layers[0].attn
+    assert plain_q.q_a is None and plain_q.tp_colwise == ("q", "kv_b")
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        ModelArgs.from_hf_config(tiny_hf_config("deepseek_v3", num_key_value_heads=2).to_dict())
+    with pytest.raises(ConfigError, match="n_group"):
+        _native("deepseek_v3", n_group=3)

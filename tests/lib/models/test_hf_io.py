@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from posttrain.errors import ConfigError
 from posttrain.models import load_hf, resize_vocab, save_hf
 
-FAMILIES = ("qwen3", "llama", "gemma3", "qwen3_5", "qwen3_5_moe")
+FAMILIES = ("qwen3", "llama", "gemma3", "qwen3_5", "qwen3_5_moe", "deepseek_v3")
 
 
 def _ids(seq_len: int = 20, vocab: int = 250, seed: int = 0) -> torch.Tensor:
@@ -66,6 +66,38 @@ def test_bf16_checkpoint_keeps_its_dtype(make_hf_dir, read_checkpoint, tmp_path)
                for n, t in original.items())
     fp32 = save_hf(load_hf(hf_dir, dtype=torch.float32), tmp_path / "fp32", dtype=torch.float32)
     assert json.loads((fp32 / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_deepseek_v3_bf16_keeps_the_router_in_fp32(make_hf_dir, read_checkpoint,
+                                                   tmp_path) -> None:
+    """transformers keeps DeepSeek-V3's router weight and score-correction bias in fp32 in a
+    bf16 model (`_keep_in_fp32_modules_strict`); so does the native model (loaded, exported
+    byte for byte, built in bf16), and tracks the bf16 transformers model."""
+    from transformers import DeepseekV3ForCausalLM
+
+    hf_dir, _ = make_hf_dir("deepseek_v3")
+    ref = DeepseekV3ForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).eval()
+    ref.save_pretrained(hf_dir)
+    original = read_checkpoint(hf_dir)
+    fp32 = {n for n, t in original.items() if t.dtype == torch.float32}
+    assert fp32 and all(n.endswith(("mlp.gate.weight", "e_score_correction_bias")) for n in fp32)
+    native = load_hf(hf_dir)
+    assert native.embed.weight.dtype == torch.bfloat16
+    assert native.layers[1].mlp.router.weight.dtype == torch.float32
+    assert native.layers[1].mlp.e_score_correction_bias.dtype == torch.float32
+    assert native.layers[1].mlp.e_score_correction_bias.abs().sum() > 0
+    ids = _ids()
+    with torch.no_grad():
+        diff = (native.logits(native(ids))[..., :250].float() - ref(ids).logits.float())
+    assert diff.abs().max() < 0.1
+    exported = read_checkpoint(save_hf(native, tmp_path / "export"))
+    assert exported.keys() == original.keys()
+    for name, t in original.items():
+        assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), name
+    from posttrain.models import build_model
+    built = build_model(native.args, dtype=torch.bfloat16)
+    assert built.layers[1].mlp.router.weight.dtype == torch.float32
+    assert built.layers[0].attn.kv_a.weight.dtype == torch.bfloat16
 
 
 def test_sharded_round_trip(make_hf_dir, read_checkpoint, tmp_path) -> None:

@@ -88,6 +88,21 @@ def test_packed_row_matches_per_document_attention(backend, heads, kv_heads):
     check_against_hf(q, k, v, [SPLITS[0]], backend=backend)
 
 
+@pytest.mark.parametrize("backend", [*CPU_BACKENDS, "causal"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 20.0)])
+def test_value_head_dim_differs_from_query_key(backend, window, softcap):
+    """Multi-head latent attention: values of 12 dims under queries / keys of 24, with GQA."""
+    if backend == "causal" and (window or softcap):
+        pytest.skip("the causal backend takes neither")
+    q, k, _ = make_qkv(2, 4, 2, 40, head_dim=24, seed=5)
+    v = torch.randn(2, 2, 40, 12, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    lengths = None if backend == "causal" else [SPLITS[0], [40]]
+    check_against_hf(q, k, v, lengths, window=window, softcap=softcap, backend=backend,
+                     scale=0.3)
+    with pytest.raises(ValueError, match="Dv"):
+        attention(q, k, v[:, :, :39])
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_rows_with_different_splits(backend):
     q, k, v = make_qkv(3, 4, 2, 40, seed=1)

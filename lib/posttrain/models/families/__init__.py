@@ -7,6 +7,7 @@ from typing import Any
 from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
 from posttrain.models.families.base import FamilyBridge, MultimodalBridge
+from posttrain.models.families.deepseek_v3 import DeepseekV3Bridge
 from posttrain.models.families.gemma3 import Gemma3Bridge
 from posttrain.models.families.gpt_oss import GptOssBridge
 from posttrain.models.families.llama import LlamaBridge
@@ -17,7 +18,8 @@ from posttrain.models.families.qwen3_moe import Qwen3MoeBridge
 BRIDGES: dict[str, FamilyBridge] = {b.family: b for b in (Qwen3Bridge(), LlamaBridge(),
                                                           Gemma3Bridge(), Qwen3MoeBridge(),
                                                           GptOssBridge(), Qwen3_5Bridge(),
-                                                          Qwen3_5MoeBridge())}
+                                                          Qwen3_5MoeBridge(),
+                                                          DeepseekV3Bridge())}
 
 
 def register_bridge(bridge: FamilyBridge) -> None:
