@@ -15,6 +15,9 @@ Each layer keeps the state its token mixer needs, made by the mixer itself (`new
 - gated DeltaNet (`deltanet.GatedDeltaNet`): the last conv_kernel - 1 convolution inputs and the
   recurrent state [B, Hv, Dk, Dv]; the left padding is a document of its own in the prefill,
   so the prompt starts from a zero state exactly as an unpadded one does.
+- multi-head latent attention (`mla.MultiHeadLatentAttention`): the compressed latent and the
+  rotated shared key [B, capacity, kv_lora_rank + qk_rope_head_dim], read by all heads at once
+  with kv_b absorbed into the queries and outputs; masks as for attention.
 
 `forward_with_cache` runs the model's own blocks (`TransformerBlock.forward` with `state` and
 `step`), so LoRA-wrapped projections and MoE blocks work unchanged, and there is one block

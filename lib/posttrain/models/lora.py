@@ -198,6 +198,15 @@ class LoRALinear(_Adapted, nn.Module):
     def _deltas(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         yield self.weight, self.delta_weight()
 
+    def effective_weight(self) -> torch.Tensor:
+        """The [out, in] matrix forward applies (W + B A * scaling while on and unmerged, W - it
+        while merged and off), for code that reads a projection's matrix (MLA's decode)."""
+        if self.adapters_enabled and not self.merged:
+            return (self.weight.float() + self.delta_weight()).to(self.weight.dtype)
+        if self.merged and not self.adapters_enabled:
+            return (self.weight.float() - self.delta_weight()).to(self.weight.dtype)
+        return self.weight
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, rank={self.rank}, alpha={self.alpha}, "

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from posttrain.models.args import DeltaNetArgs, ModelArgs
+from posttrain.models.args import DeltaNetArgs, MLAArgs, ModelArgs
 from posttrain.models.transformer import Transformer, build_model
 from posttrain.rl.engine import Rollout, RolloutEngine, SamplingConfig
 from posttrain.rl.native import NativeEngine
@@ -58,6 +58,18 @@ def tiny_args(family: str, **overrides) -> ModelArgs:
                                                           chunk_size=4),
                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                             shared_expert_intermediate_size=48, shared_expert_gate=True),
+        # latent attention (query latent, values narrower than keys, interleaved RoPE, YaRN
+        # with mscale), a dense first layer, then grouped sigmoid routing with a shared expert
+        "deepseek_v3": dict(num_kv_heads=4, head_dim=8, rope_scaling={
+                                "rope_type": "yarn", "factor": 4.0, "mscale": 0.707,
+                                "mscale_all_dim": 1.0, "original_max_position_embeddings": 16},
+                            latent_attention=MLAArgs(kv_lora_rank=16, q_lora_rank=24,
+                                                     qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                                     v_head_dim=12),
+                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                            mlp_only_layers=(0,), shared_expert_intermediate_size=32,
+                            moe_routing="sigmoid_group_topk", moe_num_groups=4,
+                            moe_topk_groups=2, routed_scaling_factor=2.5),
     }
     return ModelArgs(family=family, **{**common, **per_family[family], **overrides})
 
@@ -74,6 +86,8 @@ def tiny_model(family: str, seed: int = 0, **overrides) -> Transformer:
                 p.copy_(torch.empty(p.shape).uniform_(0.02, 0.3, generator=gen).log())
             else:
                 p.add_(0.3 * noise) if "norm" in name else p.mul_(4.0)
+        for name, b in model.named_buffers():      # DeepSeek-V3's score-correction bias
+            b.add_(0.3 * torch.randn(b.shape, generator=gen))
         model.embed.weight[model.args.vocab_size:].zero_()
     return model.eval()
 
@@ -102,7 +116,7 @@ def naive_logprobs(model: Transformer, seq: list[int], prompt_len: int,
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3", "qwen3_moe", "gpt_oss",
-                                    "qwen3_5", "qwen3_5_moe"])
+                                    "qwen3_5", "qwen3_5_moe", "deepseek_v3"])
 def test_greedy_with_cache_equals_full_recompute(family: str) -> None:
     model = tiny_model(family)
     engine = NativeEngine(model)
@@ -119,7 +133,7 @@ def test_greedy_with_cache_equals_full_recompute(family: str) -> None:
     assert ids(out_small) == ids(out)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_5", "deepseek_v3"])
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5)])
 def test_rollout_logprobs_equal_teacher_forced(family: str, temperature: float,
                                                top_k: int) -> None:
@@ -281,3 +295,24 @@ def test_throughput_report() -> None:
           f"KV cache: {generated / cached_s:,.0f} tok/s ({cached_s:.2f} s); "
           f"full recompute: {generated_nc / full_s:,.0f} tok/s ({full_s:.2f} s); "
           f"speed-up {full_s / cached_s:.1f}x")
+
+
+def test_deepseek_v3_caches_the_latent_and_decodes_with_adapters() -> None:
+    """MLA's decode state is the latent (kv_lora_rank + qk_rope_head_dim per token, not per
+    head), and its absorbed kv_b reads an adapted kv_b's update."""
+    from posttrain.models.kv_cache import KVCache
+    from posttrain.models.lora import LoraConfig, apply_lora
+    from posttrain.models.mla import MLAState
+    model = tiny_model("deepseek_v3")
+    cache = KVCache.allocate(model, torch.zeros(2, dtype=torch.long), 10)
+    assert all(isinstance(s, MLAState) and s.latent.shape == (2, 10, 16 + 8)
+               for s in cache.layers)
+    apply_lora(model, LoraConfig(rank=4, alpha=8, targets=("kv_b", "q_b"), init_seed=0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    out = NativeEngine(model).generate(PROMPTS[:2], SamplingConfig(temperature=0.0,
+                                                                   max_new_tokens=8))
+    for prompt, (rollout,) in zip(PROMPTS, out):
+        assert rollout.completion_ids == recompute_greedy(model, prompt, 8)
