@@ -38,6 +38,25 @@ def parameters_by_name(module: nn.Module, prefix: str = "") -> dict[str, nn.Para
     return out
 
 
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Canonical name -> persistent buffer (state a checkpoint holds that no optimizer moves:
+    DeepSeek-V3's router score-correction bias)."""
+    out = {}
+    for module_name, sub in module.named_modules(remove_duplicate=False):
+        for leaf, b in sub.named_buffers(prefix="", recurse=False):
+            if b is not None and leaf not in sub._non_persistent_buffers_set:
+                out[canonical_name(f"{module_name}.{leaf}" if module_name else leaf)] = b
+    return out
+
+
+def state_tensors_by_name(module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """`parameters_by_name` plus the persistent buffers."""
+    out: dict[str, torch.Tensor] = dict(parameters_by_name(module, prefix))
+    out.update({name[len(prefix):]: b for name, b in persistent_buffers(module).items()
+                if name.startswith(prefix)})
+    return out
+
+
 @torch.no_grad()
 def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy a full (unsharded) tensor into `param`, keeping only this rank's shard of it."""
@@ -57,7 +76,7 @@ def materialize(root: nn.Module, device: torch.device, tensors: Iterable[tuple[s
                 *, prefix: str = "", rename: Callable[[str], str] = lambda n: n,
                 init_missing: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
                 ) -> None:
-    """`to_empty` the meta module `root`, then fill its parameters.
+    """`to_empty` the meta module `root`, then fill its parameters and persistent buffers.
 
     `tensors` yields (name, full tensor) with names relative to `prefix` (e.g. the native model
     inside a loss wrapper); `rename` maps them onto the current module tree (e.g. after LoRA
@@ -72,12 +91,13 @@ def fill_parameters(root: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]
                     prefix: str = "", rename: Callable[[str], str] = lambda n: n,
                     init_missing: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
                     ) -> None:
-    """Fill the parameters of `root` under `prefix` (already on their device); see `materialize`.
+    """Fill the parameters and persistent buffers of `root` under `prefix` (already on their
+    device); see `materialize`.
 
     Used alone for a second model inside the same root (a frozen distillation teacher), after
     `materialize` has moved the whole root off the meta device.
     """
-    params = parameters_by_name(root, prefix)
+    params = state_tensors_by_name(root, prefix)
     filled: set[str] = set()
     for name, full in tensors:
         target = rename(name)

@@ -108,16 +108,21 @@ class _MixerSplit:
     head_modules: tuple[str, ...]     # modules over per-head inputs (q_norm, k_norm)
     head_params: tuple[str, ...]      # own parameters [heads, ...] split on dim 0 (sinks)
     head_counts: tuple[str, ...]      # attributes that tp must divide
+    # (replicated module, number of its last output features that every head reads: their
+    # gradient on a rank is its heads' share only, so it is summed over "tp"; MLA's rope key)
+    shared_features: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def of(cls, attn: nn.Module) -> "_MixerSplit":
         counts = tuple(a for a in ("num_heads", "num_kv_heads", "n_heads", "n_kv_heads")
                        if isinstance(getattr(attn, a, None), int))
+        shared = tuple((name, int(getattr(attn, attr)))
+                       for name, attr in getattr(attn, "tp_shared_features", ()))
         return cls(getattr(attn, "tp_colwise", ("q", "k", "v")),
                    getattr(attn, "tp_rowwise", ("o",)),
                    getattr(attn, "tp_head_modules", ("q_norm", "k_norm")),
                    getattr(attn, "tp_head_params", ("sinks",)),
-                   getattr(attn, "tp_head_counts", counts))
+                   getattr(attn, "tp_head_counts", counts), shared)
 
 
 def tp_plan(block: nn.Module) -> dict[str, Any]:
@@ -131,6 +136,7 @@ def tp_plan(block: nn.Module) -> dict[str, Any]:
     | attn.o (+ bias) | all | row-wise: partial sums all-reduced |
     | attn.q_norm/k_norm; DeltaNet's gated norm | per-head norms | weights replicated, inputs sharded on heads (`PerHeadModule`) |
     | attn.sinks; DeltaNet's conv_q/k/v, A_log, dt_bias | GPT-OSS; Qwen3.5 | sharded with the heads (dim 0) |
+    | attn.q_b (or q), kv_b / o; q_a, kv_a and their norms | MLA (DeepSeek-V3) | column-wise / row-wise; replicated, kv_a's rope-key features' gradient summed over "tp" (`SumSharedGradient`) |
     | mlp.gate/up, mlp.down | dense MLPs | column-wise / row-wise |
     | MoE router + experts (+ shared expert) | Qwen3-MoE, GPT-OSS, Qwen3.5-MoE | replicated over "tp" (every rank routes and runs the experts on the full activations; FSDP still shards them over the data-parallel dims; experts get their own mesh dim with expert parallelism) |
     | norms (incl. Gemma's sandwich norms) | all | replicated: they act on full activations |
@@ -167,6 +173,8 @@ def tp_plan(block: nn.Module) -> dict[str, Any]:
                    if isinstance(getattr(attn, n, None), nn.Parameter))
     if params:
         plan["attn"] = HeadShardedParameters(params)
+    for name, features in split.shared_features:
+        plan[f"attn.{name}"] = SumSharedGradient(features)
     return plan
 
 
@@ -279,6 +287,39 @@ class HeadShardedParameters(ParallelStyle):
         return module
 
 
+class _SumTrailingGradient(torch.autograd.Function):
+    """Identity forward; backward sums the last `features` of the gradient over `group`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, features: int, group: Any) -> torch.Tensor:
+        ctx.features, ctx.group = features, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        head, tail = grad.split([grad.shape[-1] - ctx.features, ctx.features], dim=-1)
+        tail = tail.contiguous()
+        dist.all_reduce(tail, group=ctx.group)
+        return torch.cat([head, tail], dim=-1), None, None
+
+
+class SumSharedGradient(ParallelStyle):
+    """For a replicated projection whose last `features` outputs every attention head reads
+    (MLA's shared rope key, from `kv_a`): each rank's heads give only their share of those
+    outputs' gradient, so it is summed over "tp" on the way back (the rest of the output feeds
+    column-wise layers, whose input gradients are already complete)."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.features = features
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        features, group = self.features, device_mesh.get_group()
+        module.register_forward_hook(
+            lambda mod, inputs, out: _SumTrailingGradient.apply(out, features, group))
+        return module
+
+
 def _check_tp_block(block: nn.Module, index: int, tp: int) -> None:
     split = _MixerSplit.of(block.get_submodule("attn"))
     if _has_submodule(block, "mlp") and not _is_dense_mlp(block.get_submodule("mlp")) and not (
@@ -287,7 +328,8 @@ def _check_tp_block(block: nn.Module, index: int, tp: int) -> None:
             f"tensor parallelism needs block {index}.mlp to be a gated MLP (gate, up, down) or "
             f"a mixture of experts (router, experts), found "
             f"{type(block.get_submodule('mlp')).__name__}; set parallel.tp=1")
-    names = [f"attn.{n}" for n in (*split.colwise, *split.rowwise)]
+    names = [f"attn.{n}" for n in (*split.colwise, *split.rowwise,
+                                   *(name for name, _ in split.shared_features))]
     if _has_submodule(block, "mlp") and _is_dense_mlp(block.get_submodule("mlp")):
         names += [*_MLP_COLWISE, *_MLP_ROWWISE]
     for name in names:

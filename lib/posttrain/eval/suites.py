@@ -394,7 +394,7 @@ def _evaluate_checkpoint(cfg: SuiteConfig, hf_dir: str, tokenizer: ChatTokenizer
     model = None
     if scoring or (answering and cfg.rollout.kind == "native"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = load_model(hf_dir, device=device).to(DTYPES[cfg.dtype]).eval()
+        model = load_model(hf_dir, device=device, dtype=DTYPES[cfg.dtype]).eval()
         if model.head.real_vocab_size < tokenizer.vocab_size:
             raise ConfigError(f"checkpoint {hf_dir} has {model.head.real_vocab_size} token ids "
                               f"but the suite's tokenizer has {tokenizer.vocab_size}; evaluate "
@@ -403,9 +403,9 @@ def _evaluate_checkpoint(cfg: SuiteConfig, hf_dir: str, tokenizer: ChatTokenizer
     for task in scoring:
         if task.kind == "distill":
             if task.teacher not in teachers:
-                teachers[task.teacher] = (load_model(task.teacher,
-                                                     device=model.embed.weight.device)
-                                          .to(DTYPES[cfg.dtype]).eval())
+                teachers[task.teacher] = load_model(task.teacher,
+                                                    device=model.embed.weight.device,
+                                                    dtype=DTYPES[cfg.dtype]).eval()
             out[task.name] = _distill_pass(model, teachers[task.teacher], rows[task.name],
                                            cfg.max_tokens_per_forward, pad)
             continue

@@ -88,7 +88,7 @@ def build_rollout_engine(cfg: RolloutEngineConfig, args: ModelArgs | None, hf_di
         from posttrain.models.transformer import build_model
         from posttrain.rl.native import NativeEngine
         torch.manual_seed(seed)
-        model = build_model(args, device=device).to(dtype).eval()
+        model = build_model(args, device=device, dtype=dtype).eval()
         for p in model.parameters():
             p.requires_grad_(False)
         return NativeEngine(model, max_batch_sequences=cfg.max_batch_sequences)
@@ -125,5 +125,5 @@ def load_engine(cfg: RolloutEngineConfig, hf_dir: str, *, dtype: str = "float32"
         from posttrain.models.auto import load_model
         device = "cuda" if torch.cuda.is_available() else "cpu"
         torch_dtype = DTYPES[dtype]
-        model = load_model(hf_dir, device=device).to(torch_dtype).eval()
+        model = load_model(hf_dir, device=device, dtype=torch_dtype).eval()
     return NativeEngine(model, max_batch_sequences=cfg.max_batch_sequences)

@@ -79,9 +79,12 @@ class NativeEngine:
 
     @property
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Parameter name -> shape (a tied head has no entry: send `embed.weight`; on an
-        `HFCausalLM` the names are ``hf.<transformers name>``)."""
-        return {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        """Parameter (and persistent buffer: DeepSeek-V3's router bias) name -> shape (a tied
+        head has no entry: send `embed.weight`; on an `HFCausalLM` the names are
+        ``hf.<transformers name>``)."""
+        from posttrain.distributed.materialize import persistent_buffers
+        return {name: tuple(t.shape) for name, t in [*self.model.named_parameters(),
+                                                      *persistent_buffers(self.model).items()]}
 
     # ------------------------------------------------------------------ generation
 

@@ -57,13 +57,15 @@ _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
 
 
 def native_parameter_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Native parameter name -> shape for `args` (built on the meta device, no storage).
+    """Native parameter (and persistent buffer) name -> shape for `args` (built on the meta
+    device, no storage).
 
     A tied head shares `embed.weight` and has no entry of its own, as in `NativeEngine`.
     """
     with torch.device("meta"):
         model = Transformer(args)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return {name: tuple(t.shape) for name, t in [*model.named_parameters(),
+                                                  *model.named_buffers()]}
 
 
 def check_native_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],

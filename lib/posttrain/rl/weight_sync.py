@@ -4,8 +4,10 @@ trainer, packed into buckets and broadcast over a group of their own; LoRA sends
 The plan (`plan_sync`) is fixed once per run from the engine's parameters
 (`RolloutEngine.parameter_shapes` and `.dtype`) and the trainer's: an ordered list of entries
 (name, full shape, dtype as sent), cut into buckets of at most `bucket_bytes` (an entry larger
-than that travels alone; a dtype change starts a new bucket). Every engine parameter is sent in
-the engine's dtype, cast on the trainer before it travels. With LoRA the plan has a second part,
+than that travels alone; a dtype change starts a new bucket). Every engine parameter and
+persistent buffer (DeepSeek-V3's router score-correction bias, which bias balancing moves) is
+sent in the engine's dtype, cast on the trainer before it travels, except what the model keeps
+in fp32 (`Transformer.fp32_names`: that router's weight and bias), sent in fp32. With LoRA the plan has a second part,
 the adapters A and B of every adapted weight in the trainer's dtype: the first sync (``full``)
 sends the weights (the bases) and the adapters, every later one the adapters only. The engine
 keeps each adapted weight's base as it first arrived and writes
@@ -48,7 +50,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from posttrain.distributed.materialize import parameters_by_name
+from posttrain.distributed.materialize import canonical_name, state_tensors_by_name
 from posttrain.distributed.sync_group import GroupAddress, StoreGroup, serve_group
 from posttrain.errors import ConfigError
 from posttrain.models.lora import adapter_names, is_adapter_name, merged_weight
@@ -131,11 +133,14 @@ class SyncPlan:
 def plan_sync(trainer_params: dict[str, torch.Tensor],
               engine_shapes: dict[str, tuple[int, ...]], engine_dtype: torch.dtype, *,
               lora_scaling: float | None = None,
-              bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncPlan:
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+              fp32_names: frozenset[str] = frozenset()) -> SyncPlan:
     """The plan that fills an engine with parameters `engine_shapes` (native name -> shape)
-    held in `engine_dtype`, from a trainer whose (possibly sharded) parameters by canonical
-    name are `trainer_params` (`parameters_by_name`; a DTensor's shape is its full shape).
-    `lora_scaling` (alpha / rank) is needed when the trainer's model has LoRA adapters."""
+    held in `engine_dtype`, from a trainer whose (possibly sharded) parameters and persistent
+    buffers by canonical name are `trainer_params` (`state_tensors_by_name`; a DTensor's shape
+    is its full shape). `fp32_names` travel in fp32 whatever the engine dtype (tensors the
+    model keeps in fp32: `Transformer.fp32_names`). `lora_scaling` (alpha / rank) is needed
+    when the trainer's model has LoRA adapters."""
     missing = [n for n in engine_shapes if n not in trainer_params]
     if missing:
         raise ConfigError(f"weight sync: the trainer has no tensors for the engine's "
@@ -145,7 +150,8 @@ def plan_sync(trainer_params: dict[str, torch.Tensor],
     if wrong:
         raise ConfigError(f"weight sync: trainer and engine shapes differ (name, trainer, "
                           f"engine): {wrong[:3]}")
-    weights = tuple(SyncEntry(n, tuple(s), engine_dtype) for n, s in engine_shapes.items())
+    weights = tuple(SyncEntry(n, tuple(s), torch.float32 if n in fp32_names else engine_dtype)
+                    for n, s in engine_shapes.items())
     adapters = [SyncEntry(x, tuple(trainer_params[x].shape), trainer_params[x].dtype)
                 for n in engine_shapes if adapter_names(n)[0] in trainer_params
                 for x in adapter_names(n)]
@@ -190,7 +196,9 @@ class WeightSender:
     sharded or not. Rank 0 is the group's source; the other ranks only help gather."""
 
     def __init__(self, model: nn.Module, rank: int, device: torch.device | str):
-        self.params = parameters_by_name(model)
+        self.params = state_tensors_by_name(model)
+        fp32 = getattr(model, "fp32_names", None)
+        self.fp32_names = frozenset(canonical_name(n) for n in (fp32() if fp32 else ()))
         self.rank, self.device = rank, torch.device(device)
         self.plan: SyncPlan | None = None
         self.group: StoreGroup | None = None
@@ -202,7 +210,8 @@ class WeightSender:
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncPlan:
         """Fix the plan (`plan_sync`); every rank makes the same one."""
         self.plan = plan_sync(self.params, engine_shapes, engine_dtype,
-                              lora_scaling=lora_scaling, bucket_bytes=bucket_bytes)
+                              lora_scaling=lora_scaling, bucket_bytes=bucket_bytes,
+                              fp32_names=self.fp32_names)
         return self.plan
 
     def serve(self, num_engines: int, host: str) -> GroupAddress | None:
@@ -274,9 +283,9 @@ class WeightReceiver:
         sent = {e.name: e.shape for e in plan.weights}
         if sent != dict(engine.parameter_shapes):
             raise ValueError("the sync plan was made for an engine with other parameters")
-        if any(e.dtype != engine.dtype for e in plan.weights):
+        if any(e.dtype not in (engine.dtype, torch.float32) for e in plan.weights):
             raise ValueError(f"the sync plan sends weights in another dtype than the engine's "
-                             f"{engine.dtype}")
+                             f"{engine.dtype} (or fp32, for what the model keeps in fp32)")
         self.engine, self.plan = engine, plan
         self.group: StoreGroup | None = None
         self._adapted = plan.adapted()

@@ -33,7 +33,7 @@ WORLD = 4
 T = 16
 # 4 packed rows; the data-parallel ranks take contiguous slices of them
 DOCS = [[5, 11], [16], [3, 7, 6], [9, 7]]
-FAMILIES = ["qwen3", "llama", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"]
+FAMILIES = ["qwen3", "llama", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "deepseek_v3"]
 LAYOUTS = {
     "fsdp_x_tp": dict(dp_shard=2, tp=2),
     "fsdp_x_tp_lora": dict(dp_shard=2, tp=2),
@@ -41,6 +41,8 @@ LAYOUTS = {
     "hsdp_x_tp": dict(dp_replicate=2, dp_shard=1, tp=2),
 }
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# MLA's projections: the replicated latent ones, the head-split ones, and the output
+MLA_LORA_TARGETS = ("q_a", "q_b", "kv_a", "kv_b", "o", "gate", "up", "down")
 ATOL = 1e-5
 
 
@@ -58,8 +60,13 @@ def _model(family: str, lora: bool, device: str = "cpu") -> nn.Module:
     """The seeded model (with LoRA, B random too); on "meta" the same modules without storage."""
     args = _args(family)
     model = build_model(args, seed=0, device=device)
+    if device != "meta":
+        with torch.no_grad():       # DeepSeek-V3's router bias: non-zero, so routing reads it
+            for _, b in model.named_buffers():
+                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(3)) * 0.1)
     if lora:
-        targets = LORA_TARGETS if args.num_experts == 0 else ("q", "k", "v", "o")
+        targets = (MLA_LORA_TARGETS if args.latent_attention is not None
+                   else LORA_TARGETS if args.num_experts == 0 else ("q", "k", "v", "o"))
         from posttrain.models.lora import LoraConfig, apply_lora, lora_modules
         apply_lora(model, LoraConfig(rank=4, alpha=8.0, targets=targets))
         if device == "meta":
@@ -123,7 +130,7 @@ def _run(family: str, layout: dict | None, lora: bool) -> dict:
         dp = dp_mesh(mesh)
         per = len(DOCS) // dp.size()
         rows = slice(dp.get_local_rank() * per, (dp.get_local_rank() + 1) * per)
-        full = {n: p.detach() for n, p in model.named_parameters()}
+        full = {n: p.detach() for n, p in model.state_dict(keep_vars=True).items()}
         model = _model(family, lora, device="meta")
         root = parallelize(model, mesh, cfg, root=_LossAndLogits(model, tokens, dp.size()))
         materialize(root, torch.device("cpu"), full.items(), prefix="model.")

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from posttrain.models.args import ModelArgs
+from posttrain.models.args import MLAArgs, ModelArgs
 from posttrain.models.lora import LoraConfig, apply_lora, fold_adapters, is_adapter_name
 from posttrain.models.transformer import build_model
 from posttrain.rl.native import NativeEngine
@@ -24,6 +24,12 @@ ARGS = ModelArgs(family="qwen3", vocab_size=100, hidden_size=32, intermediate_si
 MOE_ARGS = ModelArgs(family="qwen3_moe", vocab_size=100, hidden_size=32, intermediate_size=64,
                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+DEEPSEEK_ARGS = ModelArgs(family="deepseek_v3", vocab_size=100, hidden_size=32,
+                          intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
+                          head_dim=8, latent_attention=MLAArgs(16, 8, 8, 8, q_lora_rank=16),
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                          mlp_only_layers=(0,), moe_routing="sigmoid_group_topk",
+                          moe_num_groups=2, moe_topk_groups=1)
 LORA = LoraConfig(rank=4, alpha=8.0)
 SCALING = LORA.alpha / LORA.rank
 
@@ -125,6 +131,26 @@ def test_in_process_copy_gives_the_trainer_weights_in_the_engine_dtype(dtype):
     written = sender.copy_to(WeightReceiver(e, plan), full=True)
     assert_equal_states(engine_state(e), expected(model, dtype, lora=False))
     assert written == sum(p.numel() for p in e.model.parameters()) * dtype.itemsize
+
+
+def test_router_bias_buffer_travels_in_fp32_to_a_bf16_engine():
+    """DeepSeek-V3's score-correction bias is a buffer (bias balancing moves it, no optimizer
+    does): it is synced, and with the router weight it travels and stays in fp32, as the model
+    keeps them (`Transformer.fp32_names`)."""
+    args = DEEPSEEK_ARGS
+    model, e = build_model(args, seed=0), engine(args, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _, b in model.named_buffers():
+            b.normal_(generator=torch.Generator().manual_seed(5))
+    sender = WeightSender(model, rank=0, device="cpu")
+    plan = sender.make_plan(e.parameter_shapes, e.dtype)
+    fp32 = {x.name for x in plan.weights if x.dtype == torch.float32}
+    assert fp32 == set(model.fp32_names()) and "layers.1.mlp.e_score_correction_bias" in fp32
+    sender.copy_to(WeightReceiver(e, plan), full=True)
+    for name, want in model.state_dict().items():
+        got = e.model.state_dict()[name]
+        assert got.dtype == (torch.float32 if name in fp32 else torch.bfloat16), name
+        assert torch.equal(got, want.to(got.dtype)), name
 
 
 @pytest.mark.parametrize("args", [ARGS, MOE_ARGS], ids=["dense", "moe_experts"])
