@@ -8,6 +8,19 @@ Per layer and token, forward:
     attention     2 * 2 * nh * d * c          (QK^T and AV over the c keys the token sees)
     head          2 * H * padded_vocab        (once per token, as the LM head computes it)
 
+Multi-head latent attention (DeepSeek-V3, `models/mla.py`; C = kv_lora_rank, Cq = q_lora_rank,
+Dn, Dr, Dv its head dims) projects through its latents and has value heads of another width:
+
+    projections   2 H Cq + 2 Cq nh (Dn + Dr)     (q_a, q_b; or 2 H nh (Dn + Dr) for a plain q)
+                  + 2 H (C + Dr) + 2 C nh (Dn + Dv) + 2 nh Dv H          (kv_a, kv_b, o)
+    attention     2 nh (Dn + Dr) c + 2 nh Dv c   (QK^T over Dn + Dr dims, AV over Dv)
+
+Its MoE layers count the router and top_k routed experts as above plus the shared experts, one
+dense MLP of n_shared * I_moe. With LoRA, MLA's stages count as one chain as elsewhere, which
+is exact when the first adapters sit on the up-projections (q_b, kv_b) or after them; adapters
+on q_a or q (not kv_a) as the very first ones would count kv_b's input gradient too, which
+autograd skips.
+
 Qwen3.5's attention layers project q to twice its width (query and output gate per head); its
 shared expert adds a dense MLP of its width (+ a [1, H] gate). A gated-DeltaNet layer
 (`models/deltanet.py`) has the projections q, k (H -> Hk Dk), v, z (H -> Hv Dv), b, a (H -> Hv)
@@ -72,14 +85,43 @@ _ATTENTION = "attention"   # the stage of the score / value matmuls
 _DELTA_RULE = "delta_rule"  # the stage of a gated-DeltaNet layer's recurrence
 
 
+def _mla_stages(args: ModelArgs) -> list[list[_Linear] | str]:
+    """Multi-head latent attention (`models/mla.py`): the latent projections read x, the
+    up-projections the normed latents (one stage: q_b's and kv_b's inputs come from parallel
+    branches, so an adapter on one does not give the other an input gradient), attention, the
+    output projection."""
+    H, nh, mla = args.hidden_size, args.num_heads, args.latent_attention
+    assert mla is not None
+    kv_b = _Linear("attn.kv_b", mla.kv_lora_rank, nh * (mla.qk_nope_head_dim + mla.v_head_dim))
+    first = [_Linear("attn.kv_a", H, mla.kv_lora_rank + mla.qk_rope_head_dim)]
+    if mla.q_lora_rank is None:
+        first.insert(0, _Linear("attn.q", H, nh * mla.qk_head_dim))
+        ups = [kv_b]
+    else:
+        first.insert(0, _Linear("attn.q_a", H, mla.q_lora_rank))
+        ups = [_Linear("attn.q_b", mla.q_lora_rank, nh * mla.qk_head_dim), kv_b]
+    return [first, ups, _ATTENTION, [_Linear("attn.o", nh * mla.v_head_dim, H)]]
+
+
+def _attention_head_dims(args: ModelArgs) -> tuple[int, int]:
+    """(query / key, value) head dims of the attention layers' scores and reads."""
+    mla = args.latent_attention
+    if mla is not None:
+        return mla.qk_head_dim, mla.v_head_dim
+    return args.head_dim, args.head_dim
+
+
 def _stages(args: ModelArgs, layer: int) -> list[list[_Linear] | str]:
     """The matmuls of one block in execution order; a stage's linears read the same input."""
     H, d = args.hidden_size, args.head_dim
     q_out, kv_out = args.num_heads * d, args.num_kv_heads * d
     la = args.linear_attention
-    if args.is_linear_layer(layer):
+    stages: list[list[_Linear] | str]
+    if args.latent_attention is not None:
+        stages = _mla_stages(args)
+    elif args.is_linear_layer(layer):
         assert la is not None
-        stages: list[list[_Linear] | str] = [
+        stages = [
             [_Linear("attn.q", H, la.key_dim), _Linear("attn.k", H, la.key_dim),
              _Linear("attn.v", H, la.value_dim), _Linear("attn.z", H, la.value_dim),
              _Linear("attn.b", H, la.num_v_heads), _Linear("attn.a", H, la.num_v_heads)],
@@ -171,7 +213,8 @@ def flops_breakdown(args: ModelArgs, seq_len: int, *, training: bool = True,
         context = sum(attention_context_sum(n, window) for n in lengths) / seq_len
         for stage in _stages(args, i):
             if stage == _ATTENTION:
-                fwd = 4.0 * args.num_heads * args.head_dim * context
+                qk_dim, v_dim = _attention_head_dims(args)
+                fwd = 2.0 * args.num_heads * (qk_dim + v_dim) * context
                 out["attention"] += fwd * (1 + (2 if training and flowing else 0))
                 continue
             if stage == _DELTA_RULE:

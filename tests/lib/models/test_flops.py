@@ -38,7 +38,7 @@ from posttrain.ops.attention import _causal_window_mask
 aten = torch.ops.aten
 SDPA_FWD = aten._scaled_dot_product_flash_attention_for_cpu
 SDPA_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward
-FAMILIES = ("qwen3", "llama", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
+FAMILIES = ("qwen3", "llama", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "deepseek_v3")
 SEQ_LEN, BATCH = 32, 2
 DOCS = [20, 12]      # both rows; longer than gemma3's window of 8 and one shorter than the other
 
@@ -102,12 +102,21 @@ def _counted_flops(model, args: ModelArgs, docs: list[int] | None) -> tuple[floa
         model.logits(model(ids, document_lengths=rows)).float().sum().backward()
     by_op = counter.get_flop_counts()["Global"]
     fwd_sq, bwd_sq = by_op.get(SDPA_FWD, 0), by_op.get(SDPA_BWD, 0)
-    assert fwd_sq > 0 and bwd_sq > 0, f"SDPA was not counted: {dict(by_op)}"
     # every attention layer's SDPA calls have the same shapes (so equal counts): average the
     # fractions (linear-attention layers run no SDPA)
     fractions = [_allowed_fraction(args, i, docs or [SEQ_LEN]) for i in range(args.num_layers)
                  if not args.is_linear_layer(i)]
     fraction = sum(fractions) / len(fractions)
+    if args.latent_attention is not None:
+        # MLA's values are narrower than its queries and keys, which the CPU's flash kernel
+        # cannot take: SDPA runs its math kernel, whose only batched matmuls are the score and
+        # value matmuls over full squares, backward twice forward as counted by flops.py
+        squares = by_op.get(aten.bmm, 0)
+        assert squares > 0 and fwd_sq == 0, f"attention was not counted: {dict(by_op)}"
+        attention = squares * fraction
+        total = counter.get_total_flops() - squares + attention
+        return total / (BATCH * SEQ_LEN), {"attention": attention / (BATCH * SEQ_LEN)}
+    assert fwd_sq > 0 and bwd_sq > 0, f"SDPA was not counted: {dict(by_op)}"
     attention = (fwd_sq + bwd_sq * 4 / 5) * fraction
     total = counter.get_total_flops() - fwd_sq - bwd_sq + attention
     return total / (BATCH * SEQ_LEN), {"attention": attention / (BATCH * SEQ_LEN)}
@@ -140,6 +149,10 @@ def test_full_finetune_matches_flop_counter(family, packed) -> None:
     ("qwen3_5", ("q", "k", "v", "o", "z")),   # DeltaNet and gated attention projections
     # q, k and v together: the first delta rule then runs its whole backward (see flops.py)
     ("qwen3_5_moe", ("q", "k", "v", "experts.gate", "shared_gate")),
+    # MLA's up-projections first (q and k then both need gradients in every attention),
+    # routed and shared experts
+    ("deepseek_v3", ("q_b", "kv_b", "o", "experts.down", "shared.up")),
+    ("deepseek_v3", ("q_a", "kv_a", "router", "gate", "experts.gate")),   # the latents, dense MLP
 ])
 def test_lora_matches_flop_counter(family, targets) -> None:
     from posttrain.models.lora import LoraConfig, apply_lora, flops_kwargs
