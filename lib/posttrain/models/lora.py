@@ -590,7 +590,8 @@ def _peft_pair(model: nn.Module, parts: list[str], adapted: dict[str, "LoRALinea
 def _peft_experts(model: nn.Module, name: str, module: LoRAExperts,
                   tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     """Add the stacked adapters of `module` (native `name`) to a PEFT adapter's `tensors` and
-    `config`, as PEFT's `target_parameters` on transformers 5's fused Qwen3-MoE experts.
+    `config`, as PEFT's `target_parameters` on transformers 5's fused Qwen3-MoE (and
+    DeepSeek-V3) experts.
 
     There `mlp.experts.gate_up_proj` is [E, 2I, H] (gate rows, then up rows) and `down_proj`
     [E, H, I]. PEFT's adapter on a 3-D parameter is one Linear pair per parameter: A [E*R, in]
@@ -601,7 +602,7 @@ def _peft_experts(model: nn.Module, name: str, module: LoRAExperts,
     outermost: with both, gate_up_proj's tensors sit under `base_layer.`.
     """
     family = getattr(getattr(model, "args", None), "family", None)
-    if family != "qwen3_moe":
+    if family not in ("qwen3_moe", "deepseek_v3"):      # transformers' fused experts layout
         raise ConfigError(f"save_peft_adapter: LoRA on the MoE experts of a {family} model has "
                           "no known PEFT layout; export merged weights instead (export.format: "
                           "merged, `save_merged_hf`)")

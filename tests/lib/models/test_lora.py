@@ -384,3 +384,34 @@ def test_qwen3_5_adapters_train_and_export(family, targets, lora_model, tmp_path
         assert config["rank_pattern"]["model.layers.0.linear_attn.in_proj_qkv"] == 3 * 4
         assert "in_proj_qkv" in config["target_modules"] and "q_proj" in config["target_modules"]
         assert (_hf_logits(hf_dir, ids, adapter=out) - adapted).abs().max() <= 1e-4
+
+
+def test_deepseek_v3_adapters_train_and_export(lora_model, tmp_path) -> None:
+    """Adapters on MLA's latent and head projections, the output, the routed experts and the
+    shared experts: only they train; the merged export and the PEFT adapter (experts as PEFT
+    `target_parameters` on transformers' fused DeepSeek-V3 experts) reproduce the adapted
+    logits in transformers."""
+    targets = ("q_a", "q_b", "kv_a", "kv_b", "o", "shared.up", "experts.gate", "experts.down")
+    hf_dir, _, model, base_logits = lora_model("deepseek_v3", targets=targets)
+    wrapped = {n.removeprefix("layers.1.") for n, _ in lora_modules(model)
+               if n.startswith("layers.1.")}
+    assert wrapped == {"attn.q_a", "attn.q_b", "attn.kv_a", "attn.kv_b", "attn.o",
+                       "mlp.shared.up", "mlp.experts"}
+    _check_only_adapters_train(model, base_logits)
+    model.eval()
+    ids = _ids()
+    adapted = _logits(model, ids)
+    assert (_hf_logits(save_merged_hf(model, tmp_path / "merged"), ids) - adapted).abs().max() \
+        <= 1e-5
+    # PEFT reads a target module named up_proj as the experts' too (transformers fuses those
+    # into gate_up_proj) and refuses it without gate_proj: the adapter leaves the shared
+    # experts out
+    hf_dir, _, model, _ = lora_model("deepseek_v3", targets=targets[:5] + targets[6:])
+    _randomize_b(model)
+    adapted = _logits(model, ids)
+    out = save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(hf_dir))
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} == set(
+        config["target_modules"])
+    assert "model.layers.1.mlp.experts.gate_up_proj" in config["target_parameters"]
+    assert (_hf_logits(hf_dir, ids, adapter=out) - adapted).abs().max() <= 1e-5
