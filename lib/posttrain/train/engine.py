@@ -143,6 +143,11 @@ class ModelConfig:
     # router_aux_loss_coef) and z-loss, added to the training loss with these weights
     moe_aux_loss_coef: float | None = None
     moe_z_loss_coef: float = 0.0
+    # routers with a score-correction bias (DeepSeek-V3): auxiliary-loss-free balancing moves
+    # the bias by this much per optimizer step (the paper's gamma, 0.001 in its pretraining;
+    # `posttrain.models.moe.update_score_bias`); 0 keeps the checkpoint's bias, as
+    # transformers' training does
+    moe_bias_update_speed: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.hf_dir is None) == (self.init is None):
@@ -150,6 +155,8 @@ class ModelConfig:
                              "(a random model from a config)")
         if (self.moe_aux_loss_coef or 0.0) < 0 or self.moe_z_loss_coef < 0:
             raise ValueError("model.moe_aux_loss_coef and model.moe_z_loss_coef must be >= 0")
+        if self.moe_bias_update_speed < 0:
+            raise ValueError("model.moe_bias_update_speed must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -197,6 +204,11 @@ class CausalLMLoss(nn.Module):
 def _lora_module():
     from posttrain.models import lora
     return lora
+
+
+def _moe():
+    from posttrain.models import moe
+    return moe
 
 
 class Engine:
@@ -248,6 +260,12 @@ class Engine:
         self.router_coefs: tuple[float, float] = ((aux, model_cfg.moe_z_loss_coef)
                                                   if moe and (aux or model_cfg.moe_z_loss_coef)
                                                   else ())
+        self.bias_update_speed = model_cfg.moe_bias_update_speed
+        if self.bias_update_speed and not _moe().score_bias_blocks(self.model):
+            raise ConfigError("model.moe_bias_update_speed: this model's routers have no "
+                              "score-correction bias (DeepSeek-V3's e_score_correction_bias); "
+                              "set it to 0")
+        self._expert_loads: torch.Tensor | None = None   # this step's, summed over micro-batches
 
     # ------------------------------------------------------------------ build
     def _init_missing(self, name: str, param: torch.Tensor) -> torch.Tensor:
@@ -274,6 +292,7 @@ class Engine:
                                                                     global_loss_tokens)
         grad_norm = self._clip()
         self.optimizer.step()
+        balance = self._update_score_bias() if self.bias_update_speed else {}
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -285,7 +304,24 @@ class Engine:
         stats.update({k: self.dp.sum(v) / (len(micro_batches) * self.dp.size)
                       for k, v in sorted(router.items())})
         return {"step": self.step, "loss": loss_total / max(global_loss_tokens, 1), **stats,
-                "grad_norm": grad_norm, "lr": lr, "step_time_s": time.perf_counter() - t0}
+                **balance, "grad_norm": grad_norm, "lr": lr,
+                "step_time_s": time.perf_counter() - t0}
+
+    def _update_score_bias(self) -> dict[str, float]:
+        """Auxiliary-loss-free balancing after the optimizer step: the step's expert loads,
+        summed over the data-parallel ranks (the ranks of a tensor-parallel group saw the same
+        tokens), move every router's score-correction bias; returns the loads' max violation
+        before the update."""
+        moe = _moe()
+        loads, self._expert_loads = self._expert_loads, None
+        if loads is None:          # only dummy micro-batches here: no tokens, same collective
+            blocks = moe.score_bias_blocks(self.model)
+            loads = torch.zeros(len(blocks), blocks[0].e_score_correction_bias.shape[0],
+                                dtype=torch.float64, device=self.device)
+        if self.dp.group is not None:
+            dist.all_reduce(loads, group=self.dp.group)
+        moe.update_score_bias(self.model, loads, self.bias_update_speed)
+        return {"moe/max_violation": moe.max_load_violation(loads)}
 
     def accumulate_gradients(self, micro_batches: list[dict], global_loss_tokens: int
                              ) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
@@ -300,6 +336,10 @@ class Engine:
         scale = self.dp.size / max(global_loss_tokens, 1)
         for batch in micro_batches:
             loss_sum, stats = self._forward(batch)
+            if self.bias_update_speed and batch.get("live", True):
+                loads = _moe().expert_loads(self.model, _real_token_mask(batch))
+                self._expert_loads = (loads if self._expert_loads is None
+                                      else self._expert_loads + loads)
             objective = loss_sum * scale
             if self.router_coefs:
                 # FSDP averages gradients over the D ranks; each holds 1/D of the G
@@ -319,12 +359,20 @@ class Engine:
     def _router_losses(self, batch: dict) -> dict[str, tuple[float, torch.Tensor]]:
         """{metric: (coefficient, value)} of the router losses of the last forward, padding
         left out."""
-        from posttrain.models.moe import load_balancing_loss, router_logits, router_z_loss
+        from posttrain.models.moe import (MoEBlock, load_balancing_loss, router_logits,
+                                          router_z_loss, sequence_balance_loss)
         logits = router_logits(self.model)
         mask = _real_token_mask(batch)
         aux_coef, z_coef = self.router_coefs
         out = {}
-        if aux_coef:
+        if aux_coef and self.args.moe_routing == "sigmoid_group_topk":
+            # DeepSeek-V3: the paper's sequence-wise balance loss over each row's documents
+            experts = [m.expert_NK for m in self.model.modules() if isinstance(m, MoEBlock)]
+            rows, seq_len = batch["input_ids"].shape
+            lengths = batch.get("document_lengths") or [[seq_len]] * rows
+            out["moe/aux_loss"] = (aux_coef, sequence_balance_loss(logits, experts, lengths,
+                                                                   mask))
+        elif aux_coef:
             out["moe/aux_loss"] = (aux_coef, load_balancing_loss(
                 logits, self.args.num_experts_per_tok, mask))
         if z_coef:

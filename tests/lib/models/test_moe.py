@@ -252,3 +252,55 @@ def test_first_moe_forward_inside_a_checkpointed_block_trains(monkeypatch) -> No
     assert moe._GROUPED_OK
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_sequence_balance_loss_is_the_papers_formula() -> None:
+    """DeepSeek-V3 eqs. 17-20 per document of a packed row (padding left out), averaged over
+    documents and layers, against plain loops in float64."""
+    from posttrain.models.moe import sequence_balance_loss
+    gen = torch.Generator().manual_seed(0)
+    E, K, lengths = 8, 2, [[5, 7, 4], [16]]
+    mask = torch.ones(2, 16)
+    mask[0, 14:] = 0                              # the last document partly padding
+    logits = [torch.randn(32, E, generator=gen) for _ in range(2)]
+    experts = [torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(32)])
+               for _ in range(2)]
+    got = sequence_balance_loss(logits, experts, lengths, mask)
+    per_layer = []
+    for lg, ex in zip(logits, experts):
+        s = torch.sigmoid(lg.double())
+        s = s / s.sum(-1, keepdim=True)
+        docs, start = [], 0
+        for b, row in enumerate(lengths):
+            for n in row:
+                tokens = [b * 16 + t for t in range(start % 16, start % 16 + n)
+                          if mask[b, t] > 0]
+                start += n
+                T = len(tokens)
+                f = [E / (K * T) * sum(float(i in ex[t].tolist()) for t in tokens)
+                     for i in range(E)]
+                P = [sum(float(s[t, i]) for t in tokens) / T for i in range(E)]
+                docs.append(sum(fi * pi for fi, pi in zip(f, P)))
+        per_layer.append(sum(docs) / len(docs))
+    assert got.item() == pytest.approx(sum(per_layer) / 2, rel=1e-6)
+
+
+def test_update_score_bias_is_the_papers_rule() -> None:
+    """b_i += gamma * sign(mean_j load_j - load_i) per layer (experts at the mean stay put)."""
+    from posttrain.models import ModelArgs, build_model
+    from posttrain.models.moe import expert_loads, score_bias_blocks, update_score_bias
+    from posttrain.models.verify import tiny_hf_config
+    model = build_model(ModelArgs.from_hf_config(tiny_hf_config("deepseek_v3").to_dict()),
+                        seed=0)
+    blocks = score_bias_blocks(model)
+    assert [id(b) for b in blocks] == [id(model.layers[i].mlp) for i in (1, 2, 3)]
+    loads = torch.tensor([[4, 4, 4, 4, 0, 8, 2, 6]] * 3, dtype=torch.float64)
+    update_score_bias(model, loads, 0.01)
+    for b in blocks:
+        torch.testing.assert_close(b.e_score_correction_bias,
+                                   torch.tensor([0, 0, 0, 0, 0.01, -0.01, 0.01, -0.01]))
+    model(torch.randint(0, 250, (2, 6)))
+    mask = torch.ones(2, 6)
+    mask[1, 4:] = 0
+    counted = expert_loads(model, mask)
+    assert counted.shape == (3, 8) and (counted.sum(1) == 10 * 2).all()

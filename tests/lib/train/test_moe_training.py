@@ -119,3 +119,65 @@ def test_z_loss_and_the_step_metrics(hf_dir, tmp_path):
     assert metrics["moe/aux_loss"] > 0 and metrics["moe/z_loss"] > 0
     # the load-balancing loss is near 1 for a balanced router (E * sum f P = 1 when uniform)
     assert 0.5 < metrics["moe/aux_loss"] < 4.0
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("moe") / "deepseek_v3"
+    random_hf_model(tiny_hf_config("deepseek_v3"), seed=0).save_pretrained(out)
+    return out
+
+
+def test_deepseek_v3_router_term_is_transformers_none(deepseek_dir, tmp_path):
+    """transformers' DeepseekV3ForCausalLM adds no router loss (its loss is the cross-entropy,
+    `output_router_logits` only returns the logits): by default neither does the engine, and
+    the router and expert gradients equal transformers'."""
+    engine = _engine(deepseek_dir, tmp_path)
+    assert engine.router_coefs == () and engine.bias_update_speed == 0.0
+    batch, _, _ = _batch()
+    engine.accumulate_gradients([batch], int((batch["labels"] != -100).sum()))
+    ours = _grads(dict(engine.model.named_parameters()))
+    ref = _hf_grads(deepseek_dir, aux=True)
+    for i in (1, 2, 3):
+        assert (ours[f"layers.{i}.mlp.router.weight"]
+                - ref[f"model.layers.{i}.mlp.gate.weight"]).abs().max() <= 1e-5
+        gate_up, inter = ref[f"model.layers.{i}.mlp.experts.gate_up_proj"], 32
+        assert (ours[f"layers.{i}.mlp.experts.gate"] - gate_up[:, :inter]).abs().max() <= 1e-5
+        assert (ours[f"layers.{i}.attn.kv_b.weight"]
+                - ref[f"model.layers.{i}.self_attn.kv_b_proj.weight"]).abs().max() <= 1e-5
+
+
+def test_deepseek_v3_bias_balancing_moves_the_bias_by_the_plain_formula(deepseek_dir, tmp_path):
+    """b_i += gamma * sign(mean load - load_i) per MoE layer after the step, loads counted over
+    the step's real tokens; with the sequence-wise balance loss switched on as well."""
+    from posttrain.errors import ConfigError
+    speed = 1e-3
+    engine = _engine(deepseek_dir, tmp_path, moe_bias_update_speed=speed,
+                     moe_aux_loss_coef=1e-2)
+    batch, _, _ = _batch(seed=2)
+    batch["row_num_pad"] = [0, 5]
+    blocks = [engine.model.layers[i].mlp for i in (1, 2, 3)]
+    before = [b.e_score_correction_bias.clone() for b in blocks]
+    with torch.no_grad():                   # the routing the step's forward will take
+        engine.root.eval()
+        engine.root(batch["input_ids"], batch["labels"], batch["position_ids"], None)
+    real = torch.ones(2, 24, dtype=torch.bool)
+    real[1, 19:] = False
+    loads = [torch.zeros(8).index_add_(0, b.expert_NK[real.reshape(-1)].reshape(-1),
+                                       torch.ones(int(real.sum()) * 2)) for b in blocks]
+    metrics = engine.train_step([batch], int((batch["labels"] != -100).sum()))
+    for block, b0, load in zip(blocks, before, loads):
+        want = b0 + speed * torch.sign(load.mean() - load)
+        assert torch.equal(block.e_score_correction_bias, want)
+        assert block.e_score_correction_bias.dtype == torch.float32
+    vio = sum(float(load.max() / load.mean() - 1) for load in loads) / 3
+    assert metrics["moe/max_violation"] == pytest.approx(vio)
+    assert metrics["moe/aux_loss"] > 0
+    with pytest.raises(ConfigError, match="moe_bias_update_speed"):
+        _engine(_hf_dir_qwen(tmp_path), tmp_path / "q", moe_bias_update_speed=speed)
+
+
+def _hf_dir_qwen(tmp_path: Path) -> Path:
+    out = tmp_path / "qwen3_moe"
+    random_hf_model(tiny_hf_config("qwen3_moe"), seed=0).save_pretrained(out)
+    return out
