@@ -14,7 +14,8 @@ What is proved, per family and recipe:
   tokens under the policy is the number every weight moves) equal stored golden values
   (tests/golden/families/, within tests/steps/golden.py's tolerance);
 - SIGKILL after step 4 and a restart (run in this process) give bit-identical exported
-  weights and the same per-step metrics as the uninterrupted run.
+  weights and the same per-step metrics as the uninterrupted run (DeepSeek-V3 with bias
+  balancing on: the routers' score-correction bias moves every step, and resumes exactly).
 
 The references run in this process (no interpreter start-up); only the killed run is a
 subprocess, as SIGKILL needs one. About 8 s (SFT) and 12 s (GRPO) per family on 2 cores.
@@ -36,7 +37,10 @@ from .golden import check_golden
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-FAMILIES = ["qwen3_5", "qwen3_5_moe"]
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "deepseek_v3"]
+# DeepSeek-V3 trains with auxiliary-loss-free balancing on, so that resume and export carry the
+# routers' moving score-correction bias
+MODEL_OPTIONS = {"deepseek_v3": {"moe_bias_update_speed": 0.001}}
 STEPS, KILL_STEP = 10, 4
 
 SFT = {
@@ -93,6 +97,7 @@ def _config(recipe: str, family: str, tmp: Path, chat_data: Path) -> Path:
     cfg = json.loads(json.dumps(RECIPES[recipe][0]))
     cfg["run"]["dir"] = str(tmp / "unused")
     cfg["model"]["init"] = {"family": family, "seed": 0}
+    cfg["model"].update(MODEL_OPTIONS.get(family, {}))
     if recipe == "sft":
         cfg["data"]["train"] = [{"name": "chat", "path": str(chat_data / "train.jsonl")}]
         cfg["data"]["eval"] = [{"name": "chat", "path": str(chat_data / "eval.jsonl")}]
@@ -120,3 +125,8 @@ def test_golden_values_and_sigkill_resume(family, recipe, tmp_path, chat_data):
     assert (result["started_at_step"], result["steps"]) == (KILL_STEP, STEPS)
     assert safetensors(killed_dir / "hf") == safetensors(ref_dir / "hf")
     assert _metrics(killed_dir, key) == ref
+    if family in MODEL_OPTIONS:          # the bias moved, and was exported
+        from posttrain.models.hf_io import load_hf
+        bias = load_hf(ref_dir / "hf").layers[1].mlp.e_score_correction_bias
+        assert bias.abs().max() > 0
+        assert recipe == "grpo" or _metrics(ref_dir, "moe/max_violation")
