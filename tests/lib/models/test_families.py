@@ -11,7 +11,7 @@ from posttrain.models import ModelArgs, build_model, load_hf
 from posttrain.models.transformer import FeedForward
 from posttrain.models.verify import tiny_hf_config, verify
 
-FAMILIES = ("qwen3", "llama", "gemma3")
+FAMILIES = ("qwen3", "llama", "gemma3", "gemma4")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -195,29 +195,119 @@ def _tiny_multimodal_qwen3_5(out) -> torch.nn.Module:
     return model
 
 
-def test_multimodal_qwen3_5_checkpoint_trains_its_text_model(tmp_path, read_checkpoint) -> None:
-    """A released-layout checkpoint (Qwen3_5ForConditionalGeneration): the native model is its
-    text model, verified against transformers; the export keeps the vision tower byte for byte
-    and loads as the same multimodal class with the native logits."""
-    from transformers import Qwen3_5ForConditionalGeneration
-
+def _check_multimodal(src, out, read_checkpoint, *, family: str, model_class: type,
+                      kept: tuple[str, ...], moved: str, seq_len: int = 40) -> None:
+    """The native model of a multimodal checkpoint `src` is its text model of `family`
+    (verified against transformers, packed rows too); after a training step moved a weight (HF
+    key `moved`), the export `out` keeps every tensor under the `kept` prefixes (the towers)
+    byte for byte and loads as `model_class` with the native logits."""
     from posttrain.models import save_hf
-    src, out = tmp_path / "mm", tmp_path / "export"
-    _tiny_multimodal_qwen3_5(src)
-    report = verify(src, seq_len=40, batch=2, packed=True, seed=1)
-    assert report["passed"] and report["family"] == "qwen3_5", report
+    report = verify(src, seq_len=seq_len, batch=2, packed=True, seed=1)
+    assert report["passed"] and report["family"] == family, report
     native = load_hf(src)
     with torch.no_grad():                       # training moved a weight
         native.layers[0].attn.q.weight.add_(0.01)
     save_hf(native, out)
     before, after = read_checkpoint(src), read_checkpoint(out)
     assert set(before) == set(after)
-    visual = [n for n in before if n.startswith("model.visual.")]
-    assert visual and all(torch.equal(before[n], after[n]) for n in visual)
-    qkv = "model.language_model.layers.0.linear_attn.in_proj_qkv.weight"
-    assert not torch.equal(before[qkv], after[qkv])
-    reloaded = Qwen3_5ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    towers = [n for n in before if n.startswith(kept)]
+    assert towers and all(torch.equal(before[n], after[n]) for n in towers)
+    assert not torch.equal(before[moved], after[moved])
+    reloaded = model_class.from_pretrained(out, dtype=torch.float32).eval()
     ids = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (reloaded(input_ids=ids).logits - native.logits(native(ids))[..., :250]).abs()
     assert diff.max() < 1e-4
+
+
+def test_multimodal_qwen3_5_checkpoint_trains_its_text_model(tmp_path, read_checkpoint) -> None:
+    """A released-layout checkpoint (Qwen3_5ForConditionalGeneration): the native model is its
+    text model, verified against transformers; the export keeps the vision tower byte for byte
+    and loads as the same multimodal class with the native logits."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    _tiny_multimodal_qwen3_5(tmp_path / "mm")
+    _check_multimodal(tmp_path / "mm", tmp_path / "export", read_checkpoint, family="qwen3_5",
+                      model_class=Qwen3_5ForConditionalGeneration, kept=("model.visual.",),
+                      moved="model.language_model.layers.0.linear_attn.in_proj_qkv.weight")
+
+
+def test_gemma4_without_moe_and_k_eq_v_and_with_three_shared_layers() -> None:
+    """The E2B/E4B shape: full layers with the sliding layers' kv heads but their own head
+    width, no MoE, no soft-capping; three KV-sharing layers, two of them sliding (reading layer
+    1, window 6 shorter than the documents), one full (reading layer 2); transformers' SDPA
+    attention as the reference."""
+    config = {"attention_k_eq_v": False, "enable_moe_block": False, "num_kv_shared_layers": 3,
+              "final_logit_softcapping": None}
+    report = verify(("gemma4", config), seq_len=40, batch=2, packed=True, seed=1,
+                    attn_implementation="sdpa")
+    assert report["passed"], report
+    args = ModelArgs.from_hf_config(tiny_hf_config("gemma4", **config).to_dict())
+    assert [args.kv_source(i) for i in range(6)] == [None, None, None, 1, 1, 2]
+    assert args.attention_shape(2) == (4, 16) and args.attention_shape(0) == (4, 8)
+    assert args.mlp_size(3) == 256 and args.mlp_size(2) == 128 and args.num_experts == 0
+
+
+def test_gemma4_module_names() -> None:
+    """A full-attention layer with experts and per-layer inputs (k_eq_v: no v), a KV-sharing
+    layer (no k, v, k_norm), the model-level per-layer input embeddings; the scalar frozen."""
+    model = _native("gemma4")
+    names = set(model.state_dict())
+    block = {"attn_norm.weight", "attn.q.weight", "attn.o.weight", "attn.q_norm.weight",
+             "post_attn_norm.weight", "mlp_norm.weight", "mlp.gate.weight", "mlp.up.weight",
+             "mlp.down.weight", "post_mlp_norm.weight", "post_dense_norm.weight",
+             "moe_norm.weight", "moe.router.weight", "moe.router_scale", "moe.expert_scale",
+             "moe.experts.gate", "moe.experts.up", "moe.experts.down", "post_moe_norm.weight",
+             "per_layer_gate.weight", "per_layer_proj.weight", "post_per_layer_norm.weight",
+             "layer_scalar"}
+    for i, own in ((2, {"attn.k.weight", "attn.k_norm.weight"}), (5, set())):
+        assert {n.removeprefix(f"layers.{i}.") for n in names
+                if n.startswith(f"layers.{i}.")} == block | own, i
+    assert {"per_layer_inputs.embed.weight", "per_layer_inputs.proj.weight",
+            "per_layer_inputs.norm.weight"} <= names
+    assert model.per_layer_inputs.embed.weight.shape == (250, 6 * 8)
+    assert not model.layers[0].layer_scalar.requires_grad
+    assert model.layers[0].attn.tp_colwise == ("q", "k", "v")
+    assert model.layers[4].attn.tp_colwise == ("q",)
+
+
+def test_gemma4_refusals_name_the_key() -> None:
+    cfg = tiny_hf_config("gemma4").to_dict()
+    with pytest.raises(ConfigError, match="use_bidirectional_attention"):
+        ModelArgs.from_hf_config({**cfg, "use_bidirectional_attention": "all"})
+    with pytest.raises(ConfigError, match="num_kv_shared_layers"):
+        ModelArgs.from_hf_config({**cfg, "num_kv_shared_layers": 6})
+    args = ModelArgs.from_hf_config(cfg)
+    with pytest.raises(ConfigError, match="vocab_size_per_layer_input"):
+        build_model(args.replace(vocab_size=260), device="meta")
+
+
+def _tiny_multimodal_gemma4(out) -> torch.nn.Module:
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    config = Gemma4Config(
+        text_config=tiny_hf_config("gemma4").to_dict(),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, head_dim=16),
+        audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                          output_proj_dims=64, subsampling_conv_channels=[8, 4]))
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():       # scales initialised to 1 would hide a missing one
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("norm.weight", "layer_scalar", "router.scale", "expert_scale")):
+                t.add_(0.2 * torch.randn(t.shape))
+    model.save_pretrained(out)
+    return model
+
+
+def test_multimodal_gemma4_checkpoint_trains_its_text_model(tmp_path, read_checkpoint) -> None:
+    """Gemma4ForConditionalGeneration (every text feature on): the native model is its text
+    model; the export keeps the vision and audio towers and their embedders byte for byte."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    _tiny_multimodal_gemma4(tmp_path / "mm")
+    _check_multimodal(tmp_path / "mm", tmp_path / "export", read_checkpoint, family="gemma4",
+                      model_class=Gemma4ForConditionalGeneration, seq_len=32,
+                      kept=("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
+                            "model.embed_audio."),
+                      moved="model.language_model.layers.0.self_attn.q_proj.weight")

@@ -8,6 +8,7 @@ from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
 from posttrain.models.families.base import FamilyBridge, MultimodalBridge
 from posttrain.models.families.gemma3 import Gemma3Bridge
+from posttrain.models.families.gemma4 import Gemma4Bridge
 from posttrain.models.families.gpt_oss import GptOssBridge
 from posttrain.models.families.llama import LlamaBridge
 from posttrain.models.families.qwen3 import Qwen3Bridge
@@ -17,7 +18,7 @@ from posttrain.models.families.qwen3_moe import Qwen3MoeBridge
 BRIDGES: dict[str, FamilyBridge] = {b.family: b for b in (Qwen3Bridge(), LlamaBridge(),
                                                           Gemma3Bridge(), Qwen3MoeBridge(),
                                                           GptOssBridge(), Qwen3_5Bridge(),
-                                                          Qwen3_5MoeBridge())}
+                                                          Qwen3_5MoeBridge(), Gemma4Bridge())}
 
 
 def register_bridge(bridge: FamilyBridge) -> None:

@@ -200,7 +200,9 @@ def split_rope(params: dict[str, Any] | None, *, where: str) -> tuple[float, dic
     """HF rope_parameters -> (theta, scaling dict without theta, or None for plain RoPE)."""
     if not params or params.get("rope_theta") is None:
         raise ConfigError(f"{where}: no rope_theta in the config's rope parameters")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    if (params.get("partial_rotary_factor", 1.0) != 1.0
+            and params.get("rope_type") != "proportional"):
+        # (proportional RoPE, Gemma 4, takes it as a parameter of its frequencies)
         raise ConfigError(f"{where}: partial_rotary_factor is not supported by native models")
     theta = float(params["rope_theta"])
     scaling = {k: v for k, v in params.items() if k != "rope_theta"}
