@@ -36,7 +36,7 @@ from .golden import check_golden
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-FAMILIES = ["qwen3_5", "qwen3_5_moe"]
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "gemma4"]
 STEPS, KILL_STEP = 10, 4
 
 SFT = {

@@ -92,8 +92,7 @@ _TINY: dict[str, dict[str, Any]] = {
                    num_global_key_value_heads=2, attention_k_eq_v=True, sliding_window=6,
                    layer_types=["sliding_attention", "sliding_attention", "full_attention",
                                 "sliding_attention", "sliding_attention", "full_attention"],
-                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=250,
-                   num_kv_shared_layers=2, use_double_wide_mlp=True, enable_moe_block=True,
+                   hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True, enable_moe_block=True,
                    num_experts=4, top_k_experts=2, moe_intermediate_size=24,
                    final_logit_softcapping=30.0,
                    rope_parameters={
@@ -122,6 +121,8 @@ def tiny_hf_config(family: str, **overrides: Any) -> Any:
     if family in _NO_DENSE_MLP:
         kwargs.pop("intermediate_size")
     kwargs.update({k: v for k, v in overrides.items() if k not in _NOT_CONFIG_KWARGS})
+    if family == "gemma4":      # the per-layer input embeddings cover the vocabulary
+        kwargs.setdefault("vocab_size_per_layer_input", kwargs["vocab_size"])
     return classes[family](**kwargs)
 
 
