@@ -187,8 +187,8 @@ class ModelArgs:
     def rotary_dim_of(self, layer_type: str) -> int:
         """The RoPE table width of a kind of layer (`rotary_dim` at that kind's head dim)."""
         g = self.gemma4
-        dim = g.global_head_dim if g is not None and layer_type == FULL_ATTENTION else self.head_dim
-        return int(dim * self.partial_rotary_factor)
+        full = g is not None and layer_type == FULL_ATTENTION
+        return int((g.global_head_dim if full else self.head_dim) * self.partial_rotary_factor)
 
     def k_eq_v(self, i: int) -> bool:
         """Whether layer i's values are its key projection's output (no value projection)."""

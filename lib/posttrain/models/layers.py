@@ -103,8 +103,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
         return _yarn_inv_freq(head_dim, theta, scaling, exponents)
     if rope_type == "proportional":
         angles = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
-        inv_freq = torch.cat([inv_freq[:angles], torch.zeros(head_dim // 2 - angles, device="cpu")])
-        return inv_freq / scaling.get("factor", 1.0)
+        kept = torch.zeros(head_dim // 2, device="cpu")
+        kept[:angles] = inv_freq[:angles]
+        return kept / scaling.get("factor", 1.0)
     raise ConfigError(
         f"rope_type '{rope_type}' is not supported by the native models (supported: default, "
         "linear, llama3, yarn, proportional); add it to posttrain/models/layers.py:rope_inv_freq")
