@@ -1,4 +1,6 @@
-"""Native Qwen3 / Llama 3.x / Gemma 3 against transformers, and the module-name contract."""
+"""Native families against transformers (Qwen3, Llama 3.x, Gemma 3, Qwen3.5, Gemma 4; the
+multimodal checkpoints of Qwen3.5, Gemma 3 and Gemma 4 through their text model), and the
+module-name contract."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from torch import nn
 
 from posttrain.errors import ConfigError
 from posttrain.models import ModelArgs, build_model, load_hf
+from posttrain.models.hf_io import read_hf_config
 from posttrain.models.transformer import FeedForward
 from posttrain.models.verify import tiny_hf_config, verify
 
@@ -311,3 +314,41 @@ def test_multimodal_gemma4_checkpoint_trains_its_text_model(tmp_path, read_check
                       kept=("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
                             "model.embed_audio."),
                       moved="model.language_model.layers.0.self_attn.q_proj.weight")
+
+
+def _tiny_multimodal_gemma3(out, **text) -> torch.nn.Module:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    config = Gemma3Config(
+        text_config=tiny_hf_config("gemma3", final_logit_softcapping=None, **text).to_dict(),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=32, patch_size=8),
+        mm_tokens_per_image=4, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():       # Gemma's (1 + w) norms start at w = 0
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn(p.shape))
+    model.save_pretrained(out)
+    return model
+
+
+def test_multimodal_gemma3_checkpoint_trains_its_text_model(tmp_path, read_checkpoint) -> None:
+    """The released Gemma 3 4B/12B/27B layout (Gemma3ForConditionalGeneration, the text model
+    under `language_model.model.`, an untied head as `language_model.lm_head.weight`): the
+    native Gemma 3 text model, verified against transformers' multimodal class; the export
+    writes the same layout with the vision tower and projector byte for byte."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    _tiny_multimodal_gemma3(tmp_path / "mm")
+    assert "language_model.lm_head.weight" in read_checkpoint(tmp_path / "mm")
+    _check_multimodal(tmp_path / "mm", tmp_path / "export", read_checkpoint, family="gemma3",
+                      model_class=Gemma3ForConditionalGeneration,
+                      kept=("vision_tower.", "multi_modal_projector."),
+                      moved="language_model.model.layers.0.self_attn.q_proj.weight")
+    # transformers' multimodal class applies no final soft-capping, so neither does the native
+    # model of such a checkpoint (it says so)
+    config = read_hf_config(tmp_path / "mm")
+    config["text_config"]["final_logit_softcapping"] = 30.0
+    with pytest.warns(UserWarning, match="final_logit_softcapping=30.0 is ignored"):
+        assert ModelArgs.from_hf_config(config).final_logit_softcapping is None

@@ -41,8 +41,6 @@ def bridge_for_config(config: dict[str, Any]) -> FamilyBridge:
             return bridge.bind(config)
         if model_type in bridge.multimodal_types:
             return MultimodalBridge(bridge, model_type, config)
-    if model_type == "gemma3":
-        return BRIDGES["gemma3"]   # its args_from_hf explains what is unsupported
     known = sorted(t for b in BRIDGES.values() for t in b.model_types)
     raise ConfigError(f"config.json model_type '{model_type}' has no native model; known: {known}")
 

@@ -54,6 +54,9 @@ class FamilyBridge:
     architecture: str = ""                     # HF `architectures[0]` written on save
     # multimodal checkpoints whose text model is this family: model_type -> its architecture
     multimodal_types: dict[str, str] = {}
+    # ... and where their checkpoints keep the text model, where not under `model.language_model.`
+    # (model_type -> `MultimodalBridge.LAYOUTS` key)
+    multimodal_layouts: dict[str, str] = {}
     layer_names: dict[str, str] = COMMON_LAYER_NAMES
     ignored_hf_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
@@ -124,6 +127,12 @@ class FamilyBridge:
     # ---- configs -------------------------------------------------------------------------
     def args_from_hf(self, config: dict[str, Any], *, vocab_multiple: int = 64) -> ModelArgs:
         raise NotImplementedError
+
+    def multimodal_args(self, args: ModelArgs, model_type: str) -> ModelArgs:
+        """The args of this family's text model inside a multimodal checkpoint of
+        `model_type`, where transformers' multimodal class computes it differently from the
+        text-only one; unchanged by default."""
+        return args
 
     def config_from_args(self, args: ModelArgs) -> dict[str, Any]:
         """A config.json for args that did not come from one (models built from scratch)."""
@@ -222,14 +231,21 @@ def sliding_fields(cfg: Any) -> dict[str, Any]:
 
 class MultimodalBridge(FamilyBridge):
     """A text family's bridge over a multimodal checkpoint (`Qwen3_5ForConditionalGeneration`,
-    `Gemma3ForConditionalGeneration`): the text model lives under `model.language_model.`, the
-    LM head stays `lm_head.weight`, and everything else (vision tower, projector, multi-token
-    prediction layers) is passthrough: never loaded into the native model, copied unchanged from
-    the source checkpoint on export (`hf_io.save_hf`), so the export loads as the same
-    multimodal class. config.json keeps its shape; the text model's settings are its
+    `Gemma3ForConditionalGeneration`, `Gemma4ForConditionalGeneration`): the text model lives
+    under `model.language_model.` with the LM head as `lm_head.weight` (transformers 5's
+    layout), or, in checkpoints of the llava lineage such as the released Gemma 3 ones, under
+    `language_model.model.` with `language_model.lm_head.weight` (`LAYOUTS`). Either layout
+    loads; the export writes the one transformers writes for that model type
+    (`FamilyBridge.multimodal_layouts`). Everything else (vision and audio towers, projector,
+    multi-token prediction layers) is passthrough: never loaded into the native model, copied
+    unchanged from the source checkpoint on export (`hf_io.save_hf`), so the export loads as the
+    same multimodal class. config.json keeps its shape; the text model's settings are its
     `text_config`.
     """
 
+    # text model prefix -> LM head key
+    LAYOUTS = {"model.language_model.": "lm_head.weight",
+               "language_model.model.": "language_model.lm_head.weight"}
     TEXT_PREFIX = "model.language_model."
 
     def __init__(self, inner: FamilyBridge, model_type: str,
@@ -241,16 +257,22 @@ class MultimodalBridge(FamilyBridge):
         self.model_types = (model_type,)
         self.architecture = inner.multimodal_types[model_type]
         self.layer_names = inner.layer_names
+        self.text_prefix = inner.multimodal_layouts.get(model_type, self.TEXT_PREFIX)
         super().__init__()
 
     def _text(self, hf: str) -> str | None:
         """Multimodal key -> the text-only checkpoint's key (None: passthrough)."""
-        if hf.startswith(self.TEXT_PREFIX):
-            return "model." + hf[len(self.TEXT_PREFIX):]
-        return hf if hf == TOP_NAMES["head.weight"] else None
+        for prefix, head in self.LAYOUTS.items():
+            if hf.startswith(prefix):
+                return "model." + hf[len(prefix):]
+            if hf == head:
+                return TOP_NAMES["head.weight"]
+        return None
 
     def _outer(self, hf: str) -> str:
-        return self.TEXT_PREFIX + hf[len("model."):] if hf.startswith("model.") else hf
+        if hf == TOP_NAMES["head.weight"]:
+            return self.LAYOUTS[self.text_prefix]
+        return self.text_prefix + hf[len("model."):] if hf.startswith("model.") else hf
 
     def is_passthrough(self, hf: str) -> bool:
         return self._text(hf) is None
@@ -294,6 +316,7 @@ class MultimodalBridge(FamilyBridge):
     def args_from_hf(self, config: dict[str, Any], *, vocab_multiple: int = 64) -> ModelArgs:
         args = self.inner.args_from_hf(self.text_config(config, self.inner),
                                        vocab_multiple=vocab_multiple)
+        args = self.inner.multimodal_args(args, self.model_types[0])
         return args.replace(hf_config=dict(config))
 
     def config_from_args(self, args: ModelArgs) -> dict[str, Any]:

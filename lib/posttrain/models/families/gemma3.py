@@ -1,4 +1,7 @@
-"""Gemma 3 text (Gemma3ForCausalLM, model_type `gemma3_text`).
+"""Gemma 3 text (Gemma3ForCausalLM, model_type `gemma3_text`); the released 4B/12B/27B
+checkpoints (`gemma3`: Gemma3ForConditionalGeneration, the text model under
+`language_model.model.`) train their text model, the vision tower and projector kept for
+export (`families.base.MultimodalBridge`).
 
 Differences from the Llama shape: RMSNorm weights applied as (1 + w); sandwich norms around
 attention and MLP; embeddings scaled by sqrt(hidden) rounded to the model dtype; gelu-tanh MLP;
@@ -30,12 +33,11 @@ class Gemma3Bridge(FamilyBridge):
     family = "gemma3"
     model_types = ("gemma3_text",)
     architecture = "Gemma3ForCausalLM"
+    multimodal_types = {"gemma3": "Gemma3ForConditionalGeneration"}
+    multimodal_layouts = {"gemma3": "language_model.model."}
     layer_names = GEMMA3_LAYER_NAMES
 
     def args_from_hf(self, config: dict[str, Any], *, vocab_multiple: int = 64) -> ModelArgs:
-        if config.get("model_type") == "gemma3":
-            raise ConfigError("this is a multimodal Gemma 3 checkpoint (model_type 'gemma3'); "
-                              "only the text-only Gemma3ForCausalLM ('gemma3_text') is supported")
         cfg = parse_hf_config(config)
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ConfigError("gemma3 config.json: use_bidirectional_attention is not supported")
@@ -64,6 +66,15 @@ class Gemma3Bridge(FamilyBridge):
             final_logit_softcapping=cfg.final_logit_softcapping,
             hf_config=dict(config),
         )
+
+    def multimodal_args(self, args: ModelArgs, model_type: str) -> ModelArgs:
+        """Gemma3ForConditionalGeneration never soft-caps its logits (the released checkpoints
+        set no cap); the native model computes what it computes."""
+        if args.final_logit_softcapping is not None:
+            warnings.warn(f"gemma3 multimodal checkpoint: text_config.final_logit_softcapping="
+                          f"{args.final_logit_softcapping} is ignored (as in transformers' "
+                          "Gemma3ForConditionalGeneration)")
+        return args.replace(final_logit_softcapping=None)
 
     def config_from_args(self, args: ModelArgs) -> dict[str, Any]:
         cfg = super().config_from_args(args)
