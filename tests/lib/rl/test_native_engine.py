@@ -58,13 +58,11 @@ def tiny_args(family: str, **overrides) -> ModelArgs:
                                                           chunk_size=4),
                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                             shared_expert_intermediate_size=48, shared_expert_gate=True),
-        # window 4; full layers 1 and 4 with one kv head of 32 (values = keys' projection) and
-        # proportional RoPE; layers 3 and 4 reuse the keys and values of layers 2 and 1 (from
+        # window 4; full layers 1 and 3 with one kv head of 32 (values = keys' projection) and
+        # proportional RoPE; layers 2 and 3 reuse the keys and values of layers 0 and 1 (from
         # their caches when decoding); per-layer inputs; the MoE block beside the dense MLP
         "gemma4": dict(qk_norm=True, hidden_act="gelu_pytorch_tanh", sliding_window=4,
-                       num_layers=5, layer_types=("sliding_attention", "full_attention",
-                                                  "sliding_attention", "sliding_attention",
-                                                  "full_attention"),
+                       num_layers=4, layer_types=("sliding_attention", "full_attention") * 2,
                        rope_theta=1e6, rope_local_theta=1e4,
                        rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25},
                        query_pre_attn_scalar=1.0, embed_scale=True, norm_scale_fp32=True,
