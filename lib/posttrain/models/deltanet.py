@@ -120,12 +120,12 @@ class GatedDeltaNet(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
-        """Conv weights normal(0, 1 / sqrt(K)); decay rates A in [1, 16] (log-uniform-ish, as
-        the released models' range), dt_bias 1. The Linears and the norm initialise
+        """Conv weights normal(0, 1 / sqrt(K)); decay rates A uniform in [0.01, 16] and
+        dt_bias 1, as transformers initialises them. The Linears and the norm initialise
         themselves."""
         for p in (self.conv_q, self.conv_k, self.conv_v):
             nn.init.normal_(p, std=self.kernel ** -0.5)
-        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16.0).log())
         nn.init.ones_(self.dt_bias)
 
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,16 +153,24 @@ class GatedDeltaNet(nn.Module):
         `state` / `step` (`posttrain.models.kv_cache`): run incrementally."""
         if state is not None:
             return self._forward_cached(x, state, step)
-        B, T, _ = x.shape
-        lengths = getattr(mask, "lengths", None)
-        pos = _positions(lengths, B, T, x.device)
-        q, k, v = (self.act(causal_conv(proj(x), _local(w), pos))
-                   for proj, w in ((self.q, self.conv_q), (self.k, self.conv_k),
-                                   (self.v, self.conv_v)))
         beta, g = self._gates(x)
+        core = self._mix(self.q(x), self.k(x), self.v(x), g, beta, mask)
+        return self._output(core, x)
+
+    @torch.compiler.disable
+    def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor, mask: Any) -> torch.Tensor:
+        """Convolution and delta rule over the batch's documents, outside compiled graphs:
+        the chunk layout follows the document lengths (Python lists), which a compiled block
+        would otherwise specialise on, recompiling for every new packing."""
+        B, T, _ = q.shape
+        lengths = getattr(mask, "lengths", None)
+        pos = _positions(lengths, B, T, q.device)
+        q, k, v = (self.act(causal_conv(t, _local(w), pos))
+                   for t, w in ((q, self.conv_q), (k, self.conv_k), (v, self.conv_v)))
         core, _ = gated_delta_rule(*self._heads(q, k, v), g, beta, document_lengths=lengths,
                                    chunk_size=self.chunk_size)
-        return self._output(core, x)
+        return core
 
     def _forward_cached(self, x: torch.Tensor, state: DeltaNetState, step: Any) -> torch.Tensor:
         """Prefill (from slot 0: the left padding is its own document) with the chunked form,

@@ -74,3 +74,40 @@ def test_inductor_blocks_compile_at_most_twice_over_20_packings():
         eager.zero_grad(set_to_none=True)
     # one graph per distinct block (a sliding and a full layer differ), never one per packing
     assert 1 <= len(graphs) <= 2, graphs
+
+
+def test_qwen3_5_blocks_do_not_recompile_for_new_packings():
+    """Gated-DeltaNet layers: the delta rule runs outside the compiled graphs (its chunk layout
+    follows the documents), the projections, norms and MLP inside; a new packing reuses them."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from posttrain.distributed import apply_compile
+    from posttrain.models.args import DeltaNetArgs
+
+    args = _args(family="qwen3_5", norm_offset=True, attn_output_gate=True,
+                 partial_rotary_factor=0.25, layer_types=("linear_attention", "full_attention"),
+                 linear_attention=DeltaNetArgs(num_k_heads=2, num_v_heads=4, head_k_dim=8,
+                                               head_v_dim=8, chunk_size=16))
+    torch._dynamo.reset()
+    eager, model = build_model(args, seed=0), build_model(args, seed=0)
+    graphs: list[int] = []
+
+    def inductor_counting(gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        return compile_fx(gm, example_inputs)
+
+    apply_compile(model, backend=inductor_counting)
+    gen = torch.Generator().manual_seed(0)
+    compiled_after: dict[int, int] = {}
+    for i, docs in enumerate(_layouts(8, rows=2)):
+        ids = torch.randint(0, args.vocab_size, (2, T), generator=gen)
+        losses = [m(ids, document_lengths=docs).square().mean() for m in (model, eager)]
+        compiled_after[i] = len(graphs)
+        if i == 7:            # backward once (its graphs compile here), against eager
+            torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+            for loss in losses:
+                loss.backward()
+            for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # the first packing compiled every forward graph; seven other packings added none
+    assert compiled_after[0] > 0 and compiled_after[7] == compiled_after[0], compiled_after

@@ -4,13 +4,14 @@ module-name contract."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
 
 from posttrain.errors import ConfigError
 from posttrain.models import ModelArgs, build_model, load_hf
-from posttrain.models.hf_io import read_hf_config
 from posttrain.models.transformer import FeedForward
 from posttrain.models.verify import tiny_hf_config, verify
 
@@ -187,25 +188,54 @@ def test_qwen3_5_matches_transformers_over_several_chunks(family: str) -> None:
     assert args.rotary_dim == 4 and args.attn_output_gate and args.norm_offset
 
 
-def _tiny_multimodal_qwen3_5(out) -> torch.nn.Module:
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    text = tiny_hf_config("qwen3_5").to_dict()
-    config = Qwen3_5Config(text_config=text, vision_config=dict(
-        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))
+def _tiny_multimodal(family: str, out) -> str | tuple[str, ...]:
+    """A tiny random multimodal checkpoint whose text model is `family`'s tiny config, saved
+    as transformers saves it; returns the prefixes of its towers' keys."""
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma4Config,
+                              Gemma4ForConditionalGeneration, Qwen3_5Config,
+                              Qwen3_5ForConditionalGeneration)
+    text = tiny_hf_config(family).to_dict()
+    if family == "qwen3_5":
+        config, cls, vision = Qwen3_5Config(text_config=text, vision_config=dict(
+            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)), \
+            Qwen3_5ForConditionalGeneration, "model.visual."
+    elif family == "gemma4":        # vision and audio towers, each with its embedder
+        config, cls, vision = Gemma4Config(
+            text_config=text,
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=2, head_dim=16),
+            audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              output_proj_dims=64, subsampling_conv_channels=[8, 4])), \
+            Gemma4ForConditionalGeneration, ("model.vision_tower.", "model.audio_tower.",
+                                             "model.embed_vision.", "model.embed_audio.")
+    else:
+        config, cls, vision = Gemma3Config(text_config=text, mm_tokens_per_image=4, vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            image_size=28, patch_size=14)), Gemma3ForConditionalGeneration, "vision_tower."
     torch.manual_seed(0)
-    model = Qwen3_5ForConditionalGeneration(config).eval()
+    model = cls(config).eval()
+    if family == "gemma4":          # norms and scales at exactly 1 would hide a missing one
+        with torch.no_grad():
+            for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith(("norm.weight", "layer_scalar", "router.scale", "expert_scale")):
+                    t.add_(0.2 * torch.randn(t.shape))
     model.save_pretrained(out)
-    return model
+    return vision
 
 
-def _check_multimodal(src, out, read_checkpoint, *, family: str, model_class: type,
-                      kept: tuple[str, ...], moved: str, seq_len: int = 40) -> None:
-    """The native model of a multimodal checkpoint `src` is its text model of `family`
-    (verified against transformers, packed rows too); after a training step moved a weight (HF
-    key `moved`), the export `out` keeps every tensor under the `kept` prefixes (the towers)
-    byte for byte and loads as `model_class` with the native logits."""
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3", "gemma4"])
+def test_multimodal_checkpoint_trains_its_text_model(family, tmp_path, read_checkpoint) -> None:
+    """A released-layout checkpoint (Qwen3_5ForConditionalGeneration; Gemma 3 4B-27B's
+    Gemma3ForConditionalGeneration, `language_model.model.*`; Gemma4ForConditionalGeneration
+    with every text feature on, its vision and audio towers): the native model is its text
+    model, verified against transformers; the export keeps the towers byte for byte and
+    loads as the same multimodal class with the native logits."""
+    from transformers import AutoModelForCausalLM
+
     from posttrain.models import save_hf
-    report = verify(src, seq_len=seq_len, batch=2, packed=True, seed=1)
+    src, out = tmp_path / "mm", tmp_path / "export"
+    vision = _tiny_multimodal(family, src)
+    report = verify(src, seq_len=40, batch=2, packed=True, seed=1)
     assert report["passed"] and report["family"] == family, report
     native = load_hf(src)
     with torch.no_grad():                       # training moved a weight
@@ -213,26 +243,18 @@ def _check_multimodal(src, out, read_checkpoint, *, family: str, model_class: ty
     save_hf(native, out)
     before, after = read_checkpoint(src), read_checkpoint(out)
     assert set(before) == set(after)
-    towers = [n for n in before if n.startswith(kept)]
-    assert towers and all(torch.equal(before[n], after[n]) for n in towers)
-    assert not torch.equal(before[moved], after[moved])
-    reloaded = model_class.from_pretrained(out, dtype=torch.float32).eval()
+    kept = [n for n in before if n.startswith(vision)]
+    assert kept and all(torch.equal(before[n], after[n]) for n in kept)
+    moved = [n for n in before if not torch.equal(before[n], after[n])]
+    assert len(moved) == 1 and moved[0].endswith(("in_proj_qkv.weight", "q_proj.weight"))
+    assert json.loads((out / "config.json").read_text())["architectures"] == \
+        json.loads((src / "config.json").read_text())["architectures"]
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(reloaded).__name__.endswith("ForConditionalGeneration") or family == "qwen3_5"
     ids = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (reloaded(input_ids=ids).logits - native.logits(native(ids))[..., :250]).abs()
     assert diff.max() < 1e-4
-
-
-def test_multimodal_qwen3_5_checkpoint_trains_its_text_model(tmp_path, read_checkpoint) -> None:
-    """A released-layout checkpoint (Qwen3_5ForConditionalGeneration): the native model is its
-    text model, verified against transformers; the export keeps the vision tower byte for byte
-    and loads as the same multimodal class with the native logits."""
-    from transformers import Qwen3_5ForConditionalGeneration
-
-    _tiny_multimodal_qwen3_5(tmp_path / "mm")
-    _check_multimodal(tmp_path / "mm", tmp_path / "export", read_checkpoint, family="qwen3_5",
-                      model_class=Qwen3_5ForConditionalGeneration, kept=("model.visual.",),
-                      moved="model.language_model.layers.0.linear_attn.in_proj_qkv.weight")
 
 
 def test_gemma4_without_moe_and_k_eq_v_and_with_three_shared_layers() -> None:
@@ -283,72 +305,3 @@ def test_gemma4_refusals_name_the_key() -> None:
     args = ModelArgs.from_hf_config(cfg)
     with pytest.raises(ConfigError, match="vocab_size_per_layer_input"):
         build_model(args.replace(vocab_size=260), device="meta")
-
-
-def _tiny_multimodal_gemma4(out) -> torch.nn.Module:
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
-    config = Gemma4Config(
-        text_config=tiny_hf_config("gemma4").to_dict(),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=2, head_dim=16),
-        audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                          output_proj_dims=64, subsampling_conv_channels=[8, 4]))
-    torch.manual_seed(0)
-    model = Gemma4ForConditionalGeneration(config).eval()
-    with torch.no_grad():       # scales initialised to 1 would hide a missing one
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith(("norm.weight", "layer_scalar", "router.scale", "expert_scale")):
-                t.add_(0.2 * torch.randn(t.shape))
-    model.save_pretrained(out)
-    return model
-
-
-def test_multimodal_gemma4_checkpoint_trains_its_text_model(tmp_path, read_checkpoint) -> None:
-    """Gemma4ForConditionalGeneration (every text feature on): the native model is its text
-    model; the export keeps the vision and audio towers and their embedders byte for byte."""
-    from transformers import Gemma4ForConditionalGeneration
-
-    _tiny_multimodal_gemma4(tmp_path / "mm")
-    _check_multimodal(tmp_path / "mm", tmp_path / "export", read_checkpoint, family="gemma4",
-                      model_class=Gemma4ForConditionalGeneration, seq_len=32,
-                      kept=("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
-                            "model.embed_audio."),
-                      moved="model.language_model.layers.0.self_attn.q_proj.weight")
-
-
-def _tiny_multimodal_gemma3(out, **text) -> torch.nn.Module:
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-    config = Gemma3Config(
-        text_config=tiny_hf_config("gemma3", final_logit_softcapping=None, **text).to_dict(),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=32, patch_size=8),
-        mm_tokens_per_image=4, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():       # Gemma's (1 + w) norms start at w = 0
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn(p.shape))
-    model.save_pretrained(out)
-    return model
-
-
-def test_multimodal_gemma3_checkpoint_trains_its_text_model(tmp_path, read_checkpoint) -> None:
-    """The released Gemma 3 4B/12B/27B layout (Gemma3ForConditionalGeneration, the text model
-    under `language_model.model.`, an untied head as `language_model.lm_head.weight`): the
-    native Gemma 3 text model, verified against transformers' multimodal class; the export
-    writes the same layout with the vision tower and projector byte for byte."""
-    from transformers import Gemma3ForConditionalGeneration
-
-    _tiny_multimodal_gemma3(tmp_path / "mm")
-    assert "language_model.lm_head.weight" in read_checkpoint(tmp_path / "mm")
-    _check_multimodal(tmp_path / "mm", tmp_path / "export", read_checkpoint, family="gemma3",
-                      model_class=Gemma3ForConditionalGeneration,
-                      kept=("vision_tower.", "multi_modal_projector."),
-                      moved="language_model.model.layers.0.self_attn.q_proj.weight")
-    # transformers' multimodal class applies no final soft-capping, so neither does the native
-    # model of such a checkpoint (it says so)
-    config = read_hf_config(tmp_path / "mm")
-    config["text_config"]["final_logit_softcapping"] = 30.0
-    with pytest.warns(UserWarning, match="final_logit_softcapping=30.0 is ignored"):
-        assert ModelArgs.from_hf_config(config).final_logit_softcapping is None

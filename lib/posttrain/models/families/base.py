@@ -14,6 +14,8 @@ HF tensor that holds several native parameters or a transposed one (`native_name
 from __future__ import annotations
 
 import re
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,11 +54,8 @@ class FamilyBridge:
     family: str = ""
     model_types: tuple[str, ...] = ()
     architecture: str = ""                     # HF `architectures[0]` written on save
-    # multimodal checkpoints whose text model is this family: model_type -> its architecture
-    multimodal_types: dict[str, str] = {}
-    # ... and where their checkpoints keep the text model, where not under `model.language_model.`
-    # (model_type -> `MultimodalBridge.LAYOUTS` key)
-    multimodal_layouts: dict[str, str] = {}
+    # multimodal checkpoints whose text model is this family: model_type -> their layout
+    multimodal_types: dict[str, "MultimodalLayout"] = {}
     layer_names: dict[str, str] = COMMON_LAYER_NAMES
     ignored_hf_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
@@ -127,12 +126,6 @@ class FamilyBridge:
     # ---- configs -------------------------------------------------------------------------
     def args_from_hf(self, config: dict[str, Any], *, vocab_multiple: int = 64) -> ModelArgs:
         raise NotImplementedError
-
-    def multimodal_args(self, args: ModelArgs, model_type: str) -> ModelArgs:
-        """The args of this family's text model inside a multimodal checkpoint of
-        `model_type`, where transformers' multimodal class computes it differently from the
-        text-only one; unchanged by default."""
-        return args
 
     def config_from_args(self, args: ModelArgs) -> dict[str, Any]:
         """A config.json for args that did not come from one (models built from scratch)."""
@@ -229,24 +222,31 @@ def sliding_fields(cfg: Any) -> dict[str, Any]:
     return {"sliding_window": int(window), "layer_types": layer_types}
 
 
+@dataclass(frozen=True)
+class MultimodalLayout:
+    """Where a multimodal checkpoint keeps its text model: the prefix that stands for the text
+    model's `model.` and the LM head's key. transformers 5 writes Qwen3.5's as
+    `model.language_model.*` + `lm_head.weight`; Gemma 3's in the original release layout,
+    `language_model.model.*` + `language_model.lm_head.weight`."""
+
+    architecture: str
+    text_prefix: str = "model.language_model."
+    head: str = "lm_head.weight"
+    # transformers' Gemma3ForConditionalGeneration does not apply the text config's
+    # final_logit_softcapping (its text-only class does); the native model follows the class
+    # that loads the checkpoint
+    applies_final_softcap: bool = True
+
+
 class MultimodalBridge(FamilyBridge):
     """A text family's bridge over a multimodal checkpoint (`Qwen3_5ForConditionalGeneration`,
     `Gemma3ForConditionalGeneration`, `Gemma4ForConditionalGeneration`): the text model lives
-    under `model.language_model.` with the LM head as `lm_head.weight` (transformers 5's
-    layout), or, in checkpoints of the llava lineage such as the released Gemma 3 ones, under
-    `language_model.model.` with `language_model.lm_head.weight` (`LAYOUTS`). Either layout
-    loads; the export writes the one transformers writes for that model type
-    (`FamilyBridge.multimodal_layouts`). Everything else (vision and audio towers, projector,
-    multi-token prediction layers) is passthrough: never loaded into the native model, copied
-    unchanged from the source checkpoint on export (`hf_io.save_hf`), so the export loads as the
-    same multimodal class. config.json keeps its shape; the text model's settings are its
-    `text_config`.
+    under the layout's prefix, and everything else (vision and audio towers, projector,
+    multi-token prediction layers) is passthrough:
+    never loaded into the native model, copied unchanged from the source checkpoint on export
+    (`hf_io.save_hf`), so the export loads as the same multimodal class. config.json keeps its
+    shape; the text model's settings are its `text_config`.
     """
-
-    # text model prefix -> LM head key
-    LAYOUTS = {"model.language_model.": "lm_head.weight",
-               "language_model.model.": "language_model.lm_head.weight"}
-    TEXT_PREFIX = "model.language_model."
 
     def __init__(self, inner: FamilyBridge, model_type: str,
                  config: dict[str, Any] | None = None) -> None:
@@ -255,24 +255,21 @@ class MultimodalBridge(FamilyBridge):
         self.inner = inner
         self.family = inner.family
         self.model_types = (model_type,)
-        self.architecture = inner.multimodal_types[model_type]
+        self.layout = inner.multimodal_types[model_type]
+        self.architecture = self.layout.architecture
         self.layer_names = inner.layer_names
-        self.text_prefix = inner.multimodal_layouts.get(model_type, self.TEXT_PREFIX)
         super().__init__()
 
     def _text(self, hf: str) -> str | None:
         """Multimodal key -> the text-only checkpoint's key (None: passthrough)."""
-        for prefix, head in self.LAYOUTS.items():
-            if hf.startswith(prefix):
-                return "model." + hf[len(prefix):]
-            if hf == head:
-                return TOP_NAMES["head.weight"]
-        return None
+        if hf.startswith(self.layout.text_prefix):
+            return "model." + hf[len(self.layout.text_prefix):]
+        return TOP_NAMES["head.weight"] if hf == self.layout.head else None
 
     def _outer(self, hf: str) -> str:
         if hf == TOP_NAMES["head.weight"]:
-            return self.LAYOUTS[self.text_prefix]
-        return self.text_prefix + hf[len("model."):] if hf.startswith("model.") else hf
+            return self.layout.head
+        return self.layout.text_prefix + hf[len("model."):] if hf.startswith("model.") else hf
 
     def is_passthrough(self, hf: str) -> bool:
         return self._text(hf) is None
@@ -316,7 +313,11 @@ class MultimodalBridge(FamilyBridge):
     def args_from_hf(self, config: dict[str, Any], *, vocab_multiple: int = 64) -> ModelArgs:
         args = self.inner.args_from_hf(self.text_config(config, self.inner),
                                        vocab_multiple=vocab_multiple)
-        args = self.inner.multimodal_args(args, self.model_types[0])
+        if args.final_logit_softcapping is not None and not self.layout.applies_final_softcap:
+            warnings.warn(f"{self.architecture} does not apply text_config."
+                          f"final_logit_softcapping ({args.final_logit_softcapping}); neither "
+                          "does the native model trained from it")
+            args = args.replace(final_logit_softcapping=None)
         return args.replace(hf_config=dict(config))
 
     def config_from_args(self, args: ModelArgs) -> dict[str, Any]:

@@ -1,7 +1,4 @@
-"""Gemma 3 text (Gemma3ForCausalLM, model_type `gemma3_text`); the released 4B/12B/27B
-checkpoints (`gemma3`: Gemma3ForConditionalGeneration, the text model under
-`language_model.model.`) train their text model, the vision tower and projector kept for
-export (`families.base.MultimodalBridge`).
+"""Gemma 3 text (Gemma3ForCausalLM, model_type `gemma3_text`).
 
 Differences from the Llama shape: RMSNorm weights applied as (1 + w); sandwich norms around
 attention and MLP; embeddings scaled by sqrt(hidden) rounded to the model dtype; gelu-tanh MLP;
@@ -17,8 +14,9 @@ from typing import Any
 
 from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
-from posttrain.models.families.base import (COMMON_LAYER_NAMES, FamilyBridge, common_fields,
-                                            parse_hf_config, sliding_fields, split_rope)
+from posttrain.models.families.base import (COMMON_LAYER_NAMES, FamilyBridge,
+                                            MultimodalLayout, common_fields, parse_hf_config,
+                                            sliding_fields, split_rope)
 
 GEMMA3_LAYER_NAMES = {
     **COMMON_LAYER_NAMES,
@@ -33,9 +31,13 @@ class Gemma3Bridge(FamilyBridge):
     family = "gemma3"
     model_types = ("gemma3_text",)
     architecture = "Gemma3ForCausalLM"
-    multimodal_types = {"gemma3": "Gemma3ForConditionalGeneration"}
-    multimodal_layouts = {"gemma3": "language_model.model."}
     layer_names = GEMMA3_LAYER_NAMES
+    # the released 4B/12B/27B checkpoints: the text model trains, the vision tower and the
+    # projector are kept for export (`families.base.MultimodalBridge`)
+    multimodal_types = {"gemma3": MultimodalLayout("Gemma3ForConditionalGeneration",
+                                                   text_prefix="language_model.model.",
+                                                   head="language_model.lm_head.weight",
+                                                   applies_final_softcap=False)}
 
     def args_from_hf(self, config: dict[str, Any], *, vocab_multiple: int = 64) -> ModelArgs:
         cfg = parse_hf_config(config)
@@ -66,15 +68,6 @@ class Gemma3Bridge(FamilyBridge):
             final_logit_softcapping=cfg.final_logit_softcapping,
             hf_config=dict(config),
         )
-
-    def multimodal_args(self, args: ModelArgs, model_type: str) -> ModelArgs:
-        """Gemma3ForConditionalGeneration never soft-caps its logits (the released checkpoints
-        set no cap); the native model computes what it computes."""
-        if args.final_logit_softcapping is not None:
-            warnings.warn(f"gemma3 multimodal checkpoint: text_config.final_logit_softcapping="
-                          f"{args.final_logit_softcapping} is ignored (as in transformers' "
-                          "Gemma3ForConditionalGeneration)")
-        return args.replace(final_logit_softcapping=None)
 
     def config_from_args(self, args: ModelArgs) -> dict[str, Any]:
         cfg = super().config_from_args(args)

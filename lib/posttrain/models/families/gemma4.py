@@ -32,8 +32,9 @@ import torch
 
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.models.args import FULL_ATTENTION, SLIDING_ATTENTION, Gemma4Args, ModelArgs
-from posttrain.models.families.base import (COMMON_LAYER_NAMES, FamilyBridge, common_fields,
-                                            parse_hf_config, split_rope)
+from posttrain.models.families.base import (COMMON_LAYER_NAMES, FamilyBridge,
+                                            MultimodalLayout, common_fields, parse_hf_config,
+                                            split_rope)
 
 GEMMA4_LAYER_NAMES = {
     **COMMON_LAYER_NAMES,
@@ -79,7 +80,7 @@ class Gemma4Bridge(FamilyBridge):
     family = "gemma4"
     model_types = ("gemma4_text",)
     architecture = "Gemma4ForCausalLM"
-    multimodal_types = {"gemma4": "Gemma4ForConditionalGeneration"}
+    multimodal_types = {"gemma4": MultimodalLayout("Gemma4ForConditionalGeneration")}
     layer_names = GEMMA4_LAYER_NAMES
 
     def __init__(self) -> None:

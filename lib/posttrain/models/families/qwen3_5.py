@@ -34,8 +34,9 @@ import torch
 
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.models.args import LINEAR_ATTENTION, DeltaNetArgs, ModelArgs
-from posttrain.models.families.base import (COMMON_LAYER_NAMES, FamilyBridge, common_fields,
-                                            parse_hf_config, split_rope)
+from posttrain.models.families.base import (COMMON_LAYER_NAMES, FamilyBridge,
+                                            MultimodalLayout, common_fields, parse_hf_config,
+                                            split_rope)
 from posttrain.models.families.qwen3_moe import PerExpertTensors
 
 # native name inside layers[i].attn of a linear layer -> HF name inside model.layers[i].linear_attn
@@ -63,7 +64,7 @@ class Qwen3_5Bridge(FamilyBridge):
     family = "qwen3_5"
     model_types = ("qwen3_5_text",)
     architecture = "Qwen3_5ForCausalLM"
-    multimodal_types = {"qwen3_5": "Qwen3_5ForConditionalGeneration"}
+    multimodal_types = {"qwen3_5": MultimodalLayout("Qwen3_5ForConditionalGeneration")}
 
     def __init__(self) -> None:
         super().__init__()
@@ -188,7 +189,7 @@ class Qwen3_5MoeBridge(PerExpertTensors, Qwen3_5Bridge):
     family = "qwen3_5_moe"
     model_types = ("qwen3_5_moe_text",)
     architecture = "Qwen3_5MoeForCausalLM"
-    multimodal_types = {"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+    multimodal_types = {"qwen3_5_moe": MultimodalLayout("Qwen3_5MoeForConditionalGeneration")}
     layer_names = QWEN3_5_MOE_LAYER_NAMES
 
     def _moe_fields(self, cfg: Any) -> dict[str, Any]:
