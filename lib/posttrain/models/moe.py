@@ -12,10 +12,11 @@ of `families/qwen3_moe.py` and `families/gpt_oss.py`):
                                          with `shared_expert_intermediate_size`
     layers[i].mlp.shared_gate   nn.Linear [1, hidden]: the shared expert's output is scaled by
                                 sigmoid(shared_gate(x)) (`shared_expert_gate`)
-    layers[i].mlp.router_scale  Parameter [hidden] (`router_input_scale`, Gemma 4)
-    layers[i].mlp.expert_scale  Parameter [num_experts] (`router_expert_scale`, Gemma 4)
+    layers[i].mlp.router_scale  Parameter [hidden]: with `router_input_scale`
+    layers[i].mlp.expert_scale  Parameter [num_experts]: with `router_expert_scale`
 
-Gemma 4 runs this block beside its dense MLP, as `layers[i].moe` (`models/gemma4.py`).
+Gemma 4 runs this block beside its dense MLP, as `layers[i].moe` (`models/gemma4.py`; the two
+scales are its router's).
 
 Routing per token x, by `moe_routing`:
 

@@ -104,8 +104,12 @@ class TransformerBlock(nn.Module):
 
 
 def build_block(args: ModelArgs, layer_id: int, mlp_factory: MLPFactory) -> nn.Module:
-    """`layers[i]`: a `TransformerBlock`, or Gemma 4's block (`models/gemma4.py`)."""
+    """`layers[i]`: a `TransformerBlock`, or Gemma 4's block (`models/gemma4.py`), which builds
+    its dense MLP and its MoE block itself."""
     if args.gemma4 is not None:
+        if mlp_factory is not default_mlp_factory:
+            raise ConfigError("gemma4 blocks build their own dense MLP and MoE block; a custom "
+                              "mlp_factory is not supported for them")
         from posttrain.models.gemma4 import Gemma4Block
         return Gemma4Block(args, layer_id)
     return TransformerBlock(args, layer_id, mlp_factory)
