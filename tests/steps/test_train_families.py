@@ -37,7 +37,7 @@ from .golden import check_golden
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-FAMILIES = ["qwen3_5", "qwen3_5_moe", "deepseek_v3"]
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "gemma4", "deepseek_v3"]
 # DeepSeek-V3 trains with auxiliary-loss-free balancing on, so that resume and export carry the
 # routers' moving score-correction bias
 MODEL_OPTIONS = {"deepseek_v3": {"moe_bias_update_speed": 0.001}}

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 
 Family = Literal["qwen3", "qwen3_moe", "llama", "gemma3", "gpt_oss", "qwen3_5", "qwen3_5_moe",
-                 "deepseek_v3"]
+                 "deepseek_v3", "gemma4"]
 
 # layer kinds (`ModelArgs.layer_types`); the token mixer of a layer follows from its kind
 FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION = ("full_attention", "sliding_attention",
@@ -84,6 +84,37 @@ class MLAArgs:
 
 
 @dataclass(frozen=True)
+class Gemma4Args:
+    """What Gemma 4's text model adds (`models/gemma4.py`, `families/gemma4.py`).
+
+    Full-attention layers have their own head width and key/value head count
+    (`global_head_dim`, `num_global_kv_heads`; sliding layers use the model's `head_dim`,
+    `num_kv_heads`) and, with `attention_k_eq_v`, no value projection: their values are the key
+    projection's output (normed without a scale, not rotated).
+
+    Per-layer input embeddings (`per_layer_input_size` P > 0): a second embedding table
+    [per_layer_vocab_size, num_layers * P] and a projection of the token embeddings give every
+    layer a [P] input, which the layer gates in after its MLP (`gemma4.PerLayerInputs`).
+
+    KV sharing: the last `num_kv_shared_layers` layers compute no keys and values; each reads
+    those of the last earlier layer of its own kind (`ModelArgs.kv_source`), in training
+    and from that layer's decode cache. With `double_wide_mlp` those layers' MLPs are twice
+    `intermediate_size` wide.
+
+    The MoE block, when the model has experts (`ModelArgs.num_experts`), runs beside the dense
+    MLP of every layer, not in its place (`gemma4.Gemma4Block`).
+    """
+
+    global_head_dim: int
+    num_global_kv_heads: int
+    attention_k_eq_v: bool = False
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    num_kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     family: Family
     vocab_size: int                      # real vocabulary (tokenizer size); rows past it are padding
@@ -111,6 +142,7 @@ class ModelArgs:
     query_pre_attn_scalar: float | None = None     # attention scale = scalar ** -0.5
     embed_scale: bool = False            # multiply embeddings by sqrt(hidden_size)
     norm_offset: bool = False            # RMSNorm weight applied as (1 + w)
+    norm_scale_fp32: bool = False        # RMSNorm multiplies by w in fp32, then casts (Gemma 4)
     sandwich_norm: bool = False          # extra post-attention / post-MLP norms
     final_logit_softcapping: float | None = None
     # Qwen3.5
@@ -143,6 +175,11 @@ class ModelArgs:
     moe_num_groups: int = 1
     moe_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    # Gemma 4 (MoE: the router reads rms_norm(x) * scale * hidden ** -0.5, and a learned scale
+    # per expert multiplies its routing weight)
+    router_input_scale: bool = False
+    router_expert_scale: bool = False
+    gemma4: Gemma4Args | None = None
     # anything a bridge needs to write config.json back unchanged
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # the checkpoint directory the weights came from: tensors outside the text model of a
@@ -170,6 +207,50 @@ class ModelArgs:
     def rotary_dim(self) -> int:
         """The leading dims of each head that RoPE turns (all unless `partial_rotary_factor`)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def attention_shape(self, i: int) -> tuple[int, int]:
+        """(key/value heads, head dim) of layer i's attention: the model's, except on Gemma 4's
+        full-attention layers, which have their own."""
+        g = self.gemma4
+        if g is not None and self.layer_type(i) == FULL_ATTENTION:
+            return g.num_global_kv_heads, g.global_head_dim
+        return self.num_kv_heads, self.head_dim
+
+    def rotary_dim_of(self, layer_type: str) -> int:
+        """The RoPE table width of a kind of layer (`rotary_dim` at that kind's head dim)."""
+        g = self.gemma4
+        full = g is not None and layer_type == FULL_ATTENTION
+        return int((g.global_head_dim if full else self.head_dim) * self.partial_rotary_factor)
+
+    def k_eq_v(self, i: int) -> bool:
+        """Whether layer i's values are its key projection's output (no value projection)."""
+        return (self.gemma4 is not None and self.gemma4.attention_k_eq_v
+                and self.layer_type(i) == FULL_ATTENTION)
+
+    def kv_source(self, i: int) -> int | None:
+        """The layer whose keys and values layer i reuses (Gemma 4's KV sharing: the last layer
+        of the same kind before the shared ones), or None where it computes its own."""
+        g = self.gemma4
+        first_shared = self.num_layers - (g.num_kv_shared_layers if g is not None else 0)
+        if i < first_shared:
+            return None
+        kind = self.layer_type(i)
+        sources = [j for j in range(first_shared) if self.layer_type(j) == kind]
+        if not sources:
+            raise ValueError(f"layer {i} ({kind}) shares keys and values, but no earlier "
+                             f"{kind} layer computes them")
+        return sources[-1]
+
+    def stores_kv(self, i: int) -> bool:
+        """Whether a later layer reuses layer i's keys and values."""
+        return any(self.kv_source(j) == i for j in range(i + 1, self.num_layers))
+
+    def mlp_size(self, i: int) -> int:
+        """The dense MLP width of layer i (Gemma 4's KV-sharing layers may double it)."""
+        g = self.gemma4
+        if g is not None and g.double_wide_mlp and self.kv_source(i) is not None:
+            return 2 * self.intermediate_size
+        return self.intermediate_size
 
     def replace(self, **changes: Any) -> "ModelArgs":
         return dataclasses.replace(self, **changes)

@@ -28,8 +28,11 @@ _FALLBACK_ONLY = ("attn_implementation", "allow_cross_document_attention", "chec
 
 
 def has_native_definition(config: dict[str, Any]) -> bool:
-    """Whether config.json's model_type is handled by a native family bridge."""
-    return any(config.get("model_type") in b.model_types for b in BRIDGES.values())
+    """Whether config.json's model_type is handled by a native family bridge (a multimodal
+    checkpoint's: when its text model is a native family)."""
+    model_type = config.get("model_type")
+    return any(model_type in b.model_types or model_type in b.multimodal_types
+               for b in BRIDGES.values())
 
 
 def load_model(hf_dir: str | Path, *, device: torch.device | str = "cpu",

@@ -120,12 +120,12 @@ class GatedDeltaNet(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
-        """Conv weights normal(0, 1 / sqrt(K)); decay rates A in [1, 16] (log-uniform-ish, as
-        the released models' range), dt_bias 1. The Linears and the norm initialise
+        """Conv weights normal(0, 1 / sqrt(K)); decay rates A uniform in [0.01, 16] and
+        dt_bias 1, as transformers initialises them. The Linears and the norm initialise
         themselves."""
         for p in (self.conv_q, self.conv_k, self.conv_v):
             nn.init.normal_(p, std=self.kernel ** -0.5)
-        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16.0).log())
         nn.init.ones_(self.dt_bias)
 
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,6 +43,15 @@ What the kernel spends on its layout is not model work and is not counted: a doc
 chunk filled up to C tokens, rows filled to a common width, and, where a document starts
 inside a packed row, the write before and the reads after the state is zeroed.
 
+Gemma 4 (`models/gemma4.py`): each layer's attention at its own head width (full layers have
+their own, and their own kv heads); no v projection on full layers with k_eq_v, no k or v on
+the layers that reuse earlier keys and values; the dense MLP at the layer's width (double on
+those layers with `double_wide_mlp`) and, beside it, the MoE block (router + active experts);
+per-layer inputs add one projection H -> L P per token before the first layer and, per layer,
+a gate H -> P and a projection P -> H. An adapter on the model-level projection makes the
+per-layer inputs carry a gradient: each layer's P -> H projection then needs its input
+gradient, and the residual stream carries one from the first layer's on.
+
 c is the causal context: a token at position p (0-based) of its document sees min(p + 1, window)
 keys, so a document of L tokens costs sum_p min(p + 1, w) -- L (L + 1) / 2 without a window --
 and a packed row sum_i over its documents, not (sum_i L_i)^2. Work a kernel spends on masked-out
@@ -79,6 +88,7 @@ class _Linear:
     d_out: int
     uses: float = 1.0   # applications per token (top_k for experts)
     stacked: bool = False   # MoE expert weights (targeted as `experts.gate`)
+    reads_ple: bool = False     # its input also carries the per-layer inputs (Gemma 4)
 
 
 _ATTENTION = "attention"   # the stage of the score / value matmuls
@@ -103,18 +113,20 @@ def _mla_stages(args: ModelArgs) -> list[list[_Linear] | str]:
     return [first, ups, _ATTENTION, [_Linear("attn.o", nh * mla.v_head_dim, H)]]
 
 
-def _attention_head_dims(args: ModelArgs) -> tuple[int, int]:
-    """(query / key, value) head dims of the attention layers' scores and reads."""
+def _attention_head_dims(args: ModelArgs, layer: int) -> tuple[int, int]:
+    """(query / key, value) head dims of layer `layer`'s attention scores and reads."""
     mla = args.latent_attention
     if mla is not None:
         return mla.qk_head_dim, mla.v_head_dim
-    return args.head_dim, args.head_dim
+    d = args.attention_shape(layer)[1]
+    return d, d
 
 
 def _stages(args: ModelArgs, layer: int) -> list[list[_Linear] | str]:
     """The matmuls of one block in execution order; a stage's linears read the same input."""
-    H, d = args.hidden_size, args.head_dim
-    q_out, kv_out = args.num_heads * d, args.num_kv_heads * d
+    H = args.hidden_size
+    kv_heads, d = args.attention_shape(layer)
+    q_out, kv_out = args.num_heads * d, kv_heads * d
     la = args.linear_attention
     stages: list[list[_Linear] | str]
     if args.latent_attention is not None:
@@ -130,10 +142,14 @@ def _stages(args: ModelArgs, layer: int) -> list[list[_Linear] | str]:
         ]
     else:
         gated_q = q_out * (2 if args.attn_output_gate else 1)
-        stages = [[_Linear("attn.q", H, gated_q), _Linear("attn.k", H, kv_out),
-                   _Linear("attn.v", H, kv_out)],
-                  _ATTENTION,
-                  [_Linear("attn.o", q_out, H)]]
+        qkv = [_Linear("attn.q", H, gated_q)]
+        if args.kv_source(layer) is None:       # layers reusing others' keys project none
+            qkv.append(_Linear("attn.k", H, kv_out))
+            if not args.k_eq_v(layer):
+                qkv.append(_Linear("attn.v", H, kv_out))
+        stages = [qkv, _ATTENTION, [_Linear("attn.o", q_out, H)]]
+    if args.gemma4 is not None:
+        return stages + _gemma4_mlp_stages(args, layer)
     if args.is_moe_layer(layer):
         k, inter = args.num_experts_per_tok, args.moe_intermediate_size
         shared_in: list[_Linear] = []
@@ -152,6 +168,37 @@ def _stages(args: ModelArgs, layer: int) -> list[list[_Linear] | str]:
         stages += [[_Linear("mlp.gate", H, inter), _Linear("mlp.up", H, inter)],
                    [_Linear("mlp.down", inter, H)]]
     return stages
+
+
+def _gemma4_mlp_stages(args: ModelArgs, layer: int) -> list[list[_Linear] | str]:
+    """Gemma 4 after attention: the dense MLP with the MoE block beside it, then the gate and
+    projection of the per-layer input."""
+    g, H, inter = args.gemma4, args.hidden_size, args.mlp_size(layer)
+    assert g is not None
+    up = [_Linear("mlp.gate", H, inter), _Linear("mlp.up", H, inter)]
+    down = [_Linear("mlp.down", inter, H)]
+    if args.num_experts:
+        k, moe = args.num_experts_per_tok, args.moe_intermediate_size
+        up += [_Linear("moe.router", H, args.num_experts),
+               _Linear("moe.experts.gate", H, moe, k, stacked=True),
+               _Linear("moe.experts.up", H, moe, k, stacked=True)]
+        down += [_Linear("moe.experts.down", moe, H, k, stacked=True)]
+    stages: list[list[_Linear] | str] = [up, down]
+    if g.per_layer_input_size:
+        P = g.per_layer_input_size
+        stages += [[_Linear("per_layer_gate", H, P)],
+                   [_Linear("per_layer_proj", P, H, reads_ple=True)]]
+    return stages
+
+
+def _model_stages(args: ModelArgs) -> list[_Linear]:
+    """Matmuls before the first block (paths in the model): Gemma 4's per-layer input
+    projection."""
+    g = args.gemma4
+    if g is None or not g.per_layer_input_size:
+        return []
+    return [_Linear("per_layer_inputs.proj", args.hidden_size,
+                    args.num_layers * g.per_layer_input_size)]
 
 
 def delta_rule_flops(lengths: list[int], chunk_size: int, num_v_heads: int, head_k_dim: int,
@@ -197,6 +244,7 @@ def flops_breakdown(args: ModelArgs, seq_len: int, *, training: bool = True,
     lora = lora_rank > 0
     paths = [(f"layers.{i}.{lin.path}", lin.stacked) for i in range(args.num_layers)
              for stage in _stages(args, i) if not isinstance(stage, str) for lin in stage]
+    paths += [(lin.path, False) for lin in _model_stages(args)]
     unknown = [t for t in lora_targets
                if not any(target_of(p, (t,), stacked=stacked) for p, stacked in paths)]
     if unknown:
@@ -208,12 +256,15 @@ def flops_breakdown(args: ModelArgs, seq_len: int, *, training: bool = True,
     # does the activation entering the current matmul carry a gradient? With full fine-tuning
     # the embedding is trained, so from the start; with LoRA, from the first adapter on.
     flowing = not lora
+    # do Gemma 4's per-layer inputs carry one (an adapter on their projection)?
+    ple_flowing = _add_linears(out, "", _model_stages(args), flowing, training=training,
+                               lora_rank=lora_rank, lora_targets=lora_targets)
     for i in range(args.num_layers):
         window = args.sliding_window if args.is_sliding_layer(i) else None
         context = sum(attention_context_sum(n, window) for n in lengths) / seq_len
         for stage in _stages(args, i):
             if stage == _ATTENTION:
-                qk_dim, v_dim = _attention_head_dims(args)
+                qk_dim, v_dim = _attention_head_dims(args, i)
                 fwd = 2.0 * args.num_heads * (qk_dim + v_dim) * context
                 out["attention"] += fwd * (1 + (2 if training and flowing else 0))
                 continue
@@ -223,26 +274,35 @@ def flops_breakdown(args: ModelArgs, seq_len: int, *, training: bool = True,
                     lengths, la.chunk_size, la.num_v_heads, la.head_k_dim, la.head_v_dim,
                     backward=training and flowing) / seq_len
                 continue
-            adapted = False
-            for lin in stage:
-                fwd = 2.0 * lin.d_in * lin.d_out * lin.uses
-                bwd = (fwd * flowing + fwd * (not lora)) if training else 0.0
-                out["linear"] += fwd + bwd
-                if lora and target_of(f"layers.{i}.{lin.path}", lora_targets,
-                                      stacked=lin.stacked):
-                    adapted = True
-                    a_fwd = 2.0 * lin.d_in * lora_rank * lin.uses
-                    b_fwd = 2.0 * lora_rank * lin.d_out * lin.uses
-                    # weight gradients of A and B, input gradient of B, of A only if needed
-                    a_bwd = b_bwd = 0.0
-                    if training:
-                        a_bwd, b_bwd = a_fwd * (1 + flowing), 2 * b_fwd
-                    out["lora"] += a_fwd + b_fwd + a_bwd + b_bwd
+            flowing = flowing or (ple_flowing and any(lin.reads_ple for lin in stage))
+            adapted = _add_linears(out, f"layers.{i}.", stage, flowing, training=training,
+                                   lora_rank=lora_rank, lora_targets=lora_targets)
             flowing = flowing or adapted
     if include_head:
         fwd = 2.0 * args.hidden_size * args.padded_vocab_size
         out["head"] = fwd + ((fwd * flowing + fwd * (not lora)) if training else 0.0)
     return out
+
+
+def _add_linears(out: dict[str, float], prefix: str, stage: list[_Linear], flowing: bool, *,
+                 training: bool, lora_rank: int, lora_targets: tuple[str, ...]) -> bool:
+    """Add one stage's matmuls (and adapters) to `out`; whether an adapter was among them.
+    `flowing`: whether the stage's input carries a gradient."""
+    lora, adapted = lora_rank > 0, False
+    for lin in stage:
+        fwd = 2.0 * lin.d_in * lin.d_out * lin.uses
+        bwd = (fwd * flowing + fwd * (not lora)) if training else 0.0
+        out["linear"] += fwd + bwd
+        if lora and target_of(prefix + lin.path, lora_targets, stacked=lin.stacked):
+            adapted = True
+            a_fwd = 2.0 * lin.d_in * lora_rank * lin.uses
+            b_fwd = 2.0 * lora_rank * lin.d_out * lin.uses
+            # weight gradients of A and B, input gradient of B, of A only if needed
+            a_bwd = b_bwd = 0.0
+            if training:
+                a_bwd, b_bwd = a_fwd * (1 + flowing), 2 * b_fwd
+            out["lora"] += a_fwd + b_fwd + a_bwd + b_bwd
+    return adapted
 
 
 def flops_per_token(args: ModelArgs, seq_len: int, *, training: bool = True,

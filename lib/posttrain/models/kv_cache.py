@@ -18,6 +18,9 @@ Each layer keeps the state its token mixer needs, made by the mixer itself (`new
 - multi-head latent attention (`mla.MultiHeadLatentAttention`): the compressed latent and the
   rotated shared key [B, capacity, kv_lora_rank + qk_rope_head_dim], read by all heads at once
   with kv_b absorbed into the queries and outputs; masks as for attention.
+- a Gemma 4 layer that shares another layer's keys and values (`ModelArgs.kv_source`) keeps
+  none: its source writes the step's keys into its own cache first and hands the filled slots
+  on (`layers.SharedKV`), so the sharing layer reads the source's cache.
 
 `forward_with_cache` runs the model's own blocks (`TransformerBlock.forward` with `state` and
 `step`), so LoRA-wrapped projections and MoE blocks work unchanged, and there is one block
@@ -71,8 +74,9 @@ class DecodeStep:
 
 @dataclass
 class KVCache:
-    """Per-layer decode state (`layers[i]`, made by each token mixer's `new_state`) over
-    `capacity` slots; slots [0, length) are filled."""
+    """Per-layer decode state (`layers[i]`, made by each token mixer's `new_state`; None for a
+    layer that reads another layer's keys and values, Gemma 4's KV sharing) over `capacity`
+    slots; slots [0, length) are filled."""
 
     layers: list[Any]
     pad_B: torch.Tensor          # int64 [B]: left-padding slots of each row
@@ -88,7 +92,8 @@ class KVCache:
 
     def select(self, rows_B: torch.Tensor) -> "KVCache":
         """A cache holding only `rows_B` (int64 indices), in that order."""
-        return KVCache([state.select(rows_B) for state in self.layers],
+        return KVCache([state.select(rows_B) if state is not None else None
+                        for state in self.layers],
                        self.pad_B.index_select(0, rows_B), self.capacity, self.length)
 
 
@@ -122,7 +127,9 @@ def forward_with_cache(model: Transformer, input_ids_BT: torch.Tensor,
     h = model.embed_tokens(input_ids_BT)
     tables = {name: rope(position_ids_BT, h.dtype) for name, rope in model.rope.items()}
     step = DecodeStep(start, end, cache.pad_B, _attention_masks(model, cache, start, end))
-    for layer, state in zip(model.layers, cache.layers):
-        h = layer(h, tables[model.rope_key(layer.layer_type)], None, state=state, step=step)
+    for layer, state, extra in zip(model.layers, cache.layers,
+                                   model.block_inputs(input_ids_BT, h)):
+        h = layer(h, tables[model.rope_key(layer.layer_type)], None, state=state, step=step,
+                  **extra)
     cache.length = end
     return model.norm(h)

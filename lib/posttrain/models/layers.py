@@ -24,15 +24,18 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm computed in fp32.
 
     `offset=False` (Llama, Qwen3): `w * norm(x).to(dtype)`, weight initialised to ones.
-    `offset=True` (Gemma): `(norm(x) * (1 + w)).to(dtype)`, weight initialised to zeros. The
-    order of the cast differs between the two on purpose; it is what the checkpoints were
-    trained with.
+    `offset=True` (Gemma 2/3): `(norm(x) * (1 + w)).to(dtype)`, weight initialised to zeros.
+    `scale_fp32=True` (Gemma 4): `(norm(x) * w).to(dtype)`, weight initialised to ones. The
+    order of the cast differs between them on purpose; it is what the checkpoints were trained
+    with.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, *, offset: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-6, *, offset: bool = False,
+                 scale_fp32: bool = False):
         super().__init__()
         self.eps = eps
         self.offset = offset
+        self.scale_fp32 = scale_fp32
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,6 +43,8 @@ class RMSNorm(nn.Module):
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
             return (normed * (1.0 + self.weight.float())).type_as(x)
+        if self.scale_fp32:
+            return (normed * self.weight.float()).type_as(x)
         return self.weight * normed.type_as(x)
 
     def reset_parameters(self) -> None:
@@ -47,14 +52,32 @@ class RMSNorm(nn.Module):
             self.weight.fill_(0.0 if self.offset else 1.0)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}"
+        return (f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}"
+                + (", scale_fp32=True" if self.scale_fp32 else ""))
+
+
+def make_norm(args: ModelArgs, dim: int) -> RMSNorm:
+    """An RMSNorm over `dim` in the model's convention (`norm_offset`, `norm_scale_fp32`)."""
+    return RMSNorm(dim, args.rms_norm_eps, offset=args.norm_offset,
+                   scale_fp32=args.norm_scale_fp32)
+
+
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight, in fp32, cast back (Gemma 4's value norm and router norm)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None,
                   ) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] (fp32, CPU) for plain, linear, llama3 or yarn RoPE.
+    """Inverse frequencies [head_dim // 2] (fp32, CPU) for plain, linear, llama3, yarn or
+    proportional RoPE.
 
     `scaling` is the HF `rope_parameters` dict without its base (`rope_type`, `factor`, ...).
+    "proportional" (Gemma 4's full layers) keeps the first `partial_rotary_factor` of the
+    frequencies at their full-head exponents and sets the rest to zero, so that a table as wide
+    as the head turns dims i and i + head_dim / 2 for the kept i and passes the others through
+    (unlike `partial_rotary_factor` on `ModelArgs`, which turns a narrower leading block).
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)
@@ -78,9 +101,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
         return torch.where(medium, blended, scaled)
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling, exponents)
+    if rope_type == "proportional":
+        angles = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        kept = torch.zeros(head_dim // 2, device="cpu")
+        kept[:angles] = inv_freq[:angles]
+        return kept / scaling.get("factor", 1.0)
     raise ConfigError(
         f"rope_type '{rope_type}' is not supported by the native models (supported: default, "
-        "linear, llama3, yarn); add it to posttrain/models/layers.py:rope_inv_freq")
+        "linear, llama3, yarn, proportional); add it to posttrain/models/layers.py:rope_inv_freq")
 
 
 def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any],
@@ -178,17 +206,35 @@ def apply_rope(x_BHTD: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tenso
     return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
+class SharedKV:
+    """Keys and values that later layers reuse within one forward or decode call (Gemma 4's KV
+    sharing, `ModelArgs.kv_source`): a source layer stores what it attends over (its keys and
+    values [B, Hkv, S, D]; in decoding its cache up to the current slot), a sharing layer reads
+    them. A plain object, not a dict, on purpose: FSDP2 and activation checkpointing rebuild the
+    containers among a block's inputs that they flatten, so a dict passed to one block would not
+    be the dict the next block reads."""
+
+    def __init__(self) -> None:
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 class Attention(nn.Module):
     """Causal GQA self-attention with optional per-head q/k norm, a sliding window, attention
     sinks (`sinks` [H], GPT-OSS), partial RoPE and an output gate (Qwen3.5: `q` projects every
     head to [query, gate], and the attention output is multiplied by sigmoid(gate)).
+
+    Gemma 4 adds: per-layer head shapes (`ModelArgs.attention_shape`), values normed without a
+    weight, values taken from the key projection (`k_eq_v`: no `v`), and KV sharing: a layer
+    with a `kv_source` has no `k`, `v` or `k_norm` and attends over its source layer's keys and
+    values (`SharedKV`), in training and decoding alike.
 
     The kernel is `posttrain.ops.attention.attention`, which applies the causal mask, the
     document mask of packed rows and the sliding window itself. With `state` and `step`
     (`posttrain.models.kv_cache`) the layer runs incrementally over a KV cache instead.
     """
 
-    # tensor parallelism by heads (`posttrain.distributed.parallelize.tp_plan`)
+    # tensor parallelism by heads (`posttrain.distributed.parallelize.tp_plan`); a layer without
+    # `k` / `v` (KV sharing, k_eq_v) lists only the projections it has
     tp_colwise = ("q", "k", "v")
     tp_rowwise = ("o",)
     tp_head_modules = ("q_norm", "k_norm")
@@ -197,24 +243,28 @@ class Attention(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
+        self.layer_id = layer_id
         self.num_heads = args.num_heads
-        self.num_kv_heads = args.num_kv_heads
-        self.head_dim = args.head_dim
+        self.num_kv_heads, self.head_dim = args.attention_shape(layer_id)
         self.sliding_window = args.sliding_window if args.is_sliding_layer(layer_id) else None
         pre_scalar = args.query_pre_attn_scalar
-        self.scale = (pre_scalar if pre_scalar is not None else args.head_dim) ** -0.5
+        self.scale = (pre_scalar if pre_scalar is not None else self.head_dim) ** -0.5
+        self.kv_source = args.kv_source(layer_id)
+        self.stores_kv = args.stores_kv(layer_id)
+        self.value_norm_eps = args.rms_norm_eps if args.gemma4 is not None else None
         bias = args.attention_bias
         self.output_gate = args.attn_output_gate
-        q_out = args.num_heads * args.head_dim * (2 if self.output_gate else 1)
+        q_out = args.num_heads * self.head_dim * (2 if self.output_gate else 1)
+        kv_out = self.num_kv_heads * self.head_dim
         self.q = nn.Linear(args.hidden_size, q_out, bias=bias)
-        self.k = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
-        self.v = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
-        self.o = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=bias)
-        if args.qk_norm:
-            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, offset=args.norm_offset)
-            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, offset=args.norm_offset)
-        else:
-            self.q_norm = self.k_norm = None
+        own_kv = self.kv_source is None
+        self.k = nn.Linear(args.hidden_size, kv_out, bias=bias) if own_kv else None
+        self.v = (nn.Linear(args.hidden_size, kv_out, bias=bias)
+                  if own_kv and not args.k_eq_v(layer_id) else None)
+        self.o = nn.Linear(args.num_heads * self.head_dim, args.hidden_size, bias=bias)
+        self.tp_colwise = tuple(n for n in ("q", "k", "v") if getattr(self, n) is not None)
+        self.q_norm = make_norm(args, self.head_dim) if args.qk_norm else None
+        self.k_norm = make_norm(args, self.head_dim) if args.qk_norm and own_kv else None
         # GPT-OSS: a learned logit per query head in every softmax denominator
         self.sinks = nn.Parameter(torch.empty(args.num_heads)) if args.attention_sinks else None
 
@@ -225,22 +275,30 @@ class Attention(nn.Module):
             nn.init.normal_(self.sinks, std=std)
 
     def _project(self, x_BTH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """q [B, H, T, D], k and v [B, Hkv, T, D] (normed, rotated) and the gate [B, T, H*D]."""
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                            torch.Tensor | None]:
+        """q [B, H, T, D], k and v [B, Hkv, T, D] (normed, rotated; None on a layer that reuses
+        another's) and the gate [B, T, H*D]."""
         B, T, _ = x_BTH.shape
+        cos, sin = rope
         q = self.q(x_BTH)
         gate = None
         if self.output_gate:
             q, gate = q.view(B, T, -1, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(B, T, -1)
         q = q.reshape(B, T, -1, self.head_dim)
-        k = self.k(x_BTH).view(B, T, -1, self.head_dim)
-        v = self.v(x_BTH).view(B, T, -1, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = rope
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+            q = self.q_norm(q)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        if self.k is None:
+            return q, None, None, gate
+        k = self.k(x_BTH).view(B, T, -1, self.head_dim)
+        v = self.v(x_BTH).view(B, T, -1, self.head_dim) if self.v is not None else k
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        if self.value_norm_eps is not None:
+            v = rms_norm(v, self.value_norm_eps)
+        return q, apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2), gate
 
     def _output(self, out_BHTD: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         B, _, T, _ = out_BHTD.shape
@@ -251,18 +309,27 @@ class Attention(nn.Module):
 
     def forward(self, x_BTH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 mask: attention_ops.DocumentMask | None = None, *, state: Any = None,
-                step: Any = None) -> torch.Tensor:
+                step: Any = None, shared_kv: SharedKV | None = None) -> torch.Tensor:
         """`mask`: the batch's mask for this layer's kind (`Transformer.forward` builds it
         once); None is one causal document per row. `state` / `step`: this layer's
-        `AttentionState` and the call's `DecodeStep` (`posttrain.models.kv_cache`)."""
+        `AttentionState` and the call's `DecodeStep` (`posttrain.models.kv_cache`; a layer
+        that reuses another's keys and values has no state). `shared_kv`: the call's
+        `SharedKV`, on models with KV sharing."""
         B, T, _ = x_BTH.shape
         q, k, v, gate = self._project(x_BTH, rope)
-        if state is not None:
+        if k is None:
+            assert shared_kv is not None, "a KV-sharing layer needs the call's SharedKV"
+            k, v = shared_kv.kv[self.kv_source]
+        elif state is not None:
             state.keys[:, :, step.start:step.end] = k
             state.values[:, :, step.start:step.end] = v
-            out = attention_ops.masked_attention(
-                q, state.keys[:, :, :step.end], state.values[:, :, :step.end],
-                step.masks[self.sliding_window], scale=self.scale, sinks=self.sinks)
+            k, v = state.keys[:, :, :step.end], state.values[:, :, :step.end]
+        if self.stores_kv:
+            assert shared_kv is not None, "a layer whose keys are shared needs the SharedKV"
+            shared_kv.kv[self.layer_id] = (k, v)
+        if step is not None:
+            out = attention_ops.masked_attention(q, k, v, step.masks[self.sliding_window],
+                                                 scale=self.scale, sinks=self.sinks)
             return self._output(out, gate)
         if mask is None:
             mask = attention_ops.build_mask(None, B, T, x_BTH.device,
@@ -273,7 +340,10 @@ class Attention(nn.Module):
 
     def new_state(self, batch: int, capacity: int, *, dtype: torch.dtype,
                   device: torch.device) -> Any:
-        """An empty KV cache for this layer (`posttrain.models.kv_cache.AttentionState`)."""
+        """An empty KV cache for this layer (`posttrain.models.kv_cache.AttentionState`); None
+        for a layer that reads another layer's keys and values."""
+        if self.kv_source is not None:
+            return None
         from posttrain.models.kv_cache import AttentionState
         shape = (batch, self.num_kv_heads, capacity, self.head_dim)
         return AttentionState(torch.zeros(shape, dtype=dtype, device=device),

@@ -590,10 +590,11 @@ def _peft_pair(model: nn.Module, parts: list[str], adapted: dict[str, "LoRALinea
 def _peft_experts(model: nn.Module, name: str, module: LoRAExperts,
                   tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     """Add the stacked adapters of `module` (native `name`) to a PEFT adapter's `tensors` and
-    `config`, as PEFT's `target_parameters` on transformers 5's fused Qwen3-MoE (and
-    DeepSeek-V3) experts.
+    `config`, as PEFT's `target_parameters` on transformers 5's fused experts (Qwen3-MoE's and
+    DeepSeek-V3's `mlp.experts`, stored one tensor per expert; Gemma 4's `experts`, stored
+    fused).
 
-    There `mlp.experts.gate_up_proj` is [E, 2I, H] (gate rows, then up rows) and `down_proj`
+    There `gate_up_proj` is [E, 2I, H] (gate rows, then up rows) and `down_proj`
     [E, H, I]. PEFT's adapter on a 3-D parameter is one Linear pair per parameter: A [E*R, in]
     with expert e's rows at e*R..e*R+R-1, B [out, R*E] with expert e's column j at j*E + e.
     Separate gate and up adapters share that fused parameter as one block-diagonal adapter of
@@ -602,15 +603,18 @@ def _peft_experts(model: nn.Module, name: str, module: LoRAExperts,
     outermost: with both, gate_up_proj's tensors sit under `base_layer.`.
     """
     family = getattr(getattr(model, "args", None), "family", None)
-    if family not in ("qwen3_moe", "deepseek_v3"):      # transformers' fused experts layout
+    if family not in ("qwen3_moe", "deepseek_v3", "gemma4"):
         raise ConfigError(f"save_peft_adapter: LoRA on the MoE experts of a {family} model has "
                           "no known PEFT layout; export merged weights instead (export.format: "
                           "merged, `save_merged_hf`)")
-    from posttrain.models.families import bridge_for_family
+    from posttrain.models.families import bridge_for_args
 
-    hf_experts, found, _ = bridge_for_family(family).hf_names(
-        f"{name}.gate", model.args)[0].rpartition(".0.gate_proj.weight")
-    assert found, name
+    hf_gate = bridge_for_args(model.args).hf_names(f"{name}.gate", model.args)
+    if len(hf_gate) > 1:            # one tensor per expert in the checkpoint
+        hf_experts, found, _ = hf_gate[0].rpartition(".0.gate_proj.weight")
+        assert found, name
+    else:                           # fused in the checkpoint as in memory
+        hf_experts = hf_gate[0].removesuffix(".gate_up_proj")
     rank, (num_experts, inter, _) = module.rank, module.gate.shape
     wrapped = []          # (HF parameter, A [E, R, in], B [E, out, R], R / r), inner first
     fused = [p for p in ("gate", "up") if p in module.projections]

@@ -13,6 +13,11 @@ of `families/qwen3_moe.py` and `families/gpt_oss.py`):
     layers[i].mlp.shared_gate   nn.Linear [1, hidden]: the shared expert's output is scaled by
                                 sigmoid(shared_gate(x)) (`shared_expert_gate`)
     layers[i].mlp.e_score_correction_bias   buffer [num_experts] fp32 (DeepSeek-V3's routing)
+    layers[i].mlp.router_scale  Parameter [hidden]: with `router_input_scale`
+    layers[i].mlp.expert_scale  Parameter [num_experts]: with `router_expert_scale`
+
+Gemma 4 runs this block beside its dense MLP, as `layers[i].moe` (`models/gemma4.py`; the two
+scales are its router's).
 
 Routing per token x, by `moe_routing`:
 
@@ -27,6 +32,11 @@ Routing per token x, by `moe_routing`:
         `moe_topk_groups` best groups; w = s[e], / sum(w) if norm_topk_prob, times
         `routed_scaling_factor` (w stays fp32, as transformers multiplies)
     y = sum_j w_j * down_{e_j}(glu(gate_{e_j}(x), up_{e_j}(x)))
+
+Gemma 4 (`router_input_scale`, `router_expert_scale`) routes "softmax_topk" on
+rms_norm(x) * router_scale * hidden ** -0.5 (a norm without weight), multiplies each chosen
+weight by its expert's `expert_scale` and keeps the weights in fp32; its experts read another
+input than the router (`MoEBlock.forward(x, expert_x)`: the block's second pre-MLP norm of x).
 
 The gated unit `glu(g, u)` is act(g) * u (`hidden_act`), or with `swiglu_limit` GPT-OSS's
 clamped SwiGLU: g = min(g, limit), u = clamp(u, -limit, limit), (u + 1) * g * sigmoid(alpha g).
@@ -62,7 +72,7 @@ from torch import nn
 
 from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
-from posttrain.models.layers import _ACTIVATIONS, FeedForward
+from posttrain.models.layers import _ACTIVATIONS, FeedForward, rms_norm
 
 __all__ = ["Experts", "MoEBlock", "build_moe", "clamped_swiglu", "expert_loads",
            "grouped_mm_available", "grouped_mm_flops", "load_balancing_loss", "moe_aux_loss",
@@ -198,8 +208,11 @@ class Experts(nn.Module):
         y_sorted = self.project("down", self._glu(gate, up), groups)
         if self.down_bias is not None:
             y_sorted = y_sorted + self.down_bias.index_select(0, expert_sorted)
+        # weights in fp32 (Gemma 4) sum the experts in fp32 and round once, as transformers'
+        # grouped experts do; weights in the model dtype keep the sum in it
         y_sorted = y_sorted * weight_NK.reshape(-1)[order, None]
-        return torch.zeros_like(x_NH).index_add(0, token_idx, y_sorted.to(x_NH.dtype))
+        out = x_NH.new_zeros(x_NH.shape, dtype=y_sorted.dtype).index_add(0, token_idx, y_sorted)
+        return out.to(x_NH.dtype)
 
     def project(self, name: str, x_sorted: torch.Tensor,
                 groups: torch.Tensor | list[int]) -> torch.Tensor:
@@ -254,10 +267,19 @@ class MoEBlock(nn.Module):
             raise ConfigError("a mixture-of-experts layer needs moe_intermediate_size > 0")
         if args.moe_routing not in ROUTINGS:
             raise ConfigError(f"moe_routing '{args.moe_routing}' is not one of {list(ROUTINGS)}")
+        if (args.router_input_scale or args.router_expert_scale) and (
+                args.moe_routing != "softmax_topk"):
+            raise ConfigError("router_input_scale / router_expert_scale route with "
+                              f"'softmax_topk', not '{args.moe_routing}'")
         self.top_k = args.num_experts_per_tok
         self.norm_topk_prob = args.norm_topk_prob
         self.routing = args.moe_routing
+        self.eps = args.rms_norm_eps
         self.router = nn.Linear(args.hidden_size, args.num_experts, bias=args.router_bias)
+        self.router_scale = (nn.Parameter(torch.ones(args.hidden_size))
+                             if args.router_input_scale else None)
+        self.expert_scale = (nn.Parameter(torch.ones(args.num_experts))
+                             if args.router_expert_scale else None)
         self.experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size,
                                args.hidden_act, bias=args.expert_bias,
                                swiglu_limit=args.swiglu_limit, swiglu_alpha=args.swiglu_alpha)
@@ -282,7 +304,11 @@ class MoEBlock(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
-        """The score-correction bias starts at zero (the router and experts init themselves)."""
+        """The router scales and the score-correction bias (the router and experts are
+        initialised as modules of their own)."""
+        for p in (self.router_scale, self.expert_scale):
+            if p is not None:
+                nn.init.ones_(p)
         if self.routing == "sigmoid_group_topk":
             self.e_score_correction_bias.zero_()
 
@@ -290,6 +316,8 @@ class MoEBlock(nn.Module):
         """-> (router logits [N, E], chosen experts [N, k], their weights [N, k])."""
         if self.routing == "sigmoid_group_topk":
             return self._route_sigmoid(x_NH)
+        if self.router_scale is not None:
+            x_NH = rms_norm(x_NH, self.eps) * self.router_scale * x_NH.shape[-1] ** -0.5
         logits = self.router(x_NH)
         if self.routing == "topk_softmax":
             top, expert = torch.topk(logits, self.top_k, dim=-1)
@@ -298,6 +326,8 @@ class MoEBlock(nn.Module):
         weight, expert = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weight = weight / weight.sum(dim=-1, keepdim=True)
+        if self.expert_scale is not None:
+            return logits, expert, weight * self.expert_scale[expert]
         return logits, expert, weight.to(logits.dtype)
 
     def _route_sigmoid(self, x_NH: torch.Tensor,
@@ -319,12 +349,15 @@ class MoEBlock(nn.Module):
             weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-20)
         return logits, expert, weight * self.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, expert_x: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., H] -> [..., H]. `expert_x`: what the experts read when it is not what the
+        router reads (Gemma 4); the shared expert reads x."""
         x_NH = x.reshape(-1, x.shape[-1])
         logits, expert, weight = self.route(x_NH)
         self.router_logits_NE = logits
         self.expert_NK = expert.detach()
-        y = self.experts(x_NH, expert, weight)
+        experts_in = x_NH if expert_x is None else expert_x.reshape(-1, x.shape[-1])
+        y = self.experts(experts_in, expert, weight)
         if self.shared is not None:
             shared = self.shared(x_NH)
             if self.shared_gate is not None:

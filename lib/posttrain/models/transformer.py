@@ -1,5 +1,5 @@
 """The native decoder-only transformer shared by Qwen3, Llama 3.x, Gemma 3 (text), Qwen3-MoE,
-GPT-OSS, Qwen3.5 (dense and MoE) and DeepSeek-V3.
+GPT-OSS, Qwen3.5 (dense and MoE), DeepSeek-V3 and Gemma 4 (text).
 
 Module tree (names are the contract for LoRA, sharding and the HF name maps):
 
@@ -20,6 +20,9 @@ Module tree (names are the contract for LoRA, sharding and the HF name maps):
                                 shared expert `shared`, DeepSeek's `e_score_correction_bias`
     layers[i].post_mlp_norm     RMSNorm     (Gemma sandwich norms only)
     norm                        RMSNorm
+    per_layer_inputs            Gemma 4's per-layer input embeddings (`gemma4.PerLayerInputs`);
+                                its blocks are `gemma4.Gemma4Block` (PLE and the MoE beside the
+                                dense MLP, named there)
     head                        LMHead [padded_vocab, hidden] (tied to embed when configured),
                                 or any module mapping hidden [B,T,H] -> [B,T,*]
 
@@ -30,7 +33,7 @@ gives full logits where they are needed (verification, sampling).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +41,8 @@ from torch import nn
 
 from posttrain.errors import ConfigError
 from posttrain.models.args import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, ModelArgs
-from posttrain.models.layers import Attention, FeedForward, RMSNorm, RotaryEmbedding
+from posttrain.models.layers import (Attention, FeedForward, RMSNorm, RotaryEmbedding, SharedKV,
+                                     make_norm)
 from posttrain.ops.attention import DocumentMask, build_mask
 from posttrain.ops.vocab import mask_padded_logits
 
@@ -83,14 +87,13 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.layer_type = args.layer_type(layer_id)
-        eps, offset = args.rms_norm_eps, args.norm_offset
-        self.attn_norm = RMSNorm(args.hidden_size, eps, offset=offset)
+        self.attn_norm = make_norm(args, args.hidden_size)
         self.attn = build_mixer(args, layer_id)
-        self.mlp_norm = RMSNorm(args.hidden_size, eps, offset=offset)
+        self.mlp_norm = make_norm(args, args.hidden_size)
         self.mlp = mlp_factory(args, layer_id)
         if args.sandwich_norm:
-            self.post_attn_norm = RMSNorm(args.hidden_size, eps, offset=offset)
-            self.post_mlp_norm = RMSNorm(args.hidden_size, eps, offset=offset)
+            self.post_attn_norm = make_norm(args, args.hidden_size)
+            self.post_mlp_norm = make_norm(args, args.hidden_size)
         else:
             self.post_attn_norm = self.post_mlp_norm = None
 
@@ -105,6 +108,18 @@ class TransformerBlock(nn.Module):
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         return x + h
+
+
+def build_block(args: ModelArgs, layer_id: int, mlp_factory: MLPFactory) -> nn.Module:
+    """`layers[i]`: a `TransformerBlock`, or Gemma 4's block (`models/gemma4.py`), which builds
+    its dense MLP and its MoE block itself."""
+    if args.gemma4 is not None:
+        if mlp_factory is not default_mlp_factory:
+            raise ConfigError("gemma4 blocks build their own dense MLP and MoE block; a custom "
+                              "mlp_factory is not supported for them")
+        from posttrain.models.gemma4 import Gemma4Block
+        return Gemma4Block(args, layer_id)
+    return TransformerBlock(args, layer_id, mlp_factory)
 
 
 class LMHead(nn.Module):
@@ -170,15 +185,22 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.embed = nn.Embedding(args.padded_vocab_size, args.hidden_size)
-        self.rope = nn.ModuleDict({FULL: RotaryEmbedding(args.rotary_dim, args.rope_theta,
-                                                         args.rope_scaling)})
+        self.rope = nn.ModuleDict({FULL: RotaryEmbedding(args.rotary_dim_of(FULL),
+                                                         args.rope_theta, args.rope_scaling)})
         if any(args.is_sliding_layer(i) for i in range(args.num_layers)):
-            self.rope[SLIDING] = (
-                RotaryEmbedding(args.rotary_dim, args.rope_local_theta)
-                if args.rope_local_theta is not None else self.rope[FULL])
+            if args.rope_local_theta is not None:
+                self.rope[SLIDING] = RotaryEmbedding(args.rotary_dim_of(SLIDING),
+                                                     args.rope_local_theta)
+            else:
+                assert args.rotary_dim_of(SLIDING) == args.rotary_dim_of(FULL)
+                self.rope[SLIDING] = self.rope[FULL]
+        self.per_layer_inputs: nn.Module | None = None
+        if args.gemma4 is not None and args.gemma4.per_layer_input_size:
+            from posttrain.models.gemma4 import PerLayerInputs
+            self.per_layer_inputs = PerLayerInputs(args)
         self.layers = nn.ModuleList(
-            TransformerBlock(args, i, mlp_factory) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=args.norm_offset)
+            build_block(args, i, mlp_factory) for i in range(args.num_layers))
+        self.norm = make_norm(args, args.hidden_size)
         # set by `posttrain.distributed.apply_compile`: the blocks then see tensor masks only
         self.compiled_blocks = False
         self.head: nn.Module = LMHead(args.hidden_size, args.padded_vocab_size, args.vocab_size,
@@ -214,9 +236,23 @@ class Transformer(nn.Module):
         h = self.embed_tokens(input_ids)
         tables = {name: rope(position_ids, h.dtype) for name, rope in self.rope.items()}
         masks = self.attention_masks(document_lengths, B, T, input_ids.device)
-        for layer in self.layers:
-            h = layer(h, tables[self.rope_key(layer.layer_type)], masks[layer.layer_type])
+        for layer, extra in zip(self.layers, self.block_inputs(input_ids, h)):
+            h = layer(h, tables[self.rope_key(layer.layer_type)], masks[layer.layer_type],
+                      **extra)
         return self.norm(h)
+
+    def block_inputs(self, input_ids: torch.Tensor, h: torch.Tensor) -> list[dict[str, Any]]:
+        """Each block's keyword inputs besides (h, rope, mask) in one forward or decode call:
+        none, except on Gemma 4 its per-layer input [B, T, P] (`per_layer_input`) and the
+        call's `SharedKV` through which layers share keys and values (`shared_kv`)."""
+        if self.args.gemma4 is None:
+            return [{} for _ in self.layers]
+        shared = SharedKV()
+        per_layer = (self.per_layer_inputs(input_ids, h)
+                     if self.per_layer_inputs is not None else None)
+        return [{"shared_kv": shared,
+                 "per_layer_input": per_layer[:, :, i] if per_layer is not None else None}
+                for i in range(len(self.layers))]
 
     def rope_key(self, layer_type: str) -> str:
         """The RoPE table a kind of layer reads (linear-attention layers read none; they get

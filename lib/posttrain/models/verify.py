@@ -92,6 +92,25 @@ _TINY: dict[str, dict[str, Any]] = {
                         num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
                         norm_topk_prob=True, routed_scaling_factor=2.5,
                         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}),
+    # every Gemma 4 feature at once: sliding (window 6) and full layers with their own head
+    # width and fewer key/value heads (8 query heads; 4 kv heads of 8 on sliding, 2 of 16 on
+    # full layers), values from the key projection on full layers, proportional RoPE over a
+    # quarter of the full heads, per-layer input embeddings, the last two layers (one of each
+    # kind) reusing earlier layers' keys and values with double-wide MLPs, the MoE block beside
+    # the dense MLP (4 experts of width 24, top-2), final soft-capping
+    "gemma4": dict(num_hidden_layers=6, tie_word_embeddings=True, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=8, global_head_dim=16,
+                   num_global_key_value_heads=2, attention_k_eq_v=True, sliding_window=6,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                "sliding_attention", "sliding_attention", "full_attention"],
+                   hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True, enable_moe_block=True,
+                   num_experts=4, top_k_experts=2, moe_intermediate_size=24,
+                   final_logit_softcapping=30.0,
+                   rope_parameters={
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                       "full_attention": {"rope_type": "proportional",
+                                          "partial_rotary_factor": 0.25,
+                                          "rope_theta": 1_000_000.0}}),
 }
 _NOT_CONFIG_KWARGS = ("model_type", "architectures", "transformers_version")
 _NO_DENSE_MLP = ("qwen3_5_moe",)      # configs without intermediate_size
@@ -99,14 +118,14 @@ _NO_DENSE_MLP = ("qwen3_5_moe",)      # configs without intermediate_size
 
 def tiny_hf_config(family: str, **overrides: Any) -> Any:
     """A tiny transformers config (hidden 64, 2-4 layers, vocab 250) of `family`."""
-    from transformers import (DeepseekV3Config, Gemma3TextConfig, GptOssConfig, LlamaConfig,
-                              Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (DeepseekV3Config, Gemma3TextConfig, Gemma4TextConfig,
+                              GptOssConfig, LlamaConfig, Qwen3_5MoeTextConfig,
+                              Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig)
 
     classes = {"qwen3": Qwen3Config, "llama": LlamaConfig, "gemma3": Gemma3TextConfig,
                "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig,
                "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig,
-               "deepseek_v3": DeepseekV3Config}
+               "deepseek_v3": DeepseekV3Config, "gemma4": Gemma4TextConfig}
     if family not in classes:
         raise ConfigError(f"no tiny config for family '{family}'; known: {sorted(classes)}")
     kwargs = {**_TINY_COMMON, **_TINY[family]}
@@ -115,6 +134,8 @@ def tiny_hf_config(family: str, **overrides: Any) -> Any:
     if family == "deepseek_v3":       # its head_dim is qk_rope_head_dim, derived
         kwargs.pop("head_dim")
     kwargs.update({k: v for k, v in overrides.items() if k not in _NOT_CONFIG_KWARGS})
+    if family == "gemma4":      # the per-layer input embeddings cover the vocabulary
+        kwargs.setdefault("vocab_size_per_layer_input", kwargs["vocab_size"])
     return classes[family](**kwargs)
 
 
@@ -124,8 +145,10 @@ def random_hf_model(config: Any, *, seed: int = 0,
 
     Norm weights are perturbed too: transformers initialises them to exactly 1 (0 with Gemma's
     1 + w), which would hide a wrong norm convention; so are biases and attention sinks (0 or
-    tiny), which would hide a wrong bias layout, and bias buffers (DeepSeek-V3's router
-    score-correction bias, zero), which would hide how the router reads them.
+    tiny), which would hide a wrong bias layout, the scales initialised to 1 (Gemma 4's
+    router scales and per-layer `layer_scalar` buffer), which would hide a missing one, and
+    bias buffers (DeepSeek-V3's router score-correction bias, zero), which would hide how the
+    router reads them.
     """
     from transformers import AutoModelForCausalLM
 
@@ -135,12 +158,14 @@ def random_hf_model(config: Any, *, seed: int = 0,
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith(("bias", "sinks")):
                 p.add_(0.5 * torch.randn(p.shape, generator=gen))
         for name, b in model.named_buffers():
-            if name.endswith("bias") and b.is_floating_point():
+            if name.endswith("layer_scalar"):
+                b.add_(0.2 * torch.randn(b.shape, generator=gen))
+            elif name.endswith("bias") and b.is_floating_point():
                 b.add_(0.5 * torch.randn(b.shape, generator=gen))
     return model.eval()
 

@@ -33,7 +33,8 @@ WORLD = 4
 T = 16
 # 4 packed rows; the data-parallel ranks take contiguous slices of them
 DOCS = [[5, 11], [16], [3, 7, 6], [9, 7]]
-FAMILIES = ["qwen3", "llama", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "deepseek_v3"]
+FAMILIES = ["qwen3", "llama", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gemma4",
+            "deepseek_v3"]
 LAYOUTS = {
     "fsdp_x_tp": dict(dp_shard=2, tp=2),
     "fsdp_x_tp_lora": dict(dp_shard=2, tp=2),

@@ -1,4 +1,6 @@
-"""Native Qwen3 / Llama 3.x / Gemma 3 against transformers, and the module-name contract."""
+"""Native families against transformers (Qwen3, Llama 3.x, Gemma 3, Qwen3.5, Gemma 4; the
+multimodal checkpoints of Qwen3.5, Gemma 3 and Gemma 4 through their text model), and the
+module-name contract."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from posttrain.models import ModelArgs, build_model, load_hf
 from posttrain.models.transformer import FeedForward
 from posttrain.models.verify import tiny_hf_config, verify
 
-FAMILIES = ("qwen3", "llama", "gemma3")
+FAMILIES = ("qwen3", "llama", "gemma3", "gemma4")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -186,30 +188,47 @@ def test_qwen3_5_matches_transformers_over_several_chunks(family: str) -> None:
     assert args.rotary_dim == 4 and args.attn_output_gate and args.norm_offset
 
 
-def _tiny_multimodal(family: str, out) -> str:
+def _tiny_multimodal(family: str, out) -> str | tuple[str, ...]:
     """A tiny random multimodal checkpoint whose text model is `family`'s tiny config, saved
-    as transformers saves it; returns the prefix of its vision tower's keys."""
-    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Qwen3_5Config,
+    as transformers saves it; returns the prefixes of its towers' keys."""
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma4Config,
+                              Gemma4ForConditionalGeneration, Qwen3_5Config,
                               Qwen3_5ForConditionalGeneration)
     text = tiny_hf_config(family).to_dict()
     if family == "qwen3_5":
         config, cls, vision = Qwen3_5Config(text_config=text, vision_config=dict(
             depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)), \
             Qwen3_5ForConditionalGeneration, "model.visual."
+    elif family == "gemma4":        # vision and audio towers, each with its embedder
+        config, cls, vision = Gemma4Config(
+            text_config=text,
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=2, head_dim=16),
+            audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              output_proj_dims=64, subsampling_conv_channels=[8, 4])), \
+            Gemma4ForConditionalGeneration, ("model.vision_tower.", "model.audio_tower.",
+                                             "model.embed_vision.", "model.embed_audio.")
     else:
         config, cls, vision = Gemma3Config(text_config=text, mm_tokens_per_image=4, vision_config=dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
             image_size=28, patch_size=14)), Gemma3ForConditionalGeneration, "vision_tower."
     torch.manual_seed(0)
-    cls(config).eval().save_pretrained(out)
+    model = cls(config).eval()
+    if family == "gemma4":          # norms and scales at exactly 1 would hide a missing one
+        with torch.no_grad():
+            for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith(("norm.weight", "layer_scalar", "router.scale", "expert_scale")):
+                    t.add_(0.2 * torch.randn(t.shape))
+    model.save_pretrained(out)
     return vision
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3", "gemma4"])
 def test_multimodal_checkpoint_trains_its_text_model(family, tmp_path, read_checkpoint) -> None:
     """A released-layout checkpoint (Qwen3_5ForConditionalGeneration; Gemma 3 4B-27B's
-    Gemma3ForConditionalGeneration, `language_model.model.*`): the native model is its text
-    model, verified against transformers; the export keeps the vision tower byte for byte and
+    Gemma3ForConditionalGeneration, `language_model.model.*`; Gemma4ForConditionalGeneration
+    with every text feature on, its vision and audio towers): the native model is its text
+    model, verified against transformers; the export keeps the towers byte for byte and
     loads as the same multimodal class with the native logits."""
     from transformers import AutoModelForCausalLM
 
@@ -286,3 +305,53 @@ def test_deepseek_v3_module_tree() -> None:
         ModelArgs.from_hf_config(tiny_hf_config("deepseek_v3", num_key_value_heads=2).to_dict())
     with pytest.raises(ConfigError, match="n_group"):
         _native("deepseek_v3", n_group=3)
+
+
+def test_gemma4_without_moe_and_k_eq_v_and_with_three_shared_layers() -> None:
+    """The E2B/E4B shape: full layers with the sliding layers' kv heads but their own head
+    width, no MoE, no soft-capping; three KV-sharing layers, two of them sliding (reading layer
+    1, window 6 shorter than the documents), one full (reading layer 2); transformers' SDPA
+    attention as the reference."""
+    config = {"attention_k_eq_v": False, "enable_moe_block": False, "num_kv_shared_layers": 3,
+              "final_logit_softcapping": None}
+    report = verify(("gemma4", config), seq_len=40, batch=2, packed=True, seed=1,
+                    attn_implementation="sdpa")
+    assert report["passed"], report
+    args = ModelArgs.from_hf_config(tiny_hf_config("gemma4", **config).to_dict())
+    assert [args.kv_source(i) for i in range(6)] == [None, None, None, 1, 1, 2]
+    assert args.attention_shape(2) == (4, 16) and args.attention_shape(0) == (4, 8)
+    assert args.mlp_size(3) == 256 and args.mlp_size(2) == 128 and args.num_experts == 0
+
+
+def test_gemma4_module_names() -> None:
+    """A full-attention layer with experts and per-layer inputs (k_eq_v: no v), a KV-sharing
+    layer (no k, v, k_norm), the model-level per-layer input embeddings; the scalar frozen."""
+    model = _native("gemma4")
+    names = set(model.state_dict())
+    block = {"attn_norm.weight", "attn.q.weight", "attn.o.weight", "attn.q_norm.weight",
+             "post_attn_norm.weight", "mlp_norm.weight", "mlp.gate.weight", "mlp.up.weight",
+             "mlp.down.weight", "post_mlp_norm.weight", "post_dense_norm.weight",
+             "moe_norm.weight", "moe.router.weight", "moe.router_scale", "moe.expert_scale",
+             "moe.experts.gate", "moe.experts.up", "moe.experts.down", "post_moe_norm.weight",
+             "per_layer_gate.weight", "per_layer_proj.weight", "post_per_layer_norm.weight",
+             "layer_scalar"}
+    for i, own in ((2, {"attn.k.weight", "attn.k_norm.weight"}), (5, set())):
+        assert {n.removeprefix(f"layers.{i}.") for n in names
+                if n.startswith(f"layers.{i}.")} == block | own, i
+    assert {"per_layer_inputs.embed.weight", "per_layer_inputs.proj.weight",
+            "per_layer_inputs.norm.weight"} <= names
+    assert model.per_layer_inputs.embed.weight.shape == (250, 6 * 8)
+    assert not model.layers[0].layer_scalar.requires_grad
+    assert model.layers[0].attn.tp_colwise == ("q", "k", "v")
+    assert model.layers[4].attn.tp_colwise == ("q",)
+
+
+def test_gemma4_refusals_name_the_key() -> None:
+    cfg = tiny_hf_config("gemma4").to_dict()
+    with pytest.raises(ConfigError, match="use_bidirectional_attention"):
+        ModelArgs.from_hf_config({**cfg, "use_bidirectional_attention": "all"})
+    with pytest.raises(ConfigError, match="num_kv_shared_layers"):
+        ModelArgs.from_hf_config({**cfg, "num_kv_shared_layers": 6})
+    args = ModelArgs.from_hf_config(cfg)
+    with pytest.raises(ConfigError, match="vocab_size_per_layer_input"):
+        build_model(args.replace(vocab_size=260), device="meta")

@@ -38,18 +38,26 @@ from posttrain.ops.attention import _causal_window_mask
 aten = torch.ops.aten
 SDPA_FWD = aten._scaled_dot_product_flash_attention_for_cpu
 SDPA_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward
-FAMILIES = ("qwen3", "llama", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "deepseek_v3")
+FAMILIES = ("qwen3", "llama", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gemma4",
+            "deepseek_v3")
 SEQ_LEN, BATCH = 32, 2
 DOCS = [20, 12]      # both rows; longer than gemma3's window of 8 and one shorter than the other
 
 
-def _sdpa_fwd(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
+def _sdpa_fwd(calls: list[int]):
+    def count(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        calls.append(sdpa_flop_count(query_shape, key_shape, value_shape))
+        return calls[-1]
+    return count
 
 
-def _sdpa_bwd(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+def _sdpa_bwd(calls: list[int]):
+    def count(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
               **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+        calls.append(sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape,
+                                              value_shape))
+        return calls[-1]
+    return count
 
 
 def _args(family: str) -> ModelArgs:
@@ -95,29 +103,41 @@ def _counted_flops(model, args: ModelArgs, docs: list[int] | None) -> tuple[floa
     rows = [docs] * BATCH if docs is not None else None
     from posttrain.models.moe import grouped_mm_available, grouped_mm_flops
     grouped_mm_available(ids.device, torch.float32)     # its one-time probe is not the model's
+    fwd_calls: list[int] = []
+    bwd_calls: list[int] = []
     with FlopCounterMode(display=False, custom_mapping={
-            SDPA_FWD: _sdpa_fwd, SDPA_BWD: _sdpa_bwd,
+            SDPA_FWD: _sdpa_fwd(fwd_calls), SDPA_BWD: _sdpa_bwd(bwd_calls),
             aten._grouped_mm: grouped_mm_flops,          # the grouped MoE experts
             aten.linalg_solve_triangular: _solve_triangular}) as counter:
         model.logits(model(ids, document_lengths=rows)).float().sum().backward()
     by_op = counter.get_flop_counts()["Global"]
     fwd_sq, bwd_sq = by_op.get(SDPA_FWD, 0), by_op.get(SDPA_BWD, 0)
-    # every attention layer's SDPA calls have the same shapes (so equal counts): average the
-    # fractions (linear-attention layers run no SDPA)
-    fractions = [_allowed_fraction(args, i, docs or [SEQ_LEN]) for i in range(args.num_layers)
-                 if not args.is_linear_layer(i)]
-    fraction = sum(fractions) / len(fractions)
     if args.latent_attention is not None:
         # MLA's values are narrower than its queries and keys, which the CPU's flash kernel
         # cannot take: SDPA runs its math kernel, whose only batched matmuls are the score and
-        # value matmuls over full squares, backward twice forward as counted by flops.py
+        # value matmuls over full squares, backward twice forward as counted by flops.py; every
+        # MLA layer is full causal attention, so one fraction scales them all
         squares = by_op.get(aten.bmm, 0)
         assert squares > 0 and fwd_sq == 0, f"attention was not counted: {dict(by_op)}"
-        attention = squares * fraction
+        attention = squares * _allowed_fraction(args, 0, docs or [SEQ_LEN])
         total = counter.get_total_flops() - squares + attention
         return total / (BATCH * SEQ_LEN), {"attention": attention / (BATCH * SEQ_LEN)}
     assert fwd_sq > 0 and bwd_sq > 0, f"SDPA was not counted: {dict(by_op)}"
-    attention = (fwd_sq + bwd_sq * 4 / 5) * fraction
+    # every attention layer makes the same number of SDPA calls (one per document), in layer
+    # order forward and in reverse order backward, where only the layers from the first one
+    # that carries a gradient on run one; each layer's calls are scaled by its own fraction
+    # (windows and, on Gemma 4, head dims differ by layer kind; linear-attention layers run no
+    # SDPA)
+    layers = [i for i in range(args.num_layers) if not args.is_linear_layer(i)]
+    per_layer = len(fwd_calls) // len(layers)
+    assert per_layer * len(layers) == len(fwd_calls) and len(bwd_calls) % per_layer == 0
+
+    def scaled(calls: list[int], order: list[int]) -> float:
+        return sum(sum(calls[j * per_layer:(j + 1) * per_layer])
+                   * _allowed_fraction(args, layer, docs or [SEQ_LEN])
+                   for j, layer in enumerate(order[:len(calls) // per_layer]))
+
+    attention = scaled(fwd_calls, layers) + scaled(bwd_calls, layers[::-1]) * 4 / 5
     total = counter.get_total_flops() - fwd_sq - bwd_sq + attention
     return total / (BATCH * SEQ_LEN), {"attention": attention / (BATCH * SEQ_LEN)}
 
@@ -153,6 +173,11 @@ def test_full_finetune_matches_flop_counter(family, packed) -> None:
     # routed and shared experts
     ("deepseek_v3", ("q_b", "kv_b", "o", "experts.down", "shared.up")),
     ("deepseek_v3", ("q_a", "kv_a", "router", "gate", "experts.gate")),   # the latents, dense MLP
+    # shared-KV and k_eq_v layers, the MoE beside the dense MLP, the per-layer input gates
+    ("gemma4", ("q", "k", "v", "o", "down", "experts.up", "router", "per_layer_proj")),
+    # only the model-level per-layer input projection: gradients enter through every layer's
+    # per-layer input, from the first layer's on
+    ("gemma4", ("per_layer_inputs.proj",)),
 ])
 def test_lora_matches_flop_counter(family, targets) -> None:
     from posttrain.models.lora import LoraConfig, apply_lora, flops_kwargs

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from posttrain.errors import ConfigError
 from posttrain.models import load_hf, resize_vocab, save_hf
 
-FAMILIES = ("qwen3", "llama", "gemma3", "qwen3_5", "qwen3_5_moe", "deepseek_v3")
+FAMILIES = ("qwen3", "llama", "gemma3", "qwen3_5", "qwen3_5_moe", "gemma4", "deepseek_v3")
 
 
 def _ids(seq_len: int = 20, vocab: int = 250, seed: int = 0) -> torch.Tensor:
@@ -55,11 +55,17 @@ def test_save_hf_loads_in_transformers_with_same_logits(family, make_hf_dir, rea
         assert (native_logits - reloaded(ids).logits).abs().max() <= 1e-4
 
 
-def test_bf16_checkpoint_keeps_its_dtype(make_hf_dir, read_checkpoint, tmp_path) -> None:
-    hf_dir, ref = make_hf_dir("qwen3")
+@pytest.mark.parametrize("family", ["qwen3", "gemma4"])
+def test_bf16_checkpoint_keeps_its_dtype(family, make_hf_dir, read_checkpoint, tmp_path) -> None:
+    hf_dir, ref = make_hf_dir(family)
     ref.to(torch.bfloat16).save_pretrained(hf_dir)
     native = load_hf(hf_dir)                                    # checkpoint dtype by default
     assert native.embed.weight.dtype == torch.bfloat16
+    # bf16 numerics as transformers computes them (with its SDPA attention), bit for bit:
+    # Gemma 4's norms multiply in fp32 before the cast, its experts sum in fp32
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        assert torch.equal(native.logits(native(_ids()))[..., :250], hf(_ids()).logits)
     out = save_hf(native, tmp_path / "export")
     original, exported = read_checkpoint(hf_dir), read_checkpoint(out)
     assert all(exported[n].dtype == torch.bfloat16 and torch.equal(exported[n], t)

@@ -386,6 +386,31 @@ def test_qwen3_5_adapters_train_and_export(family, targets, lora_model, tmp_path
         assert (_hf_logits(hf_dir, ids, adapter=out) - adapted).abs().max() <= 1e-4
 
 
+def test_gemma4_adapters_train_and_export(lora_model, tmp_path) -> None:
+    """Gemma 4 (every feature on): adapters on the attention projections of every layer kind
+    (KV-sharing layers have q and o only, k_eq_v layers no v), the dense MLP, the per-layer
+    input gate and projection, the router and the experts beside the MLP; only they train, and
+    the merged export and the PEFT adapter (experts as fused target_parameters) reproduce the
+    adapted logits in transformers."""
+    targets = ("q", "k", "v", "o", "gate", "up", "down", "per_layer_gate", "per_layer_proj",
+               "router", "experts.gate", "experts.up", "experts.down")
+    hf_dir, _, model, base_logits = lora_model("gemma4", targets=targets)
+    assert {type(model.get_submodule(n)).__name__ for n in
+            ("layers.2.attn.k", "layers.4.attn.q", "layers.0.moe.router")} == {"LoRALinear"}
+    assert model.layers[2].attn.v is None and model.layers[4].attn.k is None
+    _check_only_adapters_train(model, base_logits)
+    model.eval()
+    ids = _ids()
+    adapted = _logits(model, ids)
+    assert (_hf_logits(save_merged_hf(model, tmp_path / "merged"), ids) - adapted).abs().max() \
+        <= 1e-4
+    out = save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(hf_dir))
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert {"proj", "per_layer_input_gate", "q_proj"} <= set(config["target_modules"])
+    assert "model.layers.5.experts.gate_up_proj" in config["target_parameters"]
+    assert (_hf_logits(hf_dir, ids, adapter=out) - adapted).abs().max() <= 1e-4
+
+
 def test_deepseek_v3_adapters_train_and_export(lora_model, tmp_path) -> None:
     """Adapters on MLA's latent and head projections, the output, the routed experts and the
     shared experts: only they train; the merged export and the PEFT adapter (experts as PEFT

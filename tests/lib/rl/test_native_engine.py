@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from posttrain.models.args import DeltaNetArgs, MLAArgs, ModelArgs
+from posttrain.models.args import DeltaNetArgs, Gemma4Args, MLAArgs, ModelArgs
 from posttrain.models.transformer import Transformer, build_model
 from posttrain.rl.engine import Rollout, RolloutEngine, SamplingConfig
 from posttrain.rl.native import NativeEngine
@@ -58,6 +58,21 @@ def tiny_args(family: str, **overrides) -> ModelArgs:
                                                           chunk_size=4),
                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                             shared_expert_intermediate_size=48, shared_expert_gate=True),
+        # window 4; full layers 1 and 3 with one kv head of 32 (values = keys' projection) and
+        # proportional RoPE; layers 2 and 3 reuse the keys and values of layers 0 and 1 (from
+        # their caches when decoding); per-layer inputs; the MoE block beside the dense MLP
+        "gemma4": dict(qk_norm=True, hidden_act="gelu_pytorch_tanh", sliding_window=4,
+                       num_layers=4, layer_types=("sliding_attention", "full_attention") * 2,
+                       rope_theta=1e6, rope_local_theta=1e4,
+                       rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25},
+                       query_pre_attn_scalar=1.0, embed_scale=True, norm_scale_fp32=True,
+                       sandwich_norm=True, final_logit_softcapping=5.0, tie_word_embeddings=True,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                       router_input_scale=True, router_expert_scale=True,
+                       gemma4=Gemma4Args(global_head_dim=32, num_global_kv_heads=1,
+                                         attention_k_eq_v=True, per_layer_input_size=8,
+                                         per_layer_vocab_size=100, num_kv_shared_layers=2,
+                                         double_wide_mlp=True)),
         # latent attention (query latent, values narrower than keys, interleaved RoPE, YaRN
         # with mscale), a dense first layer, then grouped sigmoid routing with a shared expert
         "deepseek_v3": dict(num_kv_heads=4, head_dim=8, rope_scaling={
@@ -84,8 +99,10 @@ def tiny_model(family: str, seed: int = 0, **overrides) -> Transformer:
             noise = torch.randn(p.shape, generator=gen)
             if name.endswith("A_log"):      # slow decay: the recurrent state carries far
                 p.copy_(torch.empty(p.shape).uniform_(0.02, 0.3, generator=gen).log())
+            elif "norm" in name or "scal" in name:   # norms; Gemma 4's router / layer scales
+                p.add_(0.3 * noise)
             else:
-                p.add_(0.3 * noise) if "norm" in name else p.mul_(4.0)
+                p.mul_(4.0)
         for name, b in model.named_buffers():      # DeepSeek-V3's score-correction bias
             b.add_(0.3 * torch.randn(b.shape, generator=gen))
         model.embed.weight[model.args.vocab_size:].zero_()
@@ -116,7 +133,7 @@ def naive_logprobs(model: Transformer, seq: list[int], prompt_len: int,
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3", "qwen3_moe", "gpt_oss",
-                                    "qwen3_5", "qwen3_5_moe", "deepseek_v3"])
+                                    "qwen3_5", "qwen3_5_moe", "gemma4", "deepseek_v3"])
 def test_greedy_with_cache_equals_full_recompute(family: str) -> None:
     model = tiny_model(family)
     engine = NativeEngine(model)
@@ -133,7 +150,7 @@ def test_greedy_with_cache_equals_full_recompute(family: str) -> None:
     assert ids(out_small) == ids(out)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_5", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_5", "gemma4", "deepseek_v3"])
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5)])
 def test_rollout_logprobs_equal_teacher_forced(family: str, temperature: float,
                                                top_k: int) -> None:

@@ -9,6 +9,7 @@ from posttrain.models.args import ModelArgs
 from posttrain.models.families.base import FamilyBridge, MultimodalBridge
 from posttrain.models.families.deepseek_v3 import DeepseekV3Bridge
 from posttrain.models.families.gemma3 import Gemma3Bridge
+from posttrain.models.families.gemma4 import Gemma4Bridge
 from posttrain.models.families.gpt_oss import GptOssBridge
 from posttrain.models.families.llama import LlamaBridge
 from posttrain.models.families.qwen3 import Qwen3Bridge
@@ -19,7 +20,7 @@ BRIDGES: dict[str, FamilyBridge] = {b.family: b for b in (Qwen3Bridge(), LlamaBr
                                                           Gemma3Bridge(), Qwen3MoeBridge(),
                                                           GptOssBridge(), Qwen3_5Bridge(),
                                                           Qwen3_5MoeBridge(),
-                                                          DeepseekV3Bridge())}
+                                                          DeepseekV3Bridge(), Gemma4Bridge())}
 
 
 def register_bridge(bridge: FamilyBridge) -> None:

@@ -202,7 +202,9 @@ def split_rope(params: dict[str, Any] | None, *, where: str) -> tuple[float, dic
     """HF rope_parameters -> (theta, scaling dict without theta, or None for plain RoPE)."""
     if not params or params.get("rope_theta") is None:
         raise ConfigError(f"{where}: no rope_theta in the config's rope parameters")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    if (params.get("partial_rotary_factor", 1.0) != 1.0
+            and params.get("rope_type") != "proportional"):
+        # (proportional RoPE, Gemma 4, takes it as a parameter of its frequencies)
         raise ConfigError(f"{where}: partial_rotary_factor is not supported by native models")
     theta = float(params["rope_theta"])
     scaling = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -238,8 +240,9 @@ class MultimodalLayout:
 
 class MultimodalBridge(FamilyBridge):
     """A text family's bridge over a multimodal checkpoint (`Qwen3_5ForConditionalGeneration`,
-    `Gemma3ForConditionalGeneration`): the text model lives under the layout's prefix, and
-    everything else (vision tower, projector, multi-token prediction layers) is passthrough:
+    `Gemma3ForConditionalGeneration`, `Gemma4ForConditionalGeneration`): the text model lives
+    under the layout's prefix, and everything else (vision and audio towers, projector,
+    multi-token prediction layers) is passthrough:
     never loaded into the native model, copied unchanged from the source checkpoint on export
     (`hf_io.save_hf`), so the export loads as the same multimodal class. config.json keeps its
     shape; the text model's settings are its `text_config`.
