@@ -7,9 +7,10 @@ The plan (`plan_sync`) is fixed once per run from the engine's parameters
 than that travels alone; a dtype change starts a new bucket). Every engine parameter and
 persistent buffer (DeepSeek-V3's router score-correction bias, which bias balancing moves) is
 sent in the engine's dtype, cast on the trainer before it travels, except what the model keeps
-in fp32 (`Transformer.fp32_names`: that router's weight and bias), sent in fp32. With LoRA the plan has a second part,
-the adapters A and B of every adapted weight in the trainer's dtype: the first sync (``full``)
-sends the weights (the bases) and the adapters, every later one the adapters only. The engine
+in fp32 (`Transformer.fp32_names`: that router's weight and bias), sent in fp32. With LoRA
+the plan has a second part, the adapters A and B of every adapted weight in the trainer's
+dtype: the first sync (``full``) sends the weights (the bases) and the adapters, every later
+one the adapters only. The engine
 keeps each adapted weight's base as it first arrived and writes
 `posttrain.models.lora.merged_weight(base, A, B, scaling)`, the trainer's folded weight
 exactly, so a LoRA sync moves O(adapters) bytes and the base travels once.

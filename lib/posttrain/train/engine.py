@@ -477,6 +477,7 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
         lcfg = lora.LoraConfig(rank=model_cfg.lora.rank, alpha=model_cfg.lora.alpha,
                                dropout=model_cfg.lora.dropout, targets=model_cfg.lora.targets)
         lora.apply_lora(model, lcfg)
+    fp32 = model.fp32_names()    # DeepSeek-V3's router: not rounded to a bf16 model.dtype
     root = loss_factory(model)
     mesh = mesh if mesh is not None else build_mesh(parallel.dp_shard, parallel.tp,
                                                     parallel.dp_replicate)
@@ -485,7 +486,8 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
     # a custom head (a reward model's scalar projection) replaces the LM head: it is
     # initialized by `init_missing`, not read from the checkpoint
     custom_head = not isinstance(model.head, LMHead)
-    tensors = ((name, _fit_vocab(name, t, ckpt_args, model.args).to(dtype))
+    tensors = ((name, _fit_vocab(name, t, ckpt_args, model.args).to(
+                    torch.float32 if name in fp32 else dtype))
                for name, t in iter_hf_tensors(hf_dir, ckpt_args)
                if not (custom_head and name.startswith("head.")))
     materialize(root, device, tensors, prefix="model.", init_missing=init_missing)

@@ -181,3 +181,17 @@ def _hf_dir_qwen(tmp_path: Path) -> Path:
     out = tmp_path / "qwen3_moe"
     random_hf_model(tiny_hf_config("qwen3_moe"), seed=0).save_pretrained(out)
     return out
+
+
+def test_deepseek_v3_router_is_not_rounded_in_a_bf16_run(deepseek_dir, tmp_path):
+    """`model.dtype: bfloat16` rounds the weights it loads, except the router's weight and
+    score-correction bias, which the model holds in fp32 as transformers does."""
+    from posttrain.models import load_hf
+    engine = _engine(deepseek_dir, tmp_path, dtype="bfloat16")
+    ref = load_hf(deepseek_dir, dtype=torch.float32)
+    for i in (1, 2, 3):
+        ours, theirs = engine.model.layers[i], ref.layers[i]
+        assert torch.equal(ours.mlp.e_score_correction_bias, theirs.mlp.e_score_correction_bias)
+        assert torch.equal(ours.mlp.router.weight.full_tensor(), theirs.mlp.router.weight)
+        assert torch.equal(ours.attn.kv_a.weight.full_tensor().float(),
+                           theirs.attn.kv_a.weight.bfloat16().float())

@@ -99,7 +99,8 @@ class DeepseekV3Bridge(PerExpertTensors, FamilyBridge):
         cfg = parse_hf_config(config)
         where = "deepseek_v3 config.json"
         theta, scaling = split_rope(cfg.rope_parameters, where=where)
-        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
+        heads = cfg.num_attention_heads
+        kv_heads = cfg.num_key_value_heads or heads
         if kv_heads != heads:
             raise ConfigError(f"{where}: num_key_value_heads ({kv_heads}) must equal "
                               f"num_attention_heads ({heads}): multi-head latent attention "
