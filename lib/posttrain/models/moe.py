@@ -56,11 +56,8 @@ Every MoE block keeps its last router logits (`router_logits_NE`, with their gra
 `load_balancing_loss` computes the Switch-Transformer auxiliary loss exactly as transformers'
 `load_balancing_loss_func` does (GPT-OSS's too: it also pools softmax(logits) over all experts,
 router bias included); `moe_aux_loss(model)` scales it by `router_aux_loss_coef`;
-`router_z_loss` is ST-MoE's. Sigmoid routing (DeepSeek-V3) has its own:
-`sequence_balance_loss` (the paper's complementary sequence-wise loss, off by default, since
-transformers' DeepseekV3ForCausalLM adds no router term) and auxiliary-loss-free balancing:
-`update_score_bias` moves the score-correction bias after each optimizer step from the loads
-`expert_loads` counts (`ModelConfig.moe_bias_update_speed`). The engine adds both to the training loss with the configured
+`router_z_loss` is ST-MoE's. Sigmoid routing (DeepSeek-V3) balances its own way
+(`models/moe_balance.py`: the sequence-wise loss and the score-correction bias's update). The engine adds both to the training loss with the configured
 coefficients (`ModelConfig.moe_aux_loss_coef`, `moe_z_loss_coef`; `posttrain.train.engine`).
 """
 
@@ -74,10 +71,9 @@ from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
 from posttrain.models.layers import _ACTIVATIONS, FeedForward, rms_norm
 
-__all__ = ["Experts", "MoEBlock", "build_moe", "clamped_swiglu", "expert_loads",
-           "grouped_mm_available", "grouped_mm_flops", "load_balancing_loss", "moe_aux_loss",
-           "max_load_violation", "router_logits", "router_z_loss", "score_bias_blocks",
-           "sequence_balance_loss", "update_score_bias"]
+__all__ = ["Experts", "MoEBlock", "build_moe", "clamped_swiglu", "grouped_mm_available",
+           "grouped_mm_flops", "load_balancing_loss", "moe_aux_loss", "router_logits",
+           "router_z_loss"]
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk")
 
@@ -291,8 +287,8 @@ class MoEBlock(nn.Module):
             _check_groups(args)
             self.num_groups, self.topk_groups = args.moe_num_groups, args.moe_topk_groups
             self.routed_scaling_factor = args.routed_scaling_factor
-            # added to the scores for choosing only; moved by `update_score_bias`, not by
-            # gradients: a buffer (replicated, checkpointed, exported, synced)
+            # added to the scores for choosing only; moved by `moe_balance.update_score_bias`,
+            # not by gradients: a buffer (replicated, checkpointed, exported, synced)
             self.register_buffer("e_score_correction_bias",
                                  torch.zeros(args.num_experts, dtype=torch.float32))
             self.keep_fp32 = ("router.weight", "e_score_correction_bias")
@@ -436,93 +432,3 @@ def moe_aux_loss(model: nn.Module, token_mask: torch.Tensor | None = None) -> to
         return torch.zeros(())
     return args.router_aux_loss_coef * load_balancing_loss(logits, args.num_experts_per_tok,
                                                            token_mask)
-
-
-def sequence_balance_loss(router_logits_LNE: list[torch.Tensor], expert_LNK: list[torch.Tensor],
-                          document_lengths: list[list[int]],
-                          token_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """DeepSeek-V3's complementary sequence-wise balance loss (arXiv:2412.19437 eqs. 17-20),
-    for sigmoid routing, per MoE layer and sequence of T tokens (a document of a packed row):
-
-        s'_t = sigmoid(logits_t) / sum_j sigmoid(logits_t)_j
-        f_i  = E / (K T) * sum_t [i among the experts token t was routed to]
-        P_i  = 1 / T * sum_t s'_t,i
-        loss = sum_i f_i P_i
-
-    averaged over the sequences and the layers. The paper's indicator reads top-K of s; here
-    it is the routing itself (bias and group limit included), the load being balanced.
-    `document_lengths` [B][docs] are the rows' sequences; `token_mask` [B, T] (1 = real token)
-    leaves padding out.
-    """
-    n = router_logits_LNE[0].shape[0]
-    device = router_logits_LNE[0].device
-    doc_N = torch.repeat_interleave(torch.arange(sum(len(r) for r in document_lengths)),
-                                    torch.tensor([x for r in document_lengths for x in r]))
-    doc_N = doc_N.to(device)
-    assert doc_N.shape[0] == n, (doc_N.shape, n)
-    mask_N = (torch.ones(n, device=device) if token_mask is None
-              else token_mask.reshape(-1).to(device, torch.float32))
-    docs = int(doc_N.max()) + 1
-    tokens_D = torch.zeros(docs, device=device).index_add(0, doc_N, mask_N)
-    kept = tokens_D > 0
-    total = torch.zeros((), device=device)
-    for logits, expert in zip(router_logits_LNE, expert_LNK, strict=True):
-        E, K = logits.shape[1], expert.shape[1]
-        s = torch.sigmoid(logits.float())
-        s = s / s.sum(dim=-1, keepdim=True)
-        routed = torch.zeros_like(s).scatter_(1, expert, 1.0)
-        f_DE = torch.zeros(docs, E, device=device).index_add(0, doc_N, routed * mask_N[:, None])
-        P_DE = torch.zeros(docs, E, device=device).index_add(0, doc_N, s * mask_N[:, None])
-        f_DE = f_DE[kept] * E / (K * tokens_D[kept, None])
-        P_DE = P_DE[kept] / tokens_D[kept, None]
-        total = total + (f_DE * P_DE).sum(-1).mean()
-    return total / len(router_logits_LNE)
-
-
-# ------------------------------------------------------------- auxiliary-loss-free balancing
-
-def score_bias_blocks(model: nn.Module) -> list[MoEBlock]:
-    """The MoE blocks whose router has a score-correction bias (DeepSeek-V3), in layer order."""
-    return [m for m in model.modules()
-            if isinstance(m, MoEBlock) and m.routing == "sigmoid_group_topk"]
-
-
-def expert_loads(model: nn.Module, token_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """[L, E] float64: how many tokens each `score_bias_blocks` block routed to each expert in
-    the last forward (`token_mask` [B, T], 1 = real token, leaves padding out)."""
-    rows = []
-    for block in score_bias_blocks(model):
-        if block.expert_NK is None:
-            raise RuntimeError("expert loads are read before any forward pass")
-        expert = block.expert_NK
-        weight = (torch.ones_like(expert, dtype=torch.float64) if token_mask is None else
-                  token_mask.reshape(-1, 1).to(expert.device, torch.float64).expand_as(expert))
-        rows.append(torch.zeros(block.e_score_correction_bias.shape[0], dtype=torch.float64,
-                                device=expert.device).scatter_add_(
-            0, expert.reshape(-1), weight.reshape(-1)))
-    return torch.stack(rows)
-
-
-@torch.no_grad()
-def update_score_bias(model: nn.Module, loads_LE: torch.Tensor, speed: float) -> None:
-    """Auxiliary-loss-free load balancing (DeepSeek-V3, arXiv:2412.19437 §2.1.2), after an
-    optimizer step: per MoE layer l and expert i,
-
-        b_l,i += speed * sign(mean_j load_l,j - load_l,i)
-
-    with `loads_LE` the step's tokens per expert (`expert_loads`, summed over micro-batches and
-    data-parallel ranks): an overloaded expert's bias goes down, an underloaded one's up, so it
-    is chosen less or more often; the gating weights never see the bias."""
-    blocks = score_bias_blocks(model)
-    assert loads_LE.shape[0] == len(blocks), (tuple(loads_LE.shape), len(blocks))
-    for block, load_E in zip(blocks, loads_LE):
-        bias = block.e_score_correction_bias
-        step = speed * torch.sign(load_E.mean() - load_E)
-        bias.add_(step.to(device=bias.device, dtype=bias.dtype))
-
-
-def max_load_violation(loads_LE: torch.Tensor) -> float:
-    """The paper's MaxVio averaged over layers: max_i load_i / mean_i load_i - 1 (0 when
-    perfectly balanced)."""
-    mean_L = loads_LE.mean(dim=1).clamp_min(1e-12)
-    return float((loads_LE.max(dim=1).values / mean_L - 1).mean())

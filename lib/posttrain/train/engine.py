@@ -145,7 +145,7 @@ class ModelConfig:
     moe_z_loss_coef: float = 0.0
     # routers with a score-correction bias (DeepSeek-V3): auxiliary-loss-free balancing moves
     # the bias by this much per optimizer step (the paper's gamma, 0.001 in its pretraining;
-    # `posttrain.models.moe.update_score_bias`); 0 keeps the checkpoint's bias, as
+    # `posttrain.models.moe_balance.update_score_bias`); 0 keeps the checkpoint's bias, as
     # transformers' training does
     moe_bias_update_speed: float = 0.0
 
@@ -206,9 +206,9 @@ def _lora_module():
     return lora
 
 
-def _moe():
-    from posttrain.models import moe
-    return moe
+def _moe_balance():
+    from posttrain.models import moe_balance
+    return moe_balance
 
 
 class Engine:
@@ -261,7 +261,7 @@ class Engine:
                                                   if moe and (aux or model_cfg.moe_z_loss_coef)
                                                   else ())
         self.bias_update_speed = model_cfg.moe_bias_update_speed
-        if self.bias_update_speed and not _moe().score_bias_blocks(self.model):
+        if self.bias_update_speed and not _moe_balance().score_bias_blocks(self.model):
             raise ConfigError("model.moe_bias_update_speed: this model's routers have no "
                               "score-correction bias (DeepSeek-V3's e_score_correction_bias); "
                               "set it to 0")
@@ -312,16 +312,16 @@ class Engine:
         summed over the data-parallel ranks (the ranks of a tensor-parallel group saw the same
         tokens), move every router's score-correction bias; returns the loads' max violation
         before the update."""
-        moe = _moe()
+        balance = _moe_balance()
         loads, self._expert_loads = self._expert_loads, None
         if loads is None:          # only dummy micro-batches here: no tokens, same collective
-            blocks = moe.score_bias_blocks(self.model)
+            blocks = balance.score_bias_blocks(self.model)
             loads = torch.zeros(len(blocks), blocks[0].e_score_correction_bias.shape[0],
                                 dtype=torch.float64, device=self.device)
         if self.dp.group is not None:
             dist.all_reduce(loads, group=self.dp.group)
-        moe.update_score_bias(self.model, loads, self.bias_update_speed)
-        return {"moe/max_violation": moe.max_load_violation(loads)}
+        balance.update_score_bias(self.model, loads, self.bias_update_speed)
+        return {"moe/max_violation": balance.max_load_violation(loads)}
 
     def accumulate_gradients(self, micro_batches: list[dict], global_loss_tokens: int
                              ) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
@@ -337,7 +337,7 @@ class Engine:
         for batch in micro_batches:
             loss_sum, stats = self._forward(batch)
             if self.bias_update_speed and batch.get("live", True):
-                loads = _moe().expert_loads(self.model, _real_token_mask(batch))
+                loads = _moe_balance().expert_loads(self.model, _real_token_mask(batch))
                 self._expert_loads = (loads if self._expert_loads is None
                                       else self._expert_loads + loads)
             objective = loss_sum * scale
@@ -360,7 +360,8 @@ class Engine:
         """{metric: (coefficient, value)} of the router losses of the last forward, padding
         left out."""
         from posttrain.models.moe import (MoEBlock, load_balancing_loss, router_logits,
-                                          router_z_loss, sequence_balance_loss)
+                                          router_z_loss)
+        from posttrain.models.moe_balance import sequence_balance_loss
         logits = router_logits(self.model)
         mask = _real_token_mask(batch)
         aux_coef, z_coef = self.router_coefs

@@ -257,7 +257,7 @@ def test_first_moe_forward_inside_a_checkpointed_block_trains(monkeypatch) -> No
 def test_sequence_balance_loss_is_the_papers_formula() -> None:
     """DeepSeek-V3 eqs. 17-20 per document of a packed row (padding left out), averaged over
     documents and layers, against plain loops in float64."""
-    from posttrain.models.moe import sequence_balance_loss
+    from posttrain.models.moe_balance import sequence_balance_loss
     gen = torch.Generator().manual_seed(0)
     E, K, lengths = 8, 2, [[5, 7, 4], [16]]
     mask = torch.ones(2, 16)
@@ -288,7 +288,7 @@ def test_sequence_balance_loss_is_the_papers_formula() -> None:
 def test_update_score_bias_is_the_papers_rule() -> None:
     """b_i += gamma * sign(mean_j load_j - load_i) per layer (experts at the mean stay put)."""
     from posttrain.models import ModelArgs, build_model
-    from posttrain.models.moe import expert_loads, score_bias_blocks, update_score_bias
+    from posttrain.models.moe_balance import expert_loads, score_bias_blocks, update_score_bias
     from posttrain.models.verify import tiny_hf_config
     model = build_model(ModelArgs.from_hf_config(tiny_hf_config("deepseek_v3").to_dict()),
                         seed=0)
