@@ -29,8 +29,11 @@ GOLDEN_STEPS = 10
 GOLDEN_ATOL = 1e-5
 
 
-def check_golden(name: str, losses: list[float]) -> None:
-    """Assert that `losses[:GOLDEN_STEPS]` equal the stored values of `name` within GOLDEN_ATOL."""
+def check_golden(name: str, losses: list[float], *, compare_steps: int = GOLDEN_STEPS) -> None:
+    """Assert that `losses[:GOLDEN_STEPS]` equal the stored values of `name` within GOLDEN_ATOL;
+    `compare_steps` compares only the first ones (the rest are stored, not compared: for runs
+    whose later steps move by more than GOLDEN_ATOL between CPU kernels, as measured and noted
+    where it is used)."""
     got = [float(x) for x in losses[:GOLDEN_STEPS]]
     assert len(got) == GOLDEN_STEPS, f"{name}: {len(got)} steps, need {GOLDEN_STEPS}"
     assert all(math.isfinite(x) for x in got), got
@@ -41,10 +44,11 @@ def check_golden(name: str, losses: list[float]) -> None:
     assert path.is_file(), (f"no golden losses {path}: run with POSTTRAIN_UPDATE_GOLDEN=1 to "
                             "write them")
     want = json.loads(path.read_text())["losses"]
+    got, want = got[:compare_steps], want[:compare_steps]
     diffs = [abs(a - b) for a, b in zip(got, want)]
     table = "\n".join(f"  step {i + 1:2d}: {a:.8f} stored {b:.8f} diff {d:.1e}"
                       for i, (a, b, d) in enumerate(zip(got, want, diffs)))
     assert max(diffs) <= GOLDEN_ATOL, (
-        f"{name}: the first {GOLDEN_STEPS} losses moved from the stored values by up to "
+        f"{name}: the first {compare_steps} losses moved from the stored values by up to "
         f"{max(diffs):.1e} (> {GOLDEN_ATOL}); if that is intended, rewrite them with "
         f"POSTTRAIN_UPDATE_GOLDEN=1 and say why:\n{table}")

@@ -12,7 +12,8 @@ What is proved, per family and recipe:
 - the first 10 losses (SFT) and policy entropies of the rollouts (GRPO: the pg loss of a
   group-normalised batch is ~0 at ratio 1 by construction, so the entropy of the sampled
   tokens under the policy is the number every weight moves) equal stored golden values
-  (tests/golden/families/, within tests/steps/golden.py's tolerance);
+  (tests/golden/families/, within tests/steps/golden.py's tolerance; fewer for the runs
+  whose later steps differ between CPU kernels, `STABLE_STEPS`);
 - SIGKILL after step 4 and a restart (run in this process) give bit-identical exported
   weights and the same per-step metrics as the uninterrupted run (DeepSeek-V3 with bias
   balancing on: the routers' score-correction bias moves every step, and resumes exactly).
@@ -51,7 +52,7 @@ SFT = {
     "train": {"max_steps": STEPS, "tokens_per_step": 256,      # 2 micro-batches of 1 x 128
               "loader": {"packing": {"max_tokens_per_pack": 128, "buffer_samples": 16},
                          "rows_per_batch": 1, "shuffle_buffer_samples": 32, "seed": 0},
-              "optimizer": {"lr": 0.003, "weight_decay": 0.01, "betas": [0.9, 0.95]},
+              "optimizer": {"lr": 0.001, "weight_decay": 0.01, "betas": [0.9, 0.95]},
               "scheduler": {"kind": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1},
               "grad_clip_norm": 1.0, "seed": 0,
               "checkpoint_every_steps": 1, "keep_checkpoints": 100},
@@ -77,6 +78,13 @@ GRPO = {
     "export": {"format": "full"},
 }
 RECIPES = {"sft": (SFT, train_sft, "loss"), "grpo": (GRPO, train_grpo, "entropy")}
+# How many of the 10 golden values hold within GOLDEN_ATOL across CPU kernels: measured over
+# ATEN_CPU_CAPABILITY default / avx2 / avx512 x 1 / 2 threads against the stored values
+# (tests/golden/README.md). Elsewhere all 10. Gemma 4's tiny model attends with scale 1 over
+# normed queries and keys (sharp softmaxes) and routes through its MoE block: after a few
+# steps, kernel rounding moves its losses by 1e-4 to 5e-3 and its rollouts' entropies by
+# 3e-5 to 8e-4; DeepSeek-V3's entropies move by 1e-5 from step 6.
+STABLE_STEPS = {"sft_gemma4": 3, "grpo_gemma4": 2, "grpo_deepseek_v3": 5}
 
 
 def _metrics(run_dir: Path, key: str) -> dict[int, float]:
@@ -115,7 +123,8 @@ def test_golden_values_and_sigkill_resume(family, recipe, tmp_path, chat_data):
     step_module.run(config, overrides={"run.dir": str(ref_dir)}, show_progress=False)
     ref = _metrics(ref_dir, key)
     assert sorted(ref) == list(range(1, STEPS + 1))
-    check_golden(f"families/{recipe}_{family}", [ref[s] for s in range(1, STEPS + 1)])
+    check_golden(f"families/{recipe}_{family}", [ref[s] for s in range(1, STEPS + 1)],
+                 compare_steps=STABLE_STEPS.get(f"{recipe}_{family}", STEPS))
 
     # GRPO's checkpoints count optimizer steps (two mini-batches per GRPO step)
     per_step = RECIPES[recipe][0]["train"].get("mini_batches", 1)
