@@ -63,6 +63,8 @@ __all__ = ["EXPERT_PROJECTIONS", "LoRAExperts", "LoRALinear", "LoraConfig", "ada
            "unmerge_lora"]
 
 ADAPTER_CONFIG = "adapter_config.json"
+# families whose gate_proj / up_proj / down_proj PEFT targets at its fused experts
+_PEFT_RETARGETS_MLP = ("qwen3_moe", "deepseek_v3")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 EXPERT_PROJECTIONS = ("gate", "up", "down")
 
@@ -530,6 +532,18 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *, base_model_name_
         tensors[f"base_model.model.{hf_module}.lora_B.weight"] = b
         if len(adapted) > 1:
             fused[hf_module] = len(adapted)
+    # PEFT (0.21 on transformers 5.24) rewrites these leaf names of some MoE model types into
+    # their fused experts' parameters, dense MLPs and shared experts included: the adapter would
+    # land there (measured: a tiny Qwen3-MoE's logits 0.54 off, a DeepSeek-V3's 1.85; Qwen3.5-
+    # MoE's shared expert and Gemma 4's dense MLP export correctly)
+    dense_mlp = sorted(target_modules & {"gate_proj", "up_proj", "down_proj"})
+    family = getattr(getattr(model, "args", None), "family", None)
+    if dense_mlp and family in _PEFT_RETARGETS_MLP:
+        raise ConfigError(f"save_peft_adapter: adapters on the dense MLPs {dense_mlp} of a "
+                          "mixture-of-experts model cannot be a PEFT adapter: PEFT re-targets "
+                          "these names to the fused experts; export merged weights (export."
+                          "format: merged) or leave the dense and shared MLPs out of "
+                          "lora.targets")
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,

@@ -440,3 +440,16 @@ def test_deepseek_v3_adapters_train_and_export(lora_model, tmp_path) -> None:
         config["target_modules"])
     assert "model.layers.1.mlp.experts.gate_up_proj" in config["target_parameters"]
     assert (_hf_logits(hf_dir, ids, adapter=out) - adapted).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("family,targets", [("qwen3_moe", ("q", "gate", "up", "down")),
+                                            ("deepseek_v3", ("shared.gate", "shared.up",
+                                                             "shared.down"))])
+def test_dense_mlp_adapters_of_moe_models_are_refused_as_peft(family, targets, lora_model,
+                                                              tmp_path) -> None:
+    """PEFT re-targets gate_proj / up_proj / down_proj of an MoE model to its fused experts, so
+    an adapter on the dense layers (Qwen3-MoE's mlp_only_layers) or DeepSeek-V3's shared experts
+    would load onto the experts (logits 0.5-1.9 off): refused, with the merged export named."""
+    _, _, model, _ = lora_model(family, targets=targets)
+    with pytest.raises(ConfigError, match="merged"):
+        save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path="x")
