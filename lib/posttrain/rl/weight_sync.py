@@ -10,7 +10,8 @@ sent in the engine's dtype, cast on the trainer before it travels, except what t
 in fp32 (`Transformer.fp32_names`: that router's weight and bias), sent in fp32. With LoRA
 the plan has a second part, the adapters A and B of every adapted weight in the trainer's
 dtype: the first sync (``full``) sends the weights (the bases) and the adapters, every later
-one the adapters only. The engine
+one the adapters and the buffers (a score-correction bias moves without training) only. The
+engine
 keeps each adapted weight's base as it first arrived and writes
 `posttrain.models.lora.merged_weight(base, A, B, scaling)`, the trainer's folded weight
 exactly, so a LoRA sync moves O(adapters) bytes and the base travels once.
@@ -89,6 +90,9 @@ class SyncPlan:
     adapters: tuple[SyncEntry, ...] = ()
     lora_scaling: float | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    # the weights that are buffers on the trainer (DeepSeek-V3's score-correction bias): they
+    # change without being trained (bias balancing), so the adapters-only syncs send them too
+    buffers: tuple[SyncEntry, ...] = ()
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1:
@@ -98,10 +102,10 @@ class SyncPlan:
 
     def entries(self, full: bool) -> tuple[SyncEntry, ...]:
         """One sync's tensors: every weight, or with LoRA after the first (`full`) sync only
-        the adapters."""
+        the adapters and the buffers."""
         if not self.adapters:
             return self.weights
-        return self.weights + self.adapters if full else self.adapters
+        return self.weights + self.adapters if full else self.buffers + self.adapters
 
     def buckets(self, full: bool) -> list[tuple[SyncEntry, ...]]:
         """`entries(full)` cut into buckets of one dtype and at most `bucket_bytes` each (an
@@ -161,7 +165,9 @@ def plan_sync(trainer_params: dict[str, torch.Tensor],
     if unsent:
         raise ConfigError(f"weight sync: LoRA adapters {unsent[:4]} adapt no parameter of the "
                           "rollout engine")
-    return SyncPlan(weights, tuple(adapters), lora_scaling if adapters else None, bucket_bytes)
+    buffers = tuple(e for e in weights if not isinstance(trainer_params[e.name], nn.Parameter))
+    return SyncPlan(weights, tuple(adapters), lora_scaling if adapters else None, bucket_bytes,
+                    buffers)
 
 
 def gather_full(params: dict[str, torch.Tensor], entries: Iterable[SyncEntry]

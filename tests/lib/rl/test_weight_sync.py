@@ -153,6 +153,27 @@ def test_router_bias_buffer_travels_in_fp32_to_a_bf16_engine():
         assert torch.equal(got, want.to(got.dtype)), name
 
 
+def test_lora_syncs_after_the_first_send_the_moving_router_bias_too():
+    """With LoRA only the adapters travel after the first sync, but bias balancing moves
+    DeepSeek-V3's score-correction bias (a buffer) every step: every sync sends it, or the
+    rollout engine would route by the first step's bias."""
+    model = trainer_model(DEEPSEEK_ARGS, LoraConfig(rank=4, alpha=8.0, targets=("q_b", "kv_b")))
+    e = engine(DEEPSEEK_ARGS)
+    sender = WeightSender(model, rank=0, device="cpu")
+    plan = sender.make_plan(e.parameter_shapes, e.dtype, lora_scaling=SCALING)
+    assert [x.name for x in plan.buffers] == ["layers.1.mlp.e_score_correction_bias"]
+    receiver = WeightReceiver(e, plan)
+    sender.copy_to(receiver, full=True)
+    with torch.no_grad():                             # a step of bias balancing
+        model.layers[1].mlp.e_score_correction_bias.add_(0.001 * torch.tensor([1., -1, 1, -1]))
+    set_adapters(model, step=1)
+    written = sender.copy_to(receiver, full=False)
+    bias = e.model.layers[1].mlp.e_score_correction_bias
+    assert torch.equal(bias, model.layers[1].mlp.e_score_correction_bias)
+    adapters = sum(p.numel() * 4 for n, p in model.named_parameters() if is_adapter_name(n))
+    assert written == adapters + 4 * 4
+
+
 @pytest.mark.parametrize("args", [ARGS, MOE_ARGS], ids=["dense", "moe_experts"])
 def test_lora_sync_sends_adapters_only_and_the_engine_holds_the_merged_weights(args):
     lora = (LORA if args.num_experts == 0 else
