@@ -63,7 +63,10 @@ size: the input gradient (needed when anything before it is trained) and the wei
 base weights cost ~2x (no weight gradient), the adapters (A: in -> r, B: r -> out) their full 3x,
 and in the first layer the base matmuls before the first adapter need no backward at all (no
 input requires a gradient yet). Attention's backward is 2x its forward (dS, dV, dQ, dK), without
-the score recomputation of memory-efficient kernels (hardware FLOPs, not model FLOPs).
+the score recomputation of memory-efficient kernels (hardware FLOPs, not model FLOPs). MLA's
+query and key/value paths are separate branches up to the attention: in the first adapted layer,
+a branch with an adapter needs its input gradients and the other does not, and the attention's
+backward is then dP and dQ (a trained query branch) or dP, dK and dV (a trained key/value one).
 
 LoRA targets follow `posttrain.models.lora.target_of`: a target names an `nn.Linear` by its last
 path component or a dotted suffix (`q`, `attn.q`, `router`), the stacked MoE expert weights with
@@ -89,6 +92,7 @@ class _Linear:
     uses: float = 1.0   # applications per token (top_k for experts)
     stacked: bool = False   # MoE expert weights (targeted as `experts.gate`)
     reads_ple: bool = False     # its input also carries the per-layer inputs (Gemma 4)
+    branch: str | None = None   # MLA: "q" or "kv", the path (up to the attention) it lies on
 
 
 _ATTENTION = "attention"   # the stage of the score / value matmuls
@@ -98,18 +102,19 @@ _DELTA_RULE = "delta_rule"  # the stage of a gated-DeltaNet layer's recurrence
 def _mla_stages(args: ModelArgs) -> list[list[_Linear] | str]:
     """Multi-head latent attention (`models/mla.py`): the latent projections read x, the
     up-projections the normed latents (one stage: q_b's and kv_b's inputs come from parallel
-    branches, so an adapter on one does not give the other an input gradient), attention, the
-    output projection."""
+    branches, so an adapter on one does not give the other an input gradient: each linear
+    carries its `branch`), attention, the output projection."""
     H, nh, mla = args.hidden_size, args.num_heads, args.latent_attention
     assert mla is not None
-    kv_b = _Linear("attn.kv_b", mla.kv_lora_rank, nh * (mla.qk_nope_head_dim + mla.v_head_dim))
-    first = [_Linear("attn.kv_a", H, mla.kv_lora_rank + mla.qk_rope_head_dim)]
+    kv_b = _Linear("attn.kv_b", mla.kv_lora_rank, nh * (mla.qk_nope_head_dim + mla.v_head_dim),
+                   branch="kv")
+    first = [_Linear("attn.kv_a", H, mla.kv_lora_rank + mla.qk_rope_head_dim, branch="kv")]
     if mla.q_lora_rank is None:
-        first.insert(0, _Linear("attn.q", H, nh * mla.qk_head_dim))
+        first.insert(0, _Linear("attn.q", H, nh * mla.qk_head_dim, branch="q"))
         ups = [kv_b]
     else:
-        first.insert(0, _Linear("attn.q_a", H, mla.q_lora_rank))
-        ups = [_Linear("attn.q_b", mla.q_lora_rank, nh * mla.qk_head_dim), kv_b]
+        first.insert(0, _Linear("attn.q_a", H, mla.q_lora_rank, branch="q"))
+        ups = [_Linear("attn.q_b", mla.q_lora_rank, nh * mla.qk_head_dim, branch="q"), kv_b]
     return [first, ups, _ATTENTION, [_Linear("attn.o", nh * mla.v_head_dim, H)]]
 
 
@@ -262,11 +267,15 @@ def flops_breakdown(args: ModelArgs, seq_len: int, *, training: bool = True,
     for i in range(args.num_layers):
         window = args.sliding_window if args.is_sliding_layer(i) else None
         context = sum(attention_context_sum(n, window) for n in lengths) / seq_len
+        branch_adapted: dict[str, bool] = {}       # MLA: an adapter on the branch so far
         for stage in _stages(args, i):
             if stage == _ATTENTION:
                 qk_dim, v_dim = _attention_head_dims(args, i)
-                fwd = 2.0 * args.num_heads * (qk_dim + v_dim) * context
-                out["attention"] += fwd * (1 + (2 if training and flowing else 0))
+                out["attention"] += args.num_heads * context * _attention_per_pair(
+                    qk_dim, v_dim, training=training,
+                    q_grad=flowing or branch_adapted.get("q", False),
+                    kv_grad=flowing or branch_adapted.get("kv", False))
+                flowing = flowing or any(branch_adapted.values())
                 continue
             if stage == _DELTA_RULE:
                 la = args.linear_attention
@@ -276,7 +285,8 @@ def flops_breakdown(args: ModelArgs, seq_len: int, *, training: bool = True,
                 continue
             flowing = flowing or (ple_flowing and any(lin.reads_ple for lin in stage))
             adapted = _add_linears(out, f"layers.{i}.", stage, flowing, training=training,
-                                   lora_rank=lora_rank, lora_targets=lora_targets)
+                                   lora_rank=lora_rank, lora_targets=lora_targets,
+                                   branch_adapted=branch_adapted)
             flowing = flowing or adapted
     if include_head:
         fwd = 2.0 * args.hidden_size * args.padded_vocab_size
@@ -284,23 +294,44 @@ def flops_breakdown(args: ModelArgs, seq_len: int, *, training: bool = True,
     return out
 
 
+def _attention_per_pair(qk_dim: int, v_dim: int, *, training: bool, q_grad: bool,
+                        kv_grad: bool) -> float:
+    """Score and value matmul FLOPs per (query, key) pair and head: forward QK^T (2 qk_dim)
+    and PV (2 v_dim); backward dP (2 v_dim) when queries or keys need gradients, then dQ
+    (2 qk_dim) for queries, dK (2 qk_dim) and dV (2 v_dim) for keys and values (only one of
+    them in MLA's first adapted layer when one branch carries the adapters)."""
+    total = 2.0 * qk_dim + 2.0 * v_dim
+    if training and (q_grad or kv_grad):
+        total += 2.0 * v_dim + 2.0 * qk_dim * q_grad + (2.0 * qk_dim + 2.0 * v_dim) * kv_grad
+    return total
+
+
 def _add_linears(out: dict[str, float], prefix: str, stage: list[_Linear], flowing: bool, *,
-                 training: bool, lora_rank: int, lora_targets: tuple[str, ...]) -> bool:
+                 training: bool, lora_rank: int, lora_targets: tuple[str, ...],
+                 branch_adapted: dict[str, bool] | None = None) -> bool:
     """Add one stage's matmuls (and adapters) to `out`; whether an adapter was among them.
-    `flowing`: whether the stage's input carries a gradient."""
+    `flowing`: whether the stage's input carries a gradient. A linear on an MLA branch reads
+    the branch's input, which carries one also after an adapter earlier on the branch
+    (`branch_adapted`, updated here; such adapters are not in the return value, the branch
+    joins the residual stream only after the attention)."""
     lora, adapted = lora_rank > 0, False
+    branches = {} if branch_adapted is None else branch_adapted
     for lin in stage:
+        needs = flowing or (lin.branch is not None and branches.get(lin.branch, False))
         fwd = 2.0 * lin.d_in * lin.d_out * lin.uses
-        bwd = (fwd * flowing + fwd * (not lora)) if training else 0.0
+        bwd = (fwd * needs + fwd * (not lora)) if training else 0.0
         out["linear"] += fwd + bwd
         if lora and target_of(prefix + lin.path, lora_targets, stacked=lin.stacked):
-            adapted = True
+            if lin.branch is None:
+                adapted = True
+            else:
+                branches[lin.branch] = True
             a_fwd = 2.0 * lin.d_in * lora_rank * lin.uses
             b_fwd = 2.0 * lora_rank * lin.d_out * lin.uses
             # weight gradients of A and B, input gradient of B, of A only if needed
             a_bwd = b_bwd = 0.0
             if training:
-                a_bwd, b_bwd = a_fwd * (1 + flowing), 2 * b_fwd
+                a_bwd, b_bwd = a_fwd * (1 + needs), 2 * b_fwd
             out["lora"] += a_fwd + b_fwd + a_bwd + b_bwd
     return adapted
 

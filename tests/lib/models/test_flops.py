@@ -173,6 +173,10 @@ def test_full_finetune_matches_flop_counter(family, packed) -> None:
     # routed and shared experts
     ("deepseek_v3", ("q_b", "kv_b", "o", "experts.down", "shared.up")),
     ("deepseek_v3", ("q_a", "kv_a", "router", "gate", "experts.gate")),   # the latents, dense MLP
+    # layer 0 with adapters on one MLA branch only: the other branch's projections need no
+    # input gradient, and the attention's backward only dP, dQ (or dP, dK, dV)
+    ("deepseek_v3", ("q_b",)),
+    ("deepseek_v3", ("kv_a", "experts.down")),
     # shared-KV and k_eq_v layers, the MoE beside the dense MLP, the per-layer input gates
     ("gemma4", ("q", "k", "v", "o", "down", "experts.up", "router", "per_layer_proj")),
     # only the model-level per-layer input projection: gradients enter through every layer's
