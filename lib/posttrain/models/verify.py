@@ -131,9 +131,13 @@ def tiny_hf_config(family: str, **overrides: Any) -> Any:
     kwargs = {**_TINY_COMMON, **_TINY[family]}
     if family in _NO_DENSE_MLP:
         kwargs.pop("intermediate_size")
-    if family == "deepseek_v3":       # its head_dim is qk_rope_head_dim, derived
-        kwargs.pop("head_dim")
     kwargs.update({k: v for k, v in overrides.items() if k not in _NOT_CONFIG_KWARGS})
+    if family == "deepseek_v3":
+        # derived in MLA, whatever overrides written for another family say (a recipe's
+        # `model.init.overrides` with only its family changed): head_dim is qk_rope_head_dim,
+        # and every query head has its own keys and values
+        kwargs.pop("head_dim", None)
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     if family == "gemma4":      # the per-layer input embeddings cover the vocabulary
         kwargs.setdefault("vocab_size_per_layer_input", kwargs["vocab_size"])
     return classes[family](**kwargs)

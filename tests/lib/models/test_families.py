@@ -302,7 +302,8 @@ def test_deepseek_v3_module_tree() -> None:
     plain_q = _native("deepseek_v3", q_lora_rank=None).layers[0].attn
     assert plain_q.q_a is None and plain_q.tp_colwise == ("q", "kv_b")
     with pytest.raises(ConfigError, match="num_key_value_heads"):
-        ModelArgs.from_hf_config(tiny_hf_config("deepseek_v3", num_key_value_heads=2).to_dict())
+        ModelArgs.from_hf_config({**tiny_hf_config("deepseek_v3").to_dict(),
+                                  "num_key_value_heads": 2})
     with pytest.raises(ConfigError, match="n_group"):
         _native("deepseek_v3", n_group=3)
 
