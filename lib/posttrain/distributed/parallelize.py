@@ -415,10 +415,32 @@ def _mp_policy(mixed_precision: MixedPrecision):
     return MixedPrecisionPolicy()
 
 
+def _shard_fp32_owners(block: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig,
+                      reshard: bool) -> None:
+    """Under bf16 mixed precision, give each module that owns a parameter the model keeps in
+    fp32 (a module's `keep_fp32`: DeepSeek-V3's router weight) an FSDP unit of its own with an
+    fp32 policy, so that it computes in fp32 as transformers' bf16 models do; the block's
+    policy would cast it to bf16 (and the router's choices with it)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if cfg.mixed_precision == "fp32":
+        return
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for module in list(block.modules()):
+        for name in getattr(module, "keep_fp32", ()):
+            owner, _, leaf = name.rpartition(".")
+            # buffers are never cast; a parameter of the module itself would take its
+            # siblings (the experts) into fp32 with it
+            if leaf in module.get_submodule(owner)._parameters:
+                assert owner, f"{type(module).__name__}.keep_fp32: {name} needs a submodule"
+                fully_shard(module.get_submodule(owner), mesh=dp_mesh, mp_policy=fp32,
+                            reshard_after_forward=reshard)
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
                blocks_attr: str = "layers", root: nn.Module | None = None) -> None:
     """fully_shard each block over the data-parallel mesh dims (`fsdp_mesh`), then the root
-    (`root` or `model`)."""
+    (`root` or `model`); parameters the model keeps in fp32 get fp32 units of their own
+    (`_shard_fp32_owners`)."""
     from torch.distributed.fsdp import fully_shard
     root = model if root is None else root
     if not any(m is model for m in root.modules()):
@@ -430,6 +452,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
     for i, block in enumerate(blocks):
         # the last block's weights would be all-gathered again at once for backward: keep them
         last = i == len(blocks) - 1
+        _shard_fp32_owners(block, dp_mesh, cfg, cfg.reshard_after_forward and not last)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp,
                     reshard_after_forward=cfg.reshard_after_forward and not last)
     fully_shard(root, mesh=dp_mesh, mp_policy=mp,
@@ -471,6 +494,7 @@ def shard_frozen(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
     if cfg.tp > 1:
         apply_tp(model, mesh, blocks_attr=blocks_attr)
     for block in _blocks(model, blocks_attr):
+        _shard_fp32_owners(block, fsdp_mesh(mesh), cfg, True)
         fully_shard(block, mesh=fsdp_mesh(mesh), mp_policy=_mp_policy(cfg.mixed_precision),
                     reshard_after_forward=True)
 

@@ -195,3 +195,27 @@ def test_deepseek_v3_router_is_not_rounded_in_a_bf16_run(deepseek_dir, tmp_path)
         assert torch.equal(ours.mlp.router.weight.full_tensor(), theirs.mlp.router.weight)
         assert torch.equal(ours.attn.kv_a.weight.full_tensor().float(),
                            theirs.attn.kv_a.weight.bfloat16().float())
+
+
+def test_deepseek_v3_router_computes_in_fp32_under_bf16_mixed_precision(deepseek_dir,
+                                                                         tmp_path):
+    """FSDP's bf16 policy casts a block's weights for compute; the router (held in fp32, as
+    transformers keeps it in bf16 models) gets an fp32 unit of its own, so it routes from fp32
+    weights and inputs, while the experts compute in bf16."""
+    from posttrain.distributed import ParallelConfig
+
+    init_process_group()
+    engine = Engine(ModelConfig(hf_dir=str(deepseek_dir)),
+                    EngineConfig(max_steps=1, parallel=ParallelConfig(mixed_precision="bf16")),
+                    str(deepseek_dir), str(tmp_path / "run"))
+    seen = []
+    for i in (1, 2, 3):
+        mlp = engine.model.layers[i].mlp
+        mlp.router.register_forward_hook(
+            lambda m, args, out: seen.append(("router", args[0].dtype, m.weight.dtype)))
+        mlp.experts.register_forward_hook(
+            lambda m, args, out: seen.append(("experts", args[0].dtype, m.gate.dtype)))
+    batch, _, _ = _batch()
+    engine.train_step([batch], int((batch["labels"] != -100).sum()))
+    assert seen == [("router", torch.float32, torch.float32),
+                    ("experts", torch.bfloat16, torch.bfloat16)] * 3
