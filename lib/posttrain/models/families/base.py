@@ -96,6 +96,14 @@ class FamilyBridge:
         raise PosttrainError(f"checkpoint key '{hf}' is not part of a {self.family} model "
                              f"({', '.join(self.model_types)}); is config.json's model_type right?")
 
+    def _only_native(self, hf: str) -> str | None:
+        """`to_native` for a bridge that maps every key through `native_names`: its one name
+        (None for passthrough keys); a fused key has no single native name."""
+        natives = self.native_names(hf)
+        if len(natives) > 1:
+            raise PosttrainError(f"'{hf}' holds several native parameters: {natives}")
+        return natives[0] if natives else None
+
     def hf_names(self, native: str, args: ModelArgs) -> list[str]:
         """HF keys that hold native parameter `native`: one, or for a parameter stacked along
         dim 0 (MoE experts) one key per slice, in slice order."""

@@ -107,10 +107,7 @@ class Gemma4Bridge(FamilyBridge):
         return super().to_hf(native)
 
     def to_native(self, hf: str) -> str | None:
-        natives = self.native_names(hf)
-        if len(natives) > 1:
-            raise PosttrainError(f"'{hf}' holds several native parameters: {natives}")
-        return natives[0] if natives else None
+        return self._only_native(hf)
 
     def native_names(self, hf: str) -> list[str]:
         if hf in _TOP_NATIVE:
