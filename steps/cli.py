@@ -117,14 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     if argv and argv[0] == "verify-model":
         from posttrain.models.verify import main as verify_main
-        return verify_main(argv[1:])
-    args = build_parser().parse_args(argv)
+        command, run = "verify-model", lambda: verify_main(argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
+        command, run = args.command, lambda: args.func(args)
     try:
-        return args.func(args)
+        return run()
     except PosttrainError as e:
         if os.environ.get("POSTTRAIN_DEBUG"):
             raise
-        print(f"posttrain {args.command}: error: {e}", file=sys.stderr)
+        print(f"posttrain {command}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -67,3 +67,11 @@ def test_deepseek_tiny_config_ignores_overrides_mla_derives() -> None:
     assert (cfg.head_dim, cfg.num_key_value_heads) == (cfg.qk_rope_head_dim, 4)
     args = ModelArgs.from_hf_config(cfg.to_dict())
     assert (args.head_dim, args.num_kv_heads, args.hidden_size) == (cfg.qk_rope_head_dim, 4, 128)
+
+
+def test_cli_names_a_missing_checkpoint_in_one_line(tmp_path, capsys) -> None:
+    from steps.cli import main as cli_main
+    assert cli_main(["verify-model", "--hf-dir", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("posttrain verify-model: error:") and "config.json not found" in err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
