@@ -17,8 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from posttrain.errors import ConfigError, PosttrainError
 
-MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
 DP_DIM = "dp"        # dp_replicate x dp_shard flattened: the data-parallel ranks
+SHARD_CP_DIM = "dp_shard_cp"   # dp_shard x cp flattened: what FSDP shards over with cp > 1
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -107,27 +108,30 @@ def close_process_group() -> None:
 
 
 def resolve_mesh_shape(world: int, dp_shard: int = -1, tp: int = 1,
-                       dp_replicate: int = 1) -> tuple[int, int]:
-    """(dp_shard, tp) with `dp_shard=-1` filled in (the world over dp_replicate x tp); raises
-    ConfigError if the layout cannot fit `world`."""
+                       dp_replicate: int = 1, cp: int = 1) -> tuple[int, int]:
+    """(dp_shard, tp) with `dp_shard=-1` filled in (the world over dp_replicate x cp x tp);
+    raises ConfigError if the layout cannot fit `world`."""
     if tp < 1:
         raise ConfigError(f"parallel.tp must be >= 1, got {tp}")
     if dp_replicate < 1:
         raise ConfigError(f"parallel.dp_replicate must be >= 1, got {dp_replicate}")
-    outer = tp * dp_replicate
+    if cp < 1:
+        raise ConfigError(f"parallel.cp must be >= 1, got {cp}")
+    outer = tp * dp_replicate * cp
     if dp_shard == -1:
         if world % outer:
-            raise ConfigError(
-                f"parallel.dp_replicate={dp_replicate} x parallel.tp={tp} does not divide the "
-                f"world size {world}; choose values whose product divides {world}"
-                if dp_replicate > 1 else
-                f"parallel.tp={tp} does not divide the world size {world}; "
-                f"choose a tp that divides {world}")
+            others = " x ".join(f"parallel.{k}={v}" for k, v in (("dp_replicate", dp_replicate),
+                                                                  ("cp", cp), ("tp", tp))
+                                if v > 1 or k == "tp")
+            raise ConfigError(f"{others} does not divide the world size {world}; choose "
+                              f"values whose product divides {world}")
         dp_shard = world // outer
     elif dp_shard < 1:
         raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (the rest), got {dp_shard}")
     if dp_shard * outer != world:
         layout = f"parallel.dp_shard={dp_shard} x parallel.tp={tp}"
+        if cp > 1:
+            layout = f"parallel.cp={cp} x " + layout
         if dp_replicate > 1:
             layout = f"parallel.dp_replicate={dp_replicate} x " + layout
         raise ConfigError(
@@ -136,21 +140,26 @@ def resolve_mesh_shape(world: int, dp_shard: int = -1, tp: int = 1,
     return dp_shard, tp
 
 
-def build_mesh(dp_shard: int = -1, tp: int = 1, dp_replicate: int = 1) -> DeviceMesh:
-    """A 3-D device mesh ("dp_replicate", "dp_shard", "tp"), tp innermost (neighbouring ranks),
-    with the data-parallel dims also flattened into one "dp" dim.
+def build_mesh(dp_shard: int = -1, tp: int = 1, dp_replicate: int = 1,
+               cp: int = 1) -> DeviceMesh:
+    """A 4-D device mesh ("dp_replicate", "dp_shard", "cp", "tp"), tp innermost (neighbouring
+    ranks), with the data-parallel dims also flattened into one "dp" dim.
 
-    FSDP2 shards over "dp_shard" and, with dp_replicate > 1, replicates over "dp_replicate"
-    (HSDP: shards within a node, replicas across nodes); tensor parallelism splits over "tp";
-    data (micro-batches, sums of losses) is dealt out over "dp". `dp_shard=-1` takes the rest
-    of the world. Joins the process group first if needed (`init_process_group()`: a group of
-    one in a plain single process).
+    FSDP2 shards over "dp_shard" (x "cp") and, with dp_replicate > 1, replicates over
+    "dp_replicate" (HSDP: shards within a node, replicas across nodes); tensor parallelism
+    splits over "tp"; context parallelism splits each row's tokens over "cp"
+    (`posttrain.ops.context_parallel`); data (micro-batches, sums of losses) is dealt out over
+    "dp", whose ranks see different rows (the "cp" ranks of one group see the same rows).
+    `dp_shard=-1` takes the rest of the world. Joins the process group first if needed
+    (`init_process_group()`: a group of one in a plain single process).
     """
-    dp_shard, tp = resolve_mesh_shape(world_size(), dp_shard, tp, dp_replicate)
+    dp_shard, tp = resolve_mesh_shape(world_size(), dp_shard, tp, dp_replicate, cp)
     init_process_group()
-    mesh = init_device_mesh(get_device().type, (dp_replicate, dp_shard, tp),
+    mesh = init_device_mesh(get_device().type, (dp_replicate, dp_shard, cp, tp),
                             mesh_dim_names=MESH_DIM_NAMES)
     dp_mesh(mesh)
+    if cp > 1:
+        mesh["dp_shard", "cp"]._flatten(SHARD_CP_DIM)
     return mesh
 
 

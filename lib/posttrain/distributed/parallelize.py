@@ -62,6 +62,7 @@ class ParallelConfig:
     dp_shard: int = -1
     dp_replicate: int = 1
     tp: int = 1
+    cp: int = 1
     activation_checkpointing: ActivationCheckpointing = "none"
     ac_every: int = 2                   # selective: checkpoint every k-th block
     compile: bool = False
@@ -74,6 +75,8 @@ class ParallelConfig:
             if getattr(self, name) not in get_args(kind):
                 raise ConfigError(f"parallel.{name} must be one of {list(get_args(kind))}, "
                                   f"got {getattr(self, name)!r}")
+        if self.cp < 1:
+            raise ConfigError(f"parallel.cp must be >= 1, got {self.cp}")
         if self.tp < 1:
             raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
         if self.dp_replicate < 1:
@@ -470,6 +473,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
     _check_mesh(mesh, cfg)
     if cfg.tp > 1:
         apply_tp(model, mesh, blocks_attr=blocks_attr)
+    apply_context_parallel(model, mesh)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, blocks_attr=blocks_attr,
                                    every=cfg.ac_every)
     if cfg.compile:
@@ -493,6 +497,7 @@ def shard_frozen(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
     model.requires_grad_(False)
     if cfg.tp > 1:
         apply_tp(model, mesh, blocks_attr=blocks_attr)
+    apply_context_parallel(model, mesh)
     for block in _blocks(model, blocks_attr):
         _shard_fp32_owners(block, fsdp_mesh(mesh), cfg, True)
         fully_shard(block, mesh=fsdp_mesh(mesh), mp_policy=_mp_policy(cfg.mixed_precision),
@@ -516,23 +521,42 @@ def parallelize_frozen(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, 
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 shards over: "dp_shard", or ("dp_replicate", "dp_shard") for HSDP."""
+    """The mesh FSDP2 shards over: "dp_shard" (with context parallelism "dp_shard" x "cp"
+    flattened: the cp ranks hold different tokens of the same rows, so their gradients are
+    summed too), preceded by "dp_replicate" for HSDP."""
+    from posttrain.distributed.env import SHARD_CP_DIM
+    shard = SHARD_CP_DIM if mesh["cp"].size() > 1 else "dp_shard"
     if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+        return mesh["dp_replicate", shard]
+    return mesh[shard]
+
+
+def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Let the model take rows cut over the mesh's "cp" dim (`Transformer.cp`): its forward then
+    gets this rank's tokens and the whole rows' document lengths
+    (`posttrain.ops.context_parallel`). A no-op with cp = 1."""
+    cp_mesh = mesh["cp"]
+    if cp_mesh.size() == 1:
+        return
+    if not hasattr(model, "cp"):
+        raise UnsupportedParallelismError(f"{type(model).__name__} does not take context "
+                                          "parallelism; set parallel.cp=1")
+    model.cp = (cp_mesh.get_local_rank(), cp_mesh.size(), cp_mesh.get_group())
 
 
 def _check_mesh(mesh: DeviceMesh, cfg: ParallelConfig) -> None:
     names = mesh.mesh_dim_names or ()
-    if not {"dp_replicate", "dp_shard", "tp"} <= set(names):
-        raise ConfigError(f"the device mesh needs dims ('dp_replicate', 'dp_shard', 'tp'), has "
-                          f"{names}; build it with posttrain.distributed.build_mesh")
-    got = (mesh["dp_replicate"].size(), mesh["dp_shard"].size(), mesh["tp"].size())
+    if not {"dp_replicate", "dp_shard", "cp", "tp"} <= set(names):
+        raise ConfigError(f"the device mesh needs dims ('dp_replicate', 'dp_shard', 'cp', 'tp'), "
+                          f"has {names}; build it with posttrain.distributed.build_mesh")
+    got = (mesh["dp_replicate"].size(), mesh["dp_shard"].size(), mesh["cp"].size(),
+           mesh["tp"].size())
     want_dp = got[1] if cfg.dp_shard == -1 else cfg.dp_shard
-    if got != (cfg.dp_replicate, want_dp, cfg.tp):
+    if got != (cfg.dp_replicate, want_dp, cfg.cp, cfg.tp):
         raise ConfigError(f"the device mesh is dp_replicate={got[0]} x dp_shard={got[1]} x "
-                          f"tp={got[2]} but the parallel config asks for dp_replicate="
-                          f"{cfg.dp_replicate} x dp_shard={cfg.dp_shard} x tp={cfg.tp}")
+                          f"cp={got[2]} x tp={got[3]} but the parallel config asks for "
+                          f"dp_replicate={cfg.dp_replicate} x dp_shard={cfg.dp_shard} x "
+                          f"cp={cfg.cp} x tp={cfg.tp}")
 
 
 # ----------------------------------------------------------------------------- inspection

@@ -203,6 +203,9 @@ class Transformer(nn.Module):
         self.norm = make_norm(args, args.hidden_size)
         # set by `posttrain.distributed.apply_compile`: the blocks then see tensor masks only
         self.compiled_blocks = False
+        # set by `posttrain.distributed.apply_context_parallel`: (rank, size, group) of the
+        # "cp" group this model's rows are cut over (`posttrain.ops.context_parallel`)
+        self.cp: tuple[int, int, Any] | None = None
         self.head: nn.Module = LMHead(args.hidden_size, args.padded_vocab_size, args.vocab_size,
                                       softcap=args.final_logit_softcapping)
         self.tie_weights()
@@ -227,15 +230,23 @@ class Transformer(nn.Module):
         `document_lengths[b]` lists the lengths of the documents packed into row b (summing to
         T); attention never crosses them. Without `position_ids`, positions restart at every
         document (or run 0..T-1 when no documents are given).
+
+        With context parallelism (`cp` set), `input_ids` (and `position_ids`, if given) are
+        this rank's T / cp tokens of each row (`CPShard.local`), `document_lengths` those of
+        the whole rows, and the hidden states returned are this rank's tokens'.
         """
         B, T = input_ids.shape
+        shard = self.context_shard(T)
+        full = T if shard is None else shard.seq_len
         if position_ids is None:
-            position_ids = (position_ids_from_documents(document_lengths, T, input_ids.device)
+            position_ids = (position_ids_from_documents(document_lengths, full, input_ids.device)
                             if document_lengths is not None
-                            else torch.arange(T, device=input_ids.device).expand(B, T))
+                            else torch.arange(full, device=input_ids.device).expand(B, full))
+            if shard is not None:
+                position_ids = shard.local(position_ids)
         h = self.embed_tokens(input_ids)
         tables = {name: rope(position_ids, h.dtype) for name, rope in self.rope.items()}
-        masks = self.attention_masks(document_lengths, B, T, input_ids.device)
+        masks = self.attention_masks(document_lengths, B, full, input_ids.device, cp=shard)
         for layer, extra in zip(self.layers, self.block_inputs(input_ids, h)):
             h = layer(h, tables[self.rope_key(layer.layer_type)], masks[layer.layer_type],
                       **extra)
@@ -259,19 +270,33 @@ class Transformer(nn.Module):
         the full layers' table, which they ignore)."""
         return layer_type if layer_type in self.rope else FULL
 
+    def context_shard(self, local_len: int) -> Any:
+        """This rank's `CPShard` for rows of which it holds `local_len` tokens (None without
+        context parallelism)."""
+        if self.cp is None:
+            return None
+        from posttrain.ops.context_parallel import CPShard
+        rank, size, group = self.cp
+        return CPShard(rank, size, local_len * size, group)
+
     def attention_masks(self, document_lengths: list[list[int]] | None, batch: int,
-                        seq_len: int, device: torch.device) -> dict[str, DocumentMask]:
+                        seq_len: int, device: torch.device, *,
+                        cp: Any = None) -> dict[str, DocumentMask]:
         """One mask per kind of layer (full, sliding, linear), built once per batch and shared
         by the layers; compiled blocks get tensor masks (`compiled_blocks`), so that a new
         packing does not recompile them. Linear-attention layers read the documents from the
-        `split` mask's lengths (their recurrence restarts at each document)."""
+        `split` mask's lengths (their recurrence restarts at each document). With `cp` (this
+        rank's `CPShard`), masks from this rank's queries to the whole rows' keys."""
         windows = {FULL: None}
         if SLIDING in self.rope:
             windows[SLIDING] = self.args.sliding_window
         masks = {kind: build_mask(document_lengths, batch, seq_len, device, sliding_window=window,
                                   tensors_only=self.compiled_blocks,
-                                  sinks=self.args.attention_sinks)
+                                  sinks=self.args.attention_sinks, cp=cp)
                  for kind, window in windows.items()}
+        if self.args.linear_attention is not None and cp is not None:
+            raise ConfigError("context parallelism does not split gated-DeltaNet layers "
+                              f"({self.args.family}); set parallel.cp=1")
         if self.args.linear_attention is not None:
             masks[LINEAR] = build_mask(document_lengths, batch, seq_len, device, backend="split")
         return masks

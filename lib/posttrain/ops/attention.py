@@ -57,7 +57,7 @@ from typing import Callable, Literal
 import torch
 import torch.nn.functional as F
 
-Backend = Literal["auto", "causal", "split", "flex", "masked_sdpa"]
+Backend = Literal["auto", "causal", "split", "flex", "masked_sdpa", "cp"]
 _BACKENDS = typing.get_args(Backend)
 
 __all__ = ["Backend", "DocumentMask", "attention", "build_mask", "document_ids", "flex_available",
@@ -79,16 +79,17 @@ class DocumentMask:
     seq_len: int
     window: int | None = None
     lengths: list[list[int]] | None = None          # split
-    allowed: torch.Tensor | None = None             # masked_sdpa: [B, 1, T, T] bool
+    allowed: torch.Tensor | None = None             # masked_sdpa: [B, 1, T, T]; cp: [B, 1, T/cp, T]
     block_mask: object | None = None                # flex: BlockMask
     compile_flex: bool = True
+    cp: object | None = None                        # cp: this rank's `context_parallel.CPShard`
 
 
 def build_mask(document_lengths: Sequence[Sequence[int]] | None, batch: int, seq_len: int,
                device: torch.device | str, *, sliding_window: int | None = None,
                softcap: float | None = None, backend: Backend = "auto",
                tensors_only: bool = False, compile_flex: bool = True,
-               sinks: bool = False) -> DocumentMask:
+               sinks: bool = False, cp: object | None = None) -> DocumentMask:
     """The mask for `attention(..., mask=...)` of rows [B, T] with these documents
     (`sinks`: the layers have attention sinks, which plain causal SDPA cannot apply).
 
@@ -103,6 +104,14 @@ def build_mask(document_lengths: Sequence[Sequence[int]] | None, batch: int, seq
                          f"got {sliding_window}")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be positive, got {softcap}")
+    if cp is not None and cp.size > 1:
+        # context parallelism: `seq_len` is the whole row's, the queries this rank's
+        # (`posttrain.ops.context_parallel`)
+        from posttrain.ops.context_parallel import cp_attention_mask
+        lengths = _check_document_lengths(document_lengths, batch, seq_len)
+        doc_ids_BT = document_ids(lengths, batch, seq_len, device)
+        return DocumentMask("cp", seq_len // cp.size, sliding_window, cp=cp,
+                            allowed=cp_attention_mask(doc_ids_BT, cp, sliding_window))
     lengths = _check_document_lengths(document_lengths, batch, seq_len)
     device = torch.device(device)
     if backend == "auto":
@@ -182,6 +191,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             raise ValueError("a 'causal' mask takes no softcap and no window shorter than the row")
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=gqa)
+    if mask.backend == "cp":      # gather every rank's keys and values of the row
+        from posttrain.ops.context_parallel import gather_sequence
+        k, v = gather_sequence(k, mask.cp, dim=2), gather_sequence(v, mask.cp, dim=2)
+        return _masked_attention(q, k, v, mask.allowed, scale, softcap, sinks)
     if mask.backend in ("causal", "split"):      # a causal mask with sinks: one document per row
         return _split_attention(q, k, v, mask.lengths, window, scale, softcap, sinks)
     if mask.backend == "flex":

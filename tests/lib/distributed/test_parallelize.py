@@ -346,7 +346,7 @@ def test_plain_single_process_forms_a_group_of_one_and_matches(monkeypatch):
     ref_losses, ref_sd = _reference()
     try:
         mesh = build_mesh()
-        assert dist.get_world_size() == 1 and tuple(mesh.shape) == (1, 1, 1)
+        assert dist.get_world_size() == 1 and tuple(mesh.shape) == (1, 1, 1, 1)
         model = _make_model()
         cfg = ParallelConfig(activation_checkpointing="full")
         root = parallelize(model, mesh, cfg, root=LossWrapper(model))
@@ -378,14 +378,16 @@ def test_mesh_that_does_not_match_the_config_is_refused():
     from posttrain.distributed.parallelize import _check_mesh
 
     class _FakeMesh:
-        mesh_dim_names = ("dp_replicate", "dp_shard", "tp")
+        mesh_dim_names = ("dp_replicate", "dp_shard", "cp", "tp")
 
         def __getitem__(self, name):
-            sizes = {"dp_replicate": 1, "dp_shard": 2, "tp": 1}
+            sizes = {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}
             return type("M", (), {"size": lambda self: sizes[name]})()
 
-    with pytest.raises(ConfigError, match="mesh is dp_replicate=1 x dp_shard=2 x tp=1"):
+    with pytest.raises(ConfigError, match="mesh is dp_replicate=1 x dp_shard=2 x cp=1 x tp=1"):
         _check_mesh(_FakeMesh(), ParallelConfig(tp=2))
     with pytest.raises(ConfigError, match="dp_replicate=2"):
         _check_mesh(_FakeMesh(), ParallelConfig(dp_replicate=2))
+    with pytest.raises(ConfigError, match="cp=2"):
+        _check_mesh(_FakeMesh(), ParallelConfig(cp=2))
     _check_mesh(_FakeMesh(), ParallelConfig())

@@ -103,7 +103,7 @@ def test_group_forms_gloo_world_and_all_reduces(local_ray):
         assert [i["LOCAL_RANK"] for i in info] == ["0", "1"]  # one node
         assert all(i["world"] == 2 and i["WORLD_SIZE"] == "2" for i in info)
         assert all(i["backend"] == "gloo" and i["device"] == "cpu" for i in info)
-        assert all(i["mesh"] == (1, 2, 1) for i in info)   # (dp_replicate, dp_shard, tp)
+        assert all(i["mesh"] == (1, 2, 1, 1) for i in info)   # (dp_replicate, dp_shard, cp, tp)
         assert len({(i["MASTER_ADDR"], i["MASTER_PORT"]) for i in info}) == 1
         assert all(i["POSTTRAIN_TEST_FLAG"] == "on" for i in info)
         assert group.call_rank(1, "describe")["rank"] == 1

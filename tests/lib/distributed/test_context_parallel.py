@@ -1,0 +1,201 @@
+"""Context parallelism on 4 real gloo processes: rows cut over "cp", attention exact across the cut.
+
+Each layout builds the model the engine's way (meta device, [LoRA,] `parallelize` with the
+cp mesh, each rank filling its shards from the full tensors), gives every rank its rows' tokens
+of its two chunks (`CPShard.local`) and the whole rows' document lengths, and must give the
+single-process numbers: each rank's logits at its positions, the loss, and every parameter's
+full gradient, within 1e-5 in fp32. The packed rows have documents that cross chunk and rank
+boundaries, windows shorter than a document (Gemma 3, GPT-OSS) and sinks (GPT-OSS).
+
+    cp4           cp=4                     one row's four quarters on four ranks
+    fsdp_x_cp     dp_shard=2 x cp=2        FSDP over dp_shard x cp; the two dp ranks see other rows
+    cp_x_tp       cp=2 x tp=2              heads split over tp, tokens over cp
+    fsdp_x_cp_lora                          LoRA adapters, as fsdp_x_cp
+
+What it catches: a mask that ignores documents or windows across the cut (logits differ at the
+first document that spans two chunks), positions not cut like the tokens (RoPE), a K/V gather
+whose backward does not sum the group's uses (key/value projection gradients), gradients not
+reduced over the cp ranks (every gradient off by a factor).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from posttrain.distributed import (ParallelConfig, build_mesh, close_process_group, free_port,
+                                   init_process_group, parallelize)
+from posttrain.distributed.env import dp_mesh
+from posttrain.models.args import ModelArgs
+from posttrain.models.transformer import build_model
+from posttrain.ops.context_parallel import CPShard
+
+WORLD = 4
+T = 32
+# 4 packed rows: documents crossing the chunk boundaries (chunks of 4 at cp=4, 8 at cp=2)
+DOCS = [[5, 13, 14], [32], [3, 7, 6, 16], [20, 12]]
+FAMILIES = ["qwen3", "llama", "gemma3", "gpt_oss"]
+LAYOUTS = {
+    "cp4": dict(dp_shard=1, cp=4),
+    "fsdp_x_cp": dict(dp_shard=2, cp=2),
+    "cp_x_tp": dict(dp_shard=1, cp=2, tp=2),
+    "fsdp_x_cp_lora": dict(dp_shard=2, cp=2),
+}
+ATOL = 1e-5
+
+
+def _args(family: str) -> ModelArgs:
+    from posttrain.models.verify import tiny_hf_config
+    return ModelArgs.from_hf_config(tiny_hf_config(family).to_dict())
+
+
+def _model(family: str, lora: bool, device: str = "cpu") -> nn.Module:
+    model = build_model(_args(family), seed=0, device=device)
+    if lora:
+        from posttrain.models.lora import LoraConfig, apply_lora, lora_modules
+        apply_lora(model, LoraConfig(rank=4, alpha=8.0, targets=("q", "k", "v", "o")))
+        if device != "meta":
+            gen = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for _, module in lora_modules(model):
+                    for name, p in module.named_parameters():
+                        if name.endswith(("lora_A", "lora_B")):
+                            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+class _LossAndLogits(nn.Module):
+    """The SFT root on this rank's tokens, scaled for FSDP's mean over the shard ranks."""
+
+    def __init__(self, model: nn.Module, global_tokens: int, ranks: int):
+        super().__init__()
+        self.model, self.global_tokens, self.ranks = model, global_tokens, ranks
+
+    def forward(self, ids, labels, docs):
+        from posttrain.losses.sft import sft_loss_sum
+        hidden = self.model(ids, document_lengths=docs)
+        head = self.model.head
+        loss_sum = sft_loss_sum(hidden, head.weight, labels, real_vocab_size=head.real_vocab_size,
+                                softcap=getattr(head, "softcap", None))
+        return loss_sum * self.ranks / self.global_tokens, self.model.logits(hidden).detach()
+
+
+def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, vocab, (len(DOCS), T + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _run(family: str, layout: dict | None, lora: bool) -> dict:
+    model = _model(family, lora)
+    ids, labels = _batch(model.args.vocab_size)
+    tokens = int((labels >= 0).sum())
+    positions = torch.arange(T)
+    if layout is None:
+        rows, root = slice(None), _LossAndLogits(model, tokens, 1)
+        ids_r, labels_r = ids, labels
+    else:
+        from posttrain.distributed.materialize import materialize
+        cfg = ParallelConfig(**layout)
+        mesh = build_mesh(cfg.dp_shard, cfg.tp, cfg.dp_replicate, cfg.cp)
+        dp = dp_mesh(mesh)
+        per = len(DOCS) // dp.size()
+        rows = slice(dp.get_local_rank() * per, (dp.get_local_rank() + 1) * per)
+        full = {n: p.detach() for n, p in model.named_parameters()}
+        model = _model(family, lora, device="meta")
+        root = parallelize(model, mesh, cfg, root=_LossAndLogits(model, tokens,
+                                                                 dp.size() * cfg.cp))
+        materialize(root, torch.device("cpu"), full.items(), prefix="model.")
+        model.tie_weights()
+        shard = CPShard(mesh["cp"].get_local_rank(), cfg.cp, T)
+        ids_r, labels_r = shard.local(ids[rows]), shard.local(labels[rows])
+        positions = shard.positions()
+    loss, logits = root(ids_r, labels_r, DOCS[rows])
+    loss.backward()
+    loss = loss.detach()
+    if layout is not None:
+        cfg = ParallelConfig(**layout)
+        loss = loss / (dp.size() * cfg.cp)
+        dist.all_reduce(loss)
+        loss /= cfg.tp
+    grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    vocab = model.args.vocab_size
+    return {"loss": loss.item(), "logits": logits[..., :vocab], "rows": rows,
+            "positions": positions, "grads": grads}
+
+
+def _compare(ref: dict, got: dict) -> dict:
+    ref_logits = ref["logits"][got["rows"]][:, got["positions"]]
+    diffs = {"loss": abs(ref["loss"] - got["loss"]),
+             "logits": (ref_logits - got["logits"]).abs().max().item(),
+             "grad_names_differ": sorted(set(ref["grads"]) ^ set(got["grads"])),
+             "num_grads": len(got["grads"])}
+    common = [n for n in ref["grads"] if n in got["grads"]]
+    diffs["grads"] = max((ref["grads"][n] - got["grads"][n]).abs().max().item() for n in common)
+    diffs["worst_grad"] = max(common, key=lambda n: (ref["grads"][n] - got["grads"][n])
+                              .abs().max())
+    return diffs
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    results: dict = {}
+    try:
+        init_process_group(timeout_s=120)
+        for family in FAMILIES:
+            refs = {lora: _run(family, None, lora) for lora in (False, True)}
+            for name, layout in LAYOUTS.items():
+                lora = name.endswith("lora")
+                results[(family, name)] = _compare(refs[lora], _run(family, layout, lora))
+    except Exception:
+        results["error"] = traceback.format_exc()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    if "error" in results:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
+    close_process_group()
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def four_rank_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cp")
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
+    return results
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cp_layout_gives_the_single_process_numbers(four_rank_results, family, layout):
+    for rank, results in enumerate(four_rank_results):
+        d = results[(family, layout)]
+        where = f"{family} {layout} rank {rank}: {d}"
+        assert not d["grad_names_differ"] and d["num_grads"] > 0, where
+        assert d["loss"] <= ATOL and d["logits"] <= ATOL and d["grads"] <= ATOL, where
+
+
+def test_split_is_balanced_and_covers_every_token():
+    shards = [CPShard(r, 4, 32) for r in range(4)]
+    held = torch.cat([s.positions() for s in shards])
+    assert sorted(held.tolist()) == list(range(32))
+    # every rank holds one early and one late chunk: the same causal work per rank
+    work = [int((s.positions() + 1).sum()) for s in shards]
+    assert len(set(work)) == 1
+    with pytest.raises(ValueError, match="multiple of 8"):
+        CPShard(0, 4, 36)
