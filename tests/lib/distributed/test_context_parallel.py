@@ -36,6 +36,8 @@ from posttrain.models.args import ModelArgs
 from posttrain.models.transformer import build_model
 from posttrain.ops.context_parallel import CPShard
 
+from .ranks import LossAndLogits, compare, full
+
 WORLD = 4
 T = 32
 # 4 packed rows: documents crossing the chunk boundaries (chunks of 4 at cp=4, 8 at cp=2)
@@ -70,30 +72,10 @@ def _model(family: str, lora: bool, device: str = "cpu") -> nn.Module:
     return model
 
 
-class _LossAndLogits(nn.Module):
-    """The SFT root on this rank's tokens, scaled for FSDP's mean over the shard ranks."""
-
-    def __init__(self, model: nn.Module, global_tokens: int, ranks: int):
-        super().__init__()
-        self.model, self.global_tokens, self.ranks = model, global_tokens, ranks
-
-    def forward(self, ids, labels, docs):
-        from posttrain.losses.sft import sft_loss_sum
-        hidden = self.model(ids, document_lengths=docs)
-        head = self.model.head
-        loss_sum = sft_loss_sum(hidden, head.weight, labels, real_vocab_size=head.real_vocab_size,
-                                softcap=getattr(head, "softcap", None))
-        return loss_sum * self.ranks / self.global_tokens, self.model.logits(hidden).detach()
-
-
 def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, vocab, (len(DOCS), T + 1), generator=g)
     return ids[:, :-1], ids[:, 1:]
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _run(family: str, layout: dict | None, lora: bool) -> dict:
@@ -102,7 +84,7 @@ def _run(family: str, layout: dict | None, lora: bool) -> dict:
     tokens = int((labels >= 0).sum())
     positions = torch.arange(T)
     if layout is None:
-        rows, root = slice(None), _LossAndLogits(model, tokens, 1)
+        rows, root = slice(None), LossAndLogits(model, tokens, 1)
         ids_r, labels_r = ids, labels
     else:
         from posttrain.distributed.materialize import materialize
@@ -111,11 +93,11 @@ def _run(family: str, layout: dict | None, lora: bool) -> dict:
         dp = dp_mesh(mesh)
         per = len(DOCS) // dp.size()
         rows = slice(dp.get_local_rank() * per, (dp.get_local_rank() + 1) * per)
-        full = {n: p.detach() for n, p in model.named_parameters()}
+        weights = {n: p.detach() for n, p in model.named_parameters()}
         model = _model(family, lora, device="meta")
-        root = parallelize(model, mesh, cfg, root=_LossAndLogits(model, tokens,
+        root = parallelize(model, mesh, cfg, root=LossAndLogits(model, tokens,
                                                                  dp.size() * cfg.cp))
-        materialize(root, torch.device("cpu"), full.items(), prefix="model.")
+        materialize(root, torch.device("cpu"), weights.items(), prefix="model.")
         model.tie_weights()
         shard = CPShard(mesh["cp"].get_local_rank(), cfg.cp, T)
         ids_r, labels_r = shard.local(ids[rows]), shard.local(labels[rows])
@@ -128,23 +110,10 @@ def _run(family: str, layout: dict | None, lora: bool) -> dict:
         loss = loss / (dp.size() * cfg.cp)
         dist.all_reduce(loss)
         loss /= cfg.tp
-    grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     vocab = model.args.vocab_size
     return {"loss": loss.item(), "logits": logits[..., :vocab], "rows": rows,
             "positions": positions, "grads": grads}
-
-
-def _compare(ref: dict, got: dict) -> dict:
-    ref_logits = ref["logits"][got["rows"]][:, got["positions"]]
-    diffs = {"loss": abs(ref["loss"] - got["loss"]),
-             "logits": (ref_logits - got["logits"]).abs().max().item(),
-             "grad_names_differ": sorted(set(ref["grads"]) ^ set(got["grads"])),
-             "num_grads": len(got["grads"])}
-    common = [n for n in ref["grads"] if n in got["grads"]]
-    diffs["grads"] = max((ref["grads"][n] - got["grads"][n]).abs().max().item() for n in common)
-    diffs["worst_grad"] = max(common, key=lambda n: (ref["grads"][n] - got["grads"][n])
-                              .abs().max())
-    return diffs
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -158,7 +127,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             refs = {lora: _run(family, None, lora) for lora in (False, True)}
             for name, layout in LAYOUTS.items():
                 lora = name.endswith("lora")
-                results[(family, name)] = _compare(refs[lora], _run(family, layout, lora))
+                results[(family, name)] = compare(refs[lora], _run(family, layout, lora))
     except Exception:
         results["error"] = traceback.format_exc()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -29,6 +29,8 @@ from posttrain.distributed.env import dp_mesh
 from posttrain.models.args import ModelArgs
 from posttrain.models.transformer import build_model
 
+from .ranks import LossAndLogits, compare, full
+
 WORLD = 4
 T = 16
 # 4 packed rows; the data-parallel ranks take contiguous slices of them
@@ -85,33 +87,10 @@ def _model(family: str, lora: bool, device: str = "cpu") -> nn.Module:
     return model
 
 
-class _LossAndLogits(nn.Module):
-    """The SFT root (mean CE over the step's loss tokens) that also returns the logits."""
-
-    def __init__(self, model: nn.Module, global_tokens: int, dp_size: int):
-        super().__init__()
-        self.model, self.global_tokens, self.dp_size = model, global_tokens, dp_size
-
-    def forward(self, ids, labels, docs):
-        from posttrain.losses.sft import sft_loss_sum
-        hidden = self.model(ids, document_lengths=docs)
-        head = self.model.head
-        loss_sum = sft_loss_sum(hidden, head.weight, labels, real_vocab_size=head.real_vocab_size,
-                                softcap=getattr(head, "softcap", None))
-        # FSDP averages gradients over the data-parallel ranks: scale so the mean is the
-        # gradient of the global mean
-        loss = loss_sum * self.dp_size / self.global_tokens
-        return loss, self.model.logits(hidden).detach()
-
-
 def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, vocab, (len(DOCS), T + 1), generator=g)
     return ids[:, :-1], ids[:, 1:]
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _run(family: str, layout: dict | None, lora: bool) -> dict:
@@ -123,7 +102,7 @@ def _run(family: str, layout: dict | None, lora: bool) -> dict:
     ids, labels = _batch(model.args.vocab_size)
     tokens = int((labels >= 0).sum())
     if layout is None:
-        rows, root = slice(None), _LossAndLogits(model, tokens, 1)
+        rows, root = slice(None), LossAndLogits(model, tokens, 1)
     else:
         from posttrain.distributed.materialize import materialize
         cfg = ParallelConfig(**layout)
@@ -131,33 +110,20 @@ def _run(family: str, layout: dict | None, lora: bool) -> dict:
         dp = dp_mesh(mesh)
         per = len(DOCS) // dp.size()
         rows = slice(dp.get_local_rank() * per, (dp.get_local_rank() + 1) * per)
-        full = {n: p.detach() for n, p in model.state_dict(keep_vars=True).items()}
+        weights = {n: p.detach() for n, p in model.state_dict(keep_vars=True).items()}
         model = _model(family, lora, device="meta")
-        root = parallelize(model, mesh, cfg, root=_LossAndLogits(model, tokens, dp.size()))
-        materialize(root, torch.device("cpu"), full.items(), prefix="model.")
+        root = parallelize(model, mesh, cfg, root=LossAndLogits(model, tokens, dp.size()))
+        materialize(root, torch.device("cpu"), weights.items(), prefix="model.")
         model.tie_weights()
     loss, logits = root(ids[rows], labels[rows], DOCS[rows])
     loss.backward()
-    loss = loss.detach() / (1 if layout is None else root.dp_size)
+    loss = loss.detach() / (1 if layout is None else root.ranks)
     if layout is not None:
         dist.all_reduce(loss)   # sum of the ranks' shares of the global mean (x tp)
         loss /= ParallelConfig(**layout).tp
-    grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     vocab = model.args.vocab_size    # columns past it are padding (-inf)
     return {"loss": loss.item(), "logits": logits[..., :vocab], "rows": rows, "grads": grads}
-
-
-def _compare(ref: dict, got: dict) -> dict:
-    diffs = {"loss": abs(ref["loss"] - got["loss"]),
-             "logits": (ref["logits"][got["rows"]] - got["logits"]).abs().max().item()}
-    missing = sorted(set(ref["grads"]) ^ set(got["grads"]))
-    diffs["grads"] = max((ref["grads"][n] - got["grads"][n]).abs().max().item()
-                         for n in ref["grads"] if n in got["grads"])
-    diffs["worst_grad"] = max((n for n in ref["grads"] if n in got["grads"]),
-                              key=lambda n: (ref["grads"][n] - got["grads"][n]).abs().max())
-    diffs["grad_names_differ"] = missing
-    diffs["num_grads"] = len(got["grads"])
-    return diffs
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -171,7 +137,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             refs = {lora: _run(family, None, lora) for lora in (False, True)}
             for name, layout in LAYOUTS.items():
                 lora = name.endswith("lora")
-                results[(family, name)] = _compare(refs[lora], _run(family, layout, lora))
+                results[(family, name)] = compare(refs[lora], _run(family, layout, lora))
     except Exception:
         results["error"] = traceback.format_exc()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
