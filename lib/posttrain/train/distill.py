@@ -38,7 +38,7 @@ from posttrain.losses.distill import KINDS, distill_loss
 from posttrain.models.transformer import Transformer
 from posttrain.train.engine import ModelConfig, ModelInitConfig
 from posttrain.train.recipe import (ExportConfig, Recipe, RunConfig, TrainConfig, check_export,
-                                    check_step_split, eval_suite, policy_flops)
+                                    check_context_parallel, check_step_split, eval_suite, policy_flops)
 from posttrain.train.sft import EvalConfig
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,7 @@ class DistillConfig:
                                  "read as one stream; use streams: 1 or teacher.signal: online")
         check_step_split(self.train.micro_batches_per_step, self.run, self.train.engine.parallel,
                          self.train.loader.streams)
+        check_context_parallel("distill", self.train.engine.parallel, self.train.loader)
 
 
 # --------------------------------------------------------------------------- teacher check
@@ -250,7 +251,7 @@ class Distill(Recipe):
                 self.teacher, self._teacher_tensors = self._fallback_teacher(teacher_dir)
             parallel = self.cfg.train.engine.parallel
             shard_frozen(self.teacher, build_mesh(parallel.dp_shard, parallel.tp,
-                                                  parallel.dp_replicate), parallel)
+                                                  parallel.dp_replicate, parallel.cp), parallel)
         return DistillLoss(model, self.teacher, self.cfg.loss, self.cfg.model.loss_chunk_tokens)
 
     def _fallback_teacher(self, teacher_dir: str

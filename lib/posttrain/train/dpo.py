@@ -33,7 +33,7 @@ from posttrain.losses.dpo import LossType, dpo_loss, dpo_pair_logps
 from posttrain.models.transformer import Transformer
 from posttrain.train.engine import ModelConfig
 from posttrain.train.recipe import (ExportConfig, Recipe, RunConfig, TrainConfig, check_export,
-                                    check_step_split, eval_suite, policy_flops)
+                                    check_context_parallel, check_step_split, eval_suite, policy_flops)
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ def check_pair_recipe(cfg: Any, name: str) -> None:
     check_export(cfg.export, cfg.model.lora)
     check_step_split(cfg.train.micro_batches_per_step, cfg.run, cfg.train.engine.parallel,
                      cfg.train.loader.streams)
+    check_context_parallel(name, cfg.train.engine.parallel, cfg.train.loader)
 
 
 class DPOLoss(nn.Module):

@@ -235,8 +235,13 @@ class Engine:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = get_device()
         self.mesh = build_mesh(cfg.parallel.dp_shard, cfg.parallel.tp,
-                               cfg.parallel.dp_replicate)
+                               cfg.parallel.dp_replicate, cfg.parallel.cp)
         self.dp = DataParallel.of_mesh(self.mesh)
+        # context parallelism: the ranks of a "cp" group see the same micro-batches and each
+        # runs its share of every row's tokens (`posttrain.ops.context_parallel`)
+        self.cp_size = cfg.parallel.cp
+        self.cp_group = self.mesh["cp"].get_group() if self.cp_size > 1 else None
+        self.cp_rank = self.mesh["cp"].get_local_rank() if self.cp_size > 1 else 0
         self.model, self.root = build_sharded(
             model_cfg, cfg.parallel, hf_dir, self.device,
             loss_factory or (lambda m: CausalLMLoss(m, model_cfg.loss_chunk_tokens)),
@@ -266,6 +271,11 @@ class Engine:
                               "score-correction bias (DeepSeek-V3's e_score_correction_bias); "
                               "set it to 0")
         self._expert_loads: torch.Tensor | None = None   # this step's, summed over micro-batches
+        if self.cp_size > 1 and (self.router_coefs or self.bias_update_speed):
+            raise ConfigError("parallel.cp > 1 with MoE router losses or bias balancing: the "
+                              "router statistics would be taken over each rank's share of "
+                              "the tokens; set model.moe_aux_loss_coef and moe_z_loss_coef to "
+                              "0 (and moe_bias_update_speed), or parallel.cp=1")
 
     # ------------------------------------------------------------------ build
     def _init_missing(self, name: str, param: torch.Tensor) -> torch.Tensor:
@@ -333,7 +343,8 @@ class Engine:
         local_loss = torch.zeros((), dtype=torch.float64)
         local_stats: dict[str, float] = {}
         router: dict[str, float] = {}
-        scale = self.dp.size / max(global_loss_tokens, 1)
+        # FSDP averages gradients over its shard ranks: the data-parallel ones x the cp ones
+        scale = self.dp.size * self.cp_size / max(global_loss_tokens, 1)
         for batch in micro_batches:
             loss_sum, stats = self._forward(batch)
             if self.bias_update_speed and batch.get("live", True):
@@ -354,7 +365,28 @@ class Engine:
                 local_stats[k] = local_stats.get(k, 0.0) + float(v)
         if not micro_batches:
             self._zero_contribution()
+        if self.cp_group is not None:      # each cp rank summed its share of the rows' tokens
+            local_loss = torch.tensor(self._cp_sum({"loss": float(local_loss)})["loss"],
+                                      dtype=torch.float64)
+            local_stats = self._cp_sum(local_stats)
         return local_loss, local_stats, router
+
+    def _cp_sum(self, values: dict[str, float]) -> dict[str, float]:
+        """Sums over this rank's tokens added up over its "cp" group (each micro-batch's rows
+        counted once, as without context parallelism)."""
+        if self.cp_group is None or not values:
+            return dict(values)
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+        dist.all_reduce(t, group=self.cp_group)
+        return dict(zip(keys, t.tolist()))
+
+    def cp_shard(self, seq_len: int) -> Any:
+        """This rank's `CPShard` of rows of `seq_len` tokens (None without context parallelism)."""
+        if self.cp_group is None:
+            return None
+        from posttrain.ops.context_parallel import CPShard
+        return CPShard(self.cp_rank, self.cp_size, seq_len, self.cp_group)
 
     def _router_losses(self, batch: dict) -> dict[str, tuple[float, torch.Tensor]]:
         """{metric: (coefficient, value)} of the router losses of the last forward, padding
@@ -381,9 +413,21 @@ class Engine:
         return out
 
     def _forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss root over one micro-batch. With context parallelism every per-token field
+        ([B, T, ...] like `input_ids`) is cut to this rank's tokens; `document_lengths` stay
+        the whole rows'."""
         keys = getattr(self.root, "input_keys", CausalLMLoss.input_keys)
-        out = self.root(*(batch[k].to(self.device) if isinstance(batch[k], torch.Tensor)
-                          else batch[k] for k in keys))
+        shard = self.cp_shard(batch["input_ids"].shape[1]) if "input_ids" in batch else None
+
+        def arg(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            value = value.to(self.device)
+            if shard is not None and value.dim() >= 2 and value.shape[1] == shard.seq_len:
+                return shard.local(value)
+            return value
+
+        out = self.root(*(arg(batch[k]) for k in keys))
         return out if isinstance(out, tuple) else (out, {})
 
     def _zero_contribution(self) -> None:
@@ -417,7 +461,7 @@ class Engine:
         """The loss sum and the loss module's stats sums of one batch, without gradients."""
         self.root.eval()
         loss_sum, stats = self._forward(batch)
-        return {"loss": float(loss_sum), **{k: float(v) for k, v in stats.items()}}
+        return self._cp_sum({"loss": float(loss_sum), **{k: float(v) for k, v in stats.items()}})
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, extra: dict, rank_extra: dict | None = None) -> str:
@@ -481,7 +525,7 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
     fp32 = model.fp32_names()    # DeepSeek-V3's router: not rounded to a bf16 model.dtype
     root = loss_factory(model)
     mesh = mesh if mesh is not None else build_mesh(parallel.dp_shard, parallel.tp,
-                                                    parallel.dp_replicate)
+                                                    parallel.dp_replicate, parallel.cp)
     root = (parallelize_frozen if frozen else parallelize)(model, mesh, parallel, root=root)
     dtype = DTYPES[model_cfg.dtype]
     # a custom head (a reward model's scalar projection) replaces the LM head: it is

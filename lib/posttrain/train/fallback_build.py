@@ -60,7 +60,7 @@ def build_fallback(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str
     root = loss_factory(model)
     _materialize_added(root, model, init_missing)
     mesh = mesh if mesh is not None else build_mesh(parallel.dp_shard, parallel.tp,
-                                                    parallel.dp_replicate)
+                                                    parallel.dp_replicate, parallel.cp)
     root = (parallelize_frozen if frozen else parallelize)(model, mesh, parallel, root=root)
     return model, root
 

@@ -194,6 +194,9 @@ class GRPOConfig:
             raise ValueError(f"overlong.buffer_tokens={self.overlong.buffer_tokens} exceeds "
                              f"the {self.episode_tokens} tokens of an episode "
                              "(sampling.max_new_tokens, or environment.max_total_tokens)")
+        if self.train.engine.parallel.cp > 1:
+            raise ValueError(f"parallel.cp={self.train.engine.parallel.cp}: context "
+                             "parallelism is built for SFT so far; GRPO needs parallel.cp=1")
         if self.rollout.placement == "separate" and self.run.launcher != "ray":
             raise ValueError("rollout.placement: separate runs the engines as Ray actors; set "
                              "run.launcher: ray")

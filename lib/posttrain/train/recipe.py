@@ -125,11 +125,13 @@ def check_step_split(micro_batches: int, run: RunConfig, parallel: Any, streams:
     with `streams` S > 1, over the streams (G / S each), and the streams over the ranks."""
     from posttrain.distributed.env import resolve_mesh_shape
     dp_shard, tp = resolve_mesh_shape(run.num_workers, parallel.dp_shard, parallel.tp,
-                                      parallel.dp_replicate)
+                                      parallel.dp_replicate, parallel.cp)
     dp = parallel.dp_replicate * dp_shard
-    ranks = (f"run.num_workers={run.num_workers}" if tp == 1 else
+    split = " x ".join(f"parallel.{k}={v}" for k, v in (("tp", tp), ("cp", parallel.cp))
+                       if v > 1)
+    ranks = (f"run.num_workers={run.num_workers}" if not split else
              f"{dp} data-parallel ranks (run.num_workers={run.num_workers} / "
-             f"parallel.tp={tp})")
+             + (f"({split}))" if " x " in split else f"{split})"))
     if micro_batches % dp:
         raise ValueError(f"{micro_batches} micro-batches per step (tokens_per_step / "
                          f"(rows_per_batch x max_tokens_per_pack)) do not split over {ranks}")
@@ -138,6 +140,22 @@ def check_step_split(micro_batches: int, run: RunConfig, parallel: Any, streams:
                          f"micro-batches per step and be a multiple of the {ranks}: each rank "
                          f"reads whole streams, each stream gives every step the same number "
                          f"of micro-batches")
+
+
+def check_context_parallel(recipe: str, parallel: Any, loader: LoaderConfig) -> None:
+    """`parallel.cp > 1` cuts every packed row into 2 cp chunks: the recipe must take it (its
+    loss adds up over tokens) and its rows must have a fixed length that divides."""
+    if parallel.cp == 1:
+        return
+    if recipe not in ("sft",):
+        raise ValueError(f"parallel.cp={parallel.cp}: context parallelism is built for SFT "
+                         f"(a loss that adds up over tokens); the {recipe} recipe needs "
+                         "parallel.cp=1")
+    pack = loader.packing.max_tokens_per_pack
+    if loader.mode != "packed" or pack % (2 * parallel.cp):
+        raise ValueError(f"parallel.cp={parallel.cp} cuts rows into {2 * parallel.cp} chunks: "
+                         f"use train.loader.mode: packed with max_tokens_per_pack a multiple "
+                         f"of {2 * parallel.cp} (got {loader.mode}, {pack})")
 
 
 def one_pass(cfg: LoaderConfig) -> LoaderConfig:

@@ -49,7 +49,7 @@ from posttrain.models.transformer import Transformer
 from posttrain.ops.cross_entropy import IGNORE_INDEX, chunked_argmax
 from posttrain.train.engine import ModelConfig
 from posttrain.train.recipe import (ExportConfig, Recipe, RunConfig, TrainConfig, check_export,
-                                    check_step_split, policy_flops)
+                                    check_context_parallel, check_step_split, policy_flops)
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,7 @@ class SequenceConfig:
                              f"the vocabulary's <pad> id {pad}; set it to {pad}")
         check_step_split(self.train.micro_batches_per_step, self.run, self.train.engine.parallel,
                          self.train.loader.streams)
+        check_context_parallel("sequence", self.train.engine.parallel, self.train.loader)
 
     def prepare_config(self, output: OutputConfig) -> PrepareConfig:
         """What the prepare step reads: the rows, with ids from `vocab` and the heads' labels."""

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from posttrain.config.recipes import DataConfig
 from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.train.engine import ModelConfig
-from posttrain.train.recipe import (ExportConfig, Recipe, RunConfig, TrainConfig, check_export,
-                                    check_step_split)
+from posttrain.train.recipe import (ExportConfig, Recipe, RunConfig, TrainConfig,
+                                    check_context_parallel, check_export, check_step_split)
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class SFTConfig:
             raise ValueError(f"SFT trains on chat or sequence data, not {self.data.format!r}")
         check_step_split(self.train.micro_batches_per_step, self.run, self.train.engine.parallel,
                          self.train.loader.streams)
+        check_context_parallel("sft", self.train.engine.parallel, self.train.loader)
 
 
 class SFT(Recipe):

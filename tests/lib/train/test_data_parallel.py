@@ -8,6 +8,8 @@ data-parallel ranks only. Three layouts of the same run, on real gloo process gr
     dp_shard=2, tp=1       2 ranks, each its half of the step's micro-batches
     dp_shard=2, tp=2       4 ranks; ranks {0,1} and {2,3} are tensor-parallel pairs
     dp_replicate=2 x dp_shard=2   4 ranks, HSDP (SFT only): two sharded replicas, 4 DP ranks
+    cp=2; dp_shard=2 x cp=2       SFT with every packed row cut over two ranks (context
+                                  parallelism: the cp ranks see the same micro-batches)
 
 must give the same per-step losses (1e-5, fp32) and the same exported weights (1e-5), for SFT
 (chunked cross-entropy over packed documents) and DPO (packed pairs, precomputed reference),
@@ -31,10 +33,11 @@ from posttrain.distributed.env import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 STEPS = 3
-# world, dp_shard, tp, dp_replicate
-LAYOUTS = {"1": (1, 1, 1, 1), "dp2": (2, 2, 1, 1), "dp2_tp2": (4, 2, 2, 1),
-           "hsdp": (4, 2, 1, 2)}
-ONLY = {"hsdp": ("sft",)}           # the recipes a layout runs (default: all)
+# world, dp_shard, tp, dp_replicate, cp
+LAYOUTS = {"1": (1, 1, 1, 1, 1), "dp2": (2, 2, 1, 1, 1), "dp2_tp2": (4, 2, 2, 1, 1),
+           "hsdp": (4, 2, 1, 2, 1), "cp2": (2, 1, 1, 1, 2), "dp2_cp2": (4, 2, 1, 1, 2)}
+# the recipes a layout runs (default: all); context parallelism is built for SFT
+ONLY = {"hsdp": ("sft",), "cp2": ("sft",), "dp2_cp2": ("sft",)}
 FAMILIES = ("qwen3", "llama")
 RECIPES = ("sft", "dpo")
 ATOL = 1e-5
@@ -52,7 +55,7 @@ _LOADER = {"rows_per_batch": 1, "shuffle_buffer_samples": 16, "seed": 0, "epochs
 
 
 def _config(recipe: str, family: str, world: int, dp_shard: int, tp: int,
-            data: Path = ROOT / "assets" / "data", dp_replicate: int = 1) -> dict:
+            data: Path = ROOT / "assets" / "data", dp_replicate: int = 1, cp: int = 1) -> dict:
     """The recipe's config: 4 micro-batches of 1 x 128 tokens per step, data under `data`."""
     common = {
         "run": {"num_workers": world, "launcher": "ray" if world > 1 else "inline"},
@@ -61,7 +64,7 @@ def _config(recipe: str, family: str, world: int, dp_shard: int, tp: int,
                   "dtype": "float32", "loss_chunk_tokens": 64},
         "eval": {"max_batches": 3},
     }
-    parallel = {"dp_shard": dp_shard, "tp": tp, "dp_replicate": dp_replicate,
+    parallel = {"dp_shard": dp_shard, "tp": tp, "dp_replicate": dp_replicate, "cp": cp,
                 "activation_checkpointing": "none"}
     if recipe == "sft":
         return {**common,
@@ -117,13 +120,14 @@ def _rank(rank: int, world: int, port: int, layout: str, root: str, inputs: dict
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    _, dp_shard, tp, dp_replicate = LAYOUTS[layout]
+    _, dp_shard, tp, dp_replicate, cp = LAYOUTS[layout]
     for (recipe, family), (prepared, hf_dir) in sorted(inputs.items()):
         if recipe not in ONLY.get(layout, RECIPES):
             continue
         from posttrain.train.recipe import RecipeWorker
         run_dir = Path(root) / layout / f"{recipe}_{family}"
-        cfg = _config(recipe, family, world, dp_shard, tp, Path(root) / "data", dp_replicate)
+        cfg = _config(recipe, family, world, dp_shard, tp, Path(root) / "data", dp_replicate,
+                      cp)
         worker = RecipeWorker(_recipe(recipe), cfg, hf_dir, prepared, str(run_dir))
         worker.before_training()
         steps = [worker.train_step() for _ in range(STEPS)]
@@ -157,7 +161,7 @@ def _result(root: Path, layout: str, recipe: str, family: str) -> tuple[dict, di
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("layout", ["dp2", "dp2_tp2", "hsdp"])
+@pytest.mark.parametrize("layout", ["dp2", "dp2_tp2", "hsdp", "cp2", "dp2_cp2"])
 def test_layout_trains_like_one_rank(layouts, recipe, family, layout):
     if recipe not in ONLY.get(layout, RECIPES):
         pytest.skip(f"{layout} runs {ONLY[layout]} only")
@@ -210,3 +214,23 @@ def test_a_step_that_does_not_split_over_the_data_parallel_ranks_is_refused():
     with pytest.raises(ValueError, match="dp_shard=3 x parallel.tp=2"):
         build(SFTConfig, cfg, where="config")
     assert to_dict(build(SFTConfig, _config("sft", "qwen3", 4, 2, 2), where="config"))
+
+
+def test_context_parallel_configs_are_checked_at_launch():
+    from posttrain.errors import ConfigError
+    from posttrain.train.dpo import DPOConfig
+    from posttrain.train.sft import SFTConfig
+
+    def sft(**parallel):
+        cfg = _config("sft", "qwen3", 2, 1, 1)
+        cfg["train"]["parallel"].update(parallel)
+        return cfg
+
+    build(SFTConfig, sft(cp=2), where="config")                       # 128-token packs: 4 chunks
+    with pytest.raises((ConfigError, ValueError), match="multiple of 6"):
+        build(SFTConfig, sft(cp=3, dp_shard=1) | {"run": {"num_workers": 3,
+                                                          "launcher": "ray"}}, where="config")
+    dpo = _config("dpo", "qwen3", 2, 1, 1)
+    dpo["train"]["parallel"]["cp"] = 2
+    with pytest.raises((ConfigError, ValueError), match="the DPO recipe needs parallel.cp=1"):
+        build(DPOConfig, dpo, where="config")
