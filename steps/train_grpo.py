@@ -293,7 +293,8 @@ class GRPOController(Controller):
         samples = [Sample(r.prompt_ids, r.completion_ids, r.logprobs, float(a), r.loss_mask)
                    for r, a in zip(rollouts, advantages.flatten().tolist())]
         mini_batches = [pack_micro_batches(mb, max_tokens=cfg.train.max_tokens_per_micro_batch,
-                                           num_ranks=self.num_ranks, pack=self.packs_documents)
+                                           num_ranks=self.num_ranks, pack=self.packs_documents,
+                                           row_multiple=2 * cfg.train.engine.parallel.cp)
                         for mb in split_mini_batches(samples, cfg.train.mini_batches)]
         update = self.group.call("train_rollouts", mini_batches)[0]
         t_updated = time.perf_counter()

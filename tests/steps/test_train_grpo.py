@@ -286,11 +286,16 @@ def local_ray():
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.mark.parametrize("cp", [1, 2], ids=["dp2", "cp2"])
 def test_two_ray_trainers_with_a_separate_engine_follow_one_inline_rank(
-        resume_reference, workdir, local_ray):
+        resume_reference, workdir, local_ray, cp):
+    """dp2: the micro-batches split over two data-parallel ranks. cp2: every packed row of
+    rollouts cut over two context-parallel ranks (rows filled to a multiple of 4), the
+    old-policy log-probs of the second mini-batch scored by both halves and summed."""
     config, ref = resume_reference
     result = train_grpo.run(config, overrides={
-        "run.dir": str(workdir / "ray_separate"), "run.launcher": "ray", "run.num_workers": 2,
+        "run.dir": str(workdir / f"ray_separate_cp{cp}"), "run.launcher": "ray",
+        "run.num_workers": 2, "train.parallel.cp": cp,
         "rollout.placement": "separate", "rollout.num_engines": 1,
         "rollout.resources_per_engine": {"num_cpus": 1}, "train.max_steps": 2},
         prepared_dir=str(ref / "prepared"), show_progress=False)

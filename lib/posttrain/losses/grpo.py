@@ -105,6 +105,7 @@ def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_B: to
               engine_logp_BT: torch.Tensor | None = None, is_cap: float | None = None,
               aggregation: Aggregation = "token_mean", constant_norm: float | None = None,
               global_tokens: int | None = None, global_sequences: int | None = None,
+              held_BT: torch.Tensor | None = None,
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss over B responses, one per row (formulas in the module
     docstring).
@@ -128,6 +129,10 @@ def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_B: to
             and ranks, used instead of this batch's.
         global_sequences: seq_mean_token_mean and constant only: the step's sequence count over
             all micro-batches and ranks, used instead of this batch's.
+        held_BT: with context parallelism, the tokens this rank holds (its log-probs are valid
+            there only): the loss is this rank's part of the batch's, its terms summed over the
+            held tokens and normalized by the whole batch's counts (a response's token count
+            from `mask_BT`), so the parts add up over the group; metrics are over held tokens.
 
     Returns:
         (loss, metrics): loss is an fp32 scalar (fp64 for fp64 input); a batch without response
@@ -141,7 +146,8 @@ def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_B: to
                 clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, is_cap=is_cap,
                 aggregation=aggregation, constant_norm=constant_norm,
                 global_tokens=global_tokens, global_sequences=global_sequences)
-    m_BT = mask_BT.bool()
+    counts_BT = mask_BT.bool()          # what the normalizers count: the whole responses
+    m_BT = counts_BT if held_BT is None else counts_BT & held_BT.bool()
     logp = _wide(logp_BT)
     # where, not multiply: a masked position may hold -inf or NaN, and 0 * inf is NaN.
     log_ratio_BT = (logp - _wide(old_logp_BT).detach()).where(m_BT, 0.0)
@@ -167,7 +173,7 @@ def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_B: to
         if kl_coef:
             loss_BT = loss_BT + kl_coef * kl_BT
 
-    loss = _aggregate(loss_BT.where(m_BT, 0.0), m_BT, aggregation, constant_norm,
+    loss = _aggregate(loss_BT.where(m_BT, 0.0), counts_BT, aggregation, constant_norm,
                       global_tokens, global_sequences)
 
     with torch.no_grad():

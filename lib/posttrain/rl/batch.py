@@ -68,11 +68,13 @@ def split_mini_batches(samples: list[Sample], mini_batches: int) -> list[list[Sa
 
 
 def pack_micro_batches(samples: list[Sample], *, max_tokens: int, num_ranks: int = 1,
-                       pack: bool = True) -> list[dict]:
+                       pack: bool = True, row_multiple: int = 1) -> list[dict]:
     """Pack one mini-batch into micro-batches (module docstring); the count is a multiple of
     `num_ranks`, dummies last. `pack=False` puts one sequence in each micro-batch, for a model
     whose attention cannot keep the documents of a row apart (a transformers architecture
-    without a native definition whose masks ignore restarting positions)."""
+    without a native definition whose masks ignore restarting positions). `row_multiple`: each
+    row is filled up to a multiple of it with a padding document that carries no loss (context
+    parallelism cuts rows into 2 cp chunks)."""
     if not samples:
         raise ValueError("pack_micro_batches: no samples")
     for i, s in enumerate(samples):
@@ -101,14 +103,15 @@ def pack_micro_batches(samples: list[Sample], *, max_tokens: int, num_ranks: int
             bins.append([i])
             room.append(max_tokens - len(samples[i]))
     global_tokens = sum(_trained(s) for s in samples)
-    batches = [_micro_batch([samples[i] for i in sorted(b)], global_tokens, len(samples))
-               for b in bins]
+    batches = [_micro_batch([samples[i] for i in sorted(b)], global_tokens, len(samples),
+                            row_multiple) for b in bins]
     while len(batches) % num_ranks:
         batches.append({**batches[-1], "live": False})
     return batches
 
 
-def _micro_batch(samples: list[Sample], global_tokens: int, global_sequences: int) -> dict:
+def _micro_batch(samples: list[Sample], global_tokens: int, global_sequences: int,
+                 row_multiple: int = 1) -> dict:
     lengths = [len(s) for s in samples]
     longest = max(len(s.completion_ids) for s in samples)
     input_ids, position_ids, targets = [], [], []
@@ -133,6 +136,12 @@ def _micro_batch(samples: list[Sample], global_tokens: int, global_sequences: in
         token_index[s, :c] = torch.arange(offset + p - 1, offset + p - 1 + c)
         engine_logp[s, :c] = torch.tensor(sample.engine_logprobs, dtype=torch.float32)
         offset += len(tokens)
+    fill = -offset % row_multiple
+    if fill:                           # a document of its own, never a target or a loss token
+        input_ids += [0] * fill
+        position_ids += range(fill)
+        targets += [IGNORE_INDEX] * fill
+        lengths = [*lengths, fill]
     return {
         "input_ids": torch.tensor([input_ids], dtype=torch.long),
         "position_ids": torch.tensor([position_ids], dtype=torch.long),
@@ -142,7 +151,7 @@ def _micro_batch(samples: list[Sample], global_tokens: int, global_sequences: in
         "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         "engine_logp": engine_logp, "old_logp": None, "ref_logp": None,
         "global_tokens": global_tokens, "global_sequences": global_sequences,
-        "num_tokens": sum(lengths), "live": True,
+        "num_tokens": offset, "live": True,
     }
 
 

@@ -185,6 +185,8 @@ class CausalLMLoss(nn.Module):
     """
 
     input_keys = ("input_ids", "labels", "position_ids", "document_lengths")
+    # the per-token fields of the packed rows [B, T]: context parallelism cuts these
+    row_keys = ("input_ids", "labels", "position_ids")
 
     def __init__(self, model: Transformer, chunk_tokens: int = 1024):
         super().__init__()
@@ -412,23 +414,41 @@ class Engine:
             out["moe/z_loss"] = (z_coef, router_z_loss(logits, mask))
         return out
 
-    def _forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss root over one micro-batch. With context parallelism every per-token field
-        ([B, T, ...] like `input_ids`) is cut to this rank's tokens; `document_lengths` stay
-        the whole rows'."""
-        keys = getattr(self.root, "input_keys", CausalLMLoss.input_keys)
-        shard = self.cp_shard(batch["input_ids"].shape[1]) if "input_ids" in batch else None
+    def root_args(self, batch: dict, root: nn.Module | None = None) -> tuple:
+        """The arguments of a loss root (`input_keys`) for one micro-batch, on this device.
+        With context parallelism the root's per-token row fields (`row_keys`) are cut to this
+        rank's tokens; `document_lengths` stay the whole rows'."""
+        root = self.root if root is None else root
+        keys = getattr(root, "input_keys", CausalLMLoss.input_keys)
+        rows = set(getattr(root, "row_keys", CausalLMLoss.row_keys))
+        shard = self.cp_shard(batch["input_ids"].shape[1]) if self.cp_group is not None else None
 
-        def arg(value: Any) -> Any:
+        def arg(key: str) -> Any:
+            value = batch.get(key)
             if not isinstance(value, torch.Tensor):
                 return value
             value = value.to(self.device)
-            if shard is not None and value.dim() >= 2 and value.shape[1] == shard.seq_len:
-                return shard.local(value)
-            return value
+            return shard.local(value) if shard is not None and key in rows else value
 
-        out = self.root(*(arg(batch[k]) for k in keys))
+        return tuple(arg(k) for k in keys)
+
+    def _forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss root over one micro-batch (`root_args`)."""
+        out = self.root(*self.root_args(batch))
         return out if isinstance(out, tuple) else (out, {})
+
+    @torch.no_grad()
+    def score(self, batch: dict, root: nn.Module | None = None) -> torch.Tensor:
+        """A loss root's `score_only` output for one micro-batch (GRPO's log-probs [S, T]),
+        without gradients; with context parallelism each rank scores the tokens it holds
+        (0 elsewhere) and the parts are summed over the group."""
+        root = self.root if root is None else root
+        root.eval()
+        out = root(*self.root_args(batch, root), score_only=True)
+        if self.cp_group is not None:
+            out = out.contiguous()
+            dist.all_reduce(out, group=self.cp_group)
+        return out
 
     def _zero_contribution(self) -> None:
         raise ConfigError("a rank got no micro-batch in a step: tokens_per_step must give "

@@ -194,9 +194,6 @@ class GRPOConfig:
             raise ValueError(f"overlong.buffer_tokens={self.overlong.buffer_tokens} exceeds "
                              f"the {self.episode_tokens} tokens of an episode "
                              "(sampling.max_new_tokens, or environment.max_total_tokens)")
-        if self.train.engine.parallel.cp > 1:
-            raise ValueError(f"parallel.cp={self.train.engine.parallel.cp}: context "
-                             "parallelism is built for SFT so far; GRPO needs parallel.cp=1")
         if self.rollout.placement == "separate" and self.run.launcher != "ray":
             raise ValueError("rollout.placement: separate runs the engines as Ray actors; set "
                              "run.launcher: ray")
@@ -286,6 +283,7 @@ class GRPOLoss(nn.Module):
     input_keys = ("input_ids", "position_ids", "document_lengths", "targets", "token_index",
                   "mask", "advantages", "engine_logp", "old_logp", "ref_logp",
                   "global_tokens", "global_sequences", "live")
+    row_keys = ("input_ids", "position_ids", "targets")      # cut by context parallelism
 
     def __init__(self, model: Transformer, algo: AlgorithmConfig, temperature: float,
                  constant_norm: float | None, chunk_tokens: int = 1024):
@@ -308,9 +306,31 @@ class GRPOLoss(nn.Module):
                                bias=getattr(head, "bias", None),
                                temperature=self.temperature, return_entropy=with_entropy)
         logp, entropy = out if with_entropy else (out, None)
-        logp_flat = logp.reshape(-1)
+        logp_flat = self._whole_row(logp.reshape(-1))
         return (logp_flat[token_index].where(mask, 0.0),
                 None if entropy is None else entropy.sum())
+
+    def _whole_row(self, local_flat: torch.Tensor) -> torch.Tensor:
+        """Per-position values of this rank's tokens of the row placed at their positions in
+        the whole row (0 at the others' positions); unchanged without context parallelism,
+        where `token_index` addresses this rank's row as it is."""
+        shard = self.model.context_shard(local_flat.shape[0]) if hasattr(
+            self.model, "context_shard") else None
+        if shard is None:
+            return local_flat
+        whole = local_flat.new_zeros(shard.seq_len)
+        return whole.index_copy(0, shard.positions().to(local_flat.device), local_flat)
+
+    def held(self, token_index: torch.Tensor, local_len: int) -> torch.Tensor | None:
+        """[S, T] bool: the response tokens whose positions this rank holds under context
+        parallelism (None without it)."""
+        shard = self.model.context_shard(local_len) if hasattr(self.model,
+                                                               "context_shard") else None
+        if shard is None:
+            return None
+        mine = torch.zeros(shard.seq_len, dtype=torch.bool, device=token_index.device)
+        mine[shard.positions().to(token_index.device)] = True
+        return mine[token_index]
 
     def forward(self, input_ids, position_ids, document_lengths, targets, token_index, mask,
                 advantages, engine_logp, old_logp=None, ref_logp=None, global_tokens=None,
@@ -324,6 +344,7 @@ class GRPOLoss(nn.Module):
             with torch.no_grad(), disable_adapters(self.model):
                 ref_logp = self.sequence_logprobs(*seq_args)[0]
         logp, entropy_sum = self.sequence_logprobs(*seq_args, with_entropy=self.algo.log_entropy)
+        held = self.held(token_index, input_ids.shape[1])
         old = old_logp if old_logp is not None else logp.detach()
         use_engine = algo.use_engine_logprobs
         aggregation = algo.aggregation
@@ -334,7 +355,10 @@ class GRPOLoss(nn.Module):
             is_cap=algo.is_cap if use_engine else None, aggregation=aggregation,
             constant_norm=self.constant_norm if aggregation == "constant" else None,
             global_tokens=global_tokens if aggregation == "token_mean" else None,
-            global_sequences=None if aggregation == "token_mean" else global_sequences)
+            global_sequences=None if aggregation == "token_mean" else global_sequences,
+            held_BT=held)
+        if held is not None:
+            mask = mask & held
         n = mask.sum()
         stats = {k: v * n for k, v in m.items() if k != "ratio_max"}
         with torch.no_grad():
@@ -478,10 +502,8 @@ class GRPOWorker:
     def probe(self, sequence: list[int], prompt_len: int) -> dict[str, list[float]]:
         """The weight-sync check: the trainer's and (colocated) the engine's log-probs of a
         fixed sequence."""
-        batch = _probe_batch(sequence, prompt_len)
-        with torch.no_grad():
-            self.engine.root.eval()
-            trainer = self.engine.root(*_args(batch, self.engine.device), score_only=True)
+        batch = _probe_batch(sequence, prompt_len, 2 * self.engine.cp_size)
+        trainer = self.engine.score(batch)
         out = {"trainer": trainer[0].float().cpu().tolist()}
         if self.rollout is not None:
             out["engine"] = self.rollout.logprobs([sequence], [prompt_len],
@@ -495,17 +517,14 @@ class GRPOWorker:
         are computed first for the mini-batches after the first (the first is scored by the
         policy that has not moved yet, so its own log-probs, detached, are the old ones),
         reference log-probs when configured."""
-        device = self.engine.device
         mine = [self.engine.dp.share(mb) for mb in mini_batches]
         t0 = time.perf_counter()
-        with torch.no_grad():
-            self.engine.root.eval()
-            for i, batches in enumerate(mine):
-                for b in batches:
-                    if i > 0:
-                        b["old_logp"] = self.engine.root(*_args(b, device), score_only=True)
-                    if self.reference is not None:
-                        b["ref_logp"] = self.reference(*_args(b, device), score_only=True)
+        for i, batches in enumerate(mine):
+            for b in batches:
+                if i > 0:
+                    b["old_logp"] = self.engine.score(b)
+                if self.reference is not None:
+                    b["ref_logp"] = self.engine.score(b, self.reference)
         logprobs_s = time.perf_counter() - t0
         totals: dict[str, float] = {}
         losses, grad_norms = [], []
@@ -564,16 +583,12 @@ class GRPOWorker:
         self.weight_sync.close()
 
 
-def _args(batch: dict, device: torch.device) -> tuple:
-    return tuple(batch.get(k).to(device) if isinstance(batch.get(k), torch.Tensor)
-                 else batch.get(k) for k in GRPOLoss.input_keys)
-
-
-def _probe_batch(sequence: list[int], prompt_len: int) -> dict:
+def _probe_batch(sequence: list[int], prompt_len: int, row_multiple: int = 1) -> dict:
     from posttrain.rl.batch import Sample, pack_micro_batches
     completion = sequence[prompt_len:]
     sample = Sample(sequence[:prompt_len], completion, [0.0] * len(completion), 0.0)
-    return pack_micro_batches([sample], max_tokens=len(sequence))[0]
+    return pack_micro_batches([sample], max_tokens=len(sequence),
+                              row_multiple=row_multiple)[0]
 
 
 # --------------------------------------------------------------------------- separate engines

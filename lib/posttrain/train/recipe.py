@@ -149,8 +149,8 @@ def check_context_parallel(recipe: str, parallel: Any, loader: LoaderConfig) -> 
         return
     if recipe not in ("sft",):
         raise ValueError(f"parallel.cp={parallel.cp}: context parallelism is built for SFT "
-                         f"(a loss that adds up over tokens); the {recipe} recipe needs "
-                         "parallel.cp=1")
+                         f"and GRPO (losses that add up over tokens); the {recipe} recipe "
+                         "needs parallel.cp=1")
     pack = loader.packing.max_tokens_per_pack
     if loader.mode != "packed" or pack % (2 * parallel.cp):
         raise ValueError(f"parallel.cp={parallel.cp} cuts rows into {2 * parallel.cp} chunks: "

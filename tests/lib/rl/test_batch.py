@@ -59,7 +59,8 @@ def test_packed_logprobs_equal_per_sequence_teacher_forcing(family):
 
 
 def test_layout_targets_and_positions():
-    samples = [Sample([1, 2, 3], [4, 5], [-0.1, -0.2], 1.0), Sample([6], [7, 8, 9], [-1.0] * 3, -1.0)]
+    samples = [Sample([1, 2, 3], [4, 5], [-0.1, -0.2], 1.0),
+               Sample([6], [7, 8, 9], [-1.0] * 3, -1.0)]
     (b,) = pack_micro_batches(samples, max_tokens=64)
     # one micro-batch; sequences keep their input order inside it
     assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
@@ -147,3 +148,20 @@ def test_one_sequence_per_micro_batch_when_documents_cannot_be_separated():
     assert all(len(b["document_lengths"][0]) == 1 for b in batches)
     assert sorted(b["num_tokens"] for b in live) == sorted(len(s) for s in samples)
     assert {b["global_tokens"] for b in batches} == {sum(len(s.completion_ids) for s in samples)}
+
+
+def test_rows_filled_to_a_multiple_for_context_parallelism():
+    """`row_multiple`: a padding document ends the row; nothing else moves."""
+    from posttrain.ops.cross_entropy import IGNORE_INDEX
+    from posttrain.rl.batch import Sample, pack_micro_batches
+    samples = [Sample([1, 2, 3], [4, 5], [-0.1, -0.2], 1.0),
+               Sample([6], [7, 8, 9], [-1.0] * 3, -1.0)]
+    plain = pack_micro_batches(samples, max_tokens=32)[0]
+    filled = pack_micro_batches(samples, max_tokens=32, row_multiple=4)[0]
+    assert plain["input_ids"].shape[1] == 9 and filled["input_ids"].shape[1] == 12
+    assert filled["document_lengths"] == [[*plain["document_lengths"][0], 3]]
+    assert (filled["targets"][0, 9:] == IGNORE_INDEX).all()
+    assert filled["position_ids"][0, 9:].tolist() == [0, 1, 2]
+    for key in ("token_index", "mask", "engine_logp", "advantages"):
+        assert torch.equal(filled[key], plain[key]), key
+    assert filled["num_tokens"] == plain["num_tokens"] == 9
