@@ -342,7 +342,7 @@ def test_copy_reference_is_the_starting_policy_and_sharded(resume_reference, wor
     from torch.distributed.tensor import DTensor
 
     from posttrain.config.loader import to_dict
-    from posttrain.train.grpo import GRPOWorker, _args, _probe_batch
+    from posttrain.train.grpo import GRPOWorker, _probe_batch
     config, ref = resume_reference
     cfg = load_recipe(config, GRPOConfig, {"algorithm.reference": "copy",
                                            "algorithm.kl_coef": 0.05})
@@ -351,11 +351,8 @@ def test_copy_reference_is_the_starting_policy_and_sharded(resume_reference, wor
     assert all(isinstance(p, DTensor) and not p.requires_grad
                for p in worker.reference.parameters())
     batch = _probe_batch(list(range(40, 80)), 12)
-    device = worker.engine.device
-    worker.engine.root.eval()
-    with torch.no_grad():
-        policy = worker.engine.root(*_args(batch, device), score_only=True)
-        reference = worker.reference(*_args(batch, device), score_only=True)
+    policy = worker.engine.score(batch)
+    reference = worker.engine.score(batch, worker.reference)
     assert policy.shape == reference.shape and torch.equal(policy, reference)
 
 

@@ -56,13 +56,13 @@ def _trainer_logprobs(model: HFCausalLM, rollouts) -> list[list[float]]:
     """The GRPO trainer's log-probs of the rollouts: one packed row, the chunked log-probs over
     `head.weight` (`GRPOLoss` with ``score_only``)."""
     from posttrain.rl.batch import Sample, pack_micro_batches
-    from posttrain.train.grpo import AlgorithmConfig, GRPOLoss, _args
+    from posttrain.train.grpo import AlgorithmConfig, GRPOLoss
     samples = [Sample(r.prompt_ids, r.completion_ids, r.logprobs, 0.0) for r in rollouts]
     (batch,) = pack_micro_batches(samples, max_tokens=4096)
     assert len(batch["document_lengths"][0]) == len(rollouts)
     loss = GRPOLoss(model, AlgorithmConfig(), temperature=1.0, constant_norm=None)
     with torch.no_grad():
-        logp = loss(*_args(batch, torch.device("cpu")), score_only=True)
+        logp = loss(*(batch.get(k) for k in GRPOLoss.input_keys), score_only=True)
     return [logp[s, :len(r.completion_ids)].tolist() for s, r in enumerate(rollouts)]
 
 
