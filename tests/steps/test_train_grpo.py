@@ -29,7 +29,7 @@ from posttrain.errors import ConfigError
 from posttrain.train.grpo import GRPOConfig
 from steps import evaluate, train_grpo
 
-from .conftest import run_and_kill, run_to_end, safetensors
+from .conftest import assert_weights_close, run_and_kill, run_to_end, safetensors
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow          # a module fixture trains the reference runs
@@ -286,28 +286,40 @@ def local_ray():
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def one_update(resume_reference, workdir) -> Path:
+    """One GRPO step (two optimizer steps) of the resume config on one inline rank, exported."""
+    config, ref = resume_reference
+    result = train_grpo.run(config, overrides={"run.dir": str(workdir / "one_update"),
+                                               "train.max_steps": 1},
+                            prepared_dir=str(ref / "prepared"), show_progress=False)
+    return Path(result["run_dir"])
+
+
 @pytest.mark.parametrize("cp", [1, 2], ids=["dp2", "cp2"])
 def test_two_ray_trainers_with_a_separate_engine_follow_one_inline_rank(
-        resume_reference, workdir, local_ray, cp):
+        resume_reference, one_update, workdir, local_ray, cp):
     """dp2: the micro-batches split over two data-parallel ranks. cp2: every packed row of
     rollouts cut over two context-parallel ranks (rows filled to a multiple of 4), the
-    old-policy log-probs of the second mini-batch scored by both halves and summed."""
+    old-policy log-probs of the second mini-batch scored by both halves and summed. Either
+    gives the inline rank's losses and exported weights."""
     config, ref = resume_reference
     result = train_grpo.run(config, overrides={
         "run.dir": str(workdir / f"ray_separate_cp{cp}"), "run.launcher": "ray",
         "run.num_workers": 2, "train.parallel.cp": cp,
         "rollout.placement": "separate", "rollout.num_engines": 1,
-        "rollout.resources_per_engine": {"num_cpus": 1}, "train.max_steps": 2},
+        "rollout.resources_per_engine": {"num_cpus": 1}, "train.max_steps": 1},
         prepared_dir=str(ref / "prepared"), show_progress=False)
     assert result["model"]["world_size"] == 2
     got = [m for m in metrics(Path(result["run_dir"])) if "loss" in m]
-    want = [m for m in metrics(ref) if "loss" in m][:2]
-    # step 1: one engine with the starting weights samples exactly the inline rank's rollouts;
-    # the update is split over two ranks, so only the gradient's summation order differs
+    want = [m for m in metrics(one_update) if "loss" in m]
+    # one engine with the starting weights samples exactly the inline rank's rollouts; the
+    # update is split over two ranks, so only the gradient's summation order differs
     assert got[0]["rollout_tokens"] == want[0]["rollout_tokens"]
     assert got[0]["reward/total/mean"] == want[0]["reward/total/mean"]
     assert abs(got[0]["loss"] - want[0]["loss"]) < 1e-5
     assert abs(got[0]["grad_norm"] - want[0]["grad_norm"]) < 1e-4
+    assert_weights_close(Path(result["hf_dir"]), one_update / "hf", 1e-5)
     assert max(m["sync/max_abs_logprob_diff"] for m in got) <= SYNC_ATOL
 
 
