@@ -10,12 +10,14 @@ from posttrain.distributed.env import (build_mesh, close_process_group, free_por
                                        init_process_group, local_rank, rank, world_size)
 from posttrain.distributed.parallelize import (ParallelConfig, UnsupportedParallelismError,
                                                apply_activation_checkpointing, apply_compile,
-                                               apply_fsdp, apply_tp, count_params,
-                                               gather_full_state_dict, parallelize)
+                                               apply_expert_parallel, apply_fsdp, apply_tp,
+                                               count_params, gather_full_state_dict,
+                                               parallelize)
 
 __all__ = [
     "ParallelConfig", "UnsupportedParallelismError",
-    "apply_activation_checkpointing", "apply_compile", "apply_fsdp", "apply_tp", "build_mesh",
+    "apply_activation_checkpointing", "apply_compile", "apply_expert_parallel",
+    "apply_fsdp", "apply_tp", "build_mesh",
     "close_process_group", "count_params", "free_port", "gather_full_state_dict", "get_device",
     "init_process_group", "local_rank", "parallelize", "rank", "world_size",
 ]

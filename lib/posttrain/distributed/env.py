@@ -108,9 +108,10 @@ def close_process_group() -> None:
 
 
 def resolve_mesh_shape(world: int, dp_shard: int = -1, tp: int = 1,
-                       dp_replicate: int = 1, cp: int = 1) -> tuple[int, int]:
+                       dp_replicate: int = 1, cp: int = 1, ep: int = 1) -> tuple[int, int]:
     """(dp_shard, tp) with `dp_shard=-1` filled in (the world over dp_replicate x cp x tp);
-    raises ConfigError if the layout cannot fit `world`."""
+    raises ConfigError if the layout cannot fit `world` or `ep` (carved out of dp_shard)
+    does not divide dp_shard."""
     if tp < 1:
         raise ConfigError(f"parallel.tp must be >= 1, got {tp}")
     if dp_replicate < 1:
@@ -137,6 +138,10 @@ def resolve_mesh_shape(world: int, dp_shard: int = -1, tp: int = 1,
         raise ConfigError(
             f"{layout} = {dp_shard * outer} processes, but the world size is {world}; make "
             f"the product equal {world} (or set dp_shard=-1)")
+    if ep < 1 or dp_shard % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide the FSDP shard degree dp_shard="
+                          f"{dp_shard} (expert groups are carved out of it; dp_shard is "
+                          f"run.num_workers / (dp_replicate x cp x tp) when -1)")
     return dp_shard, tp
 
 

@@ -2,9 +2,12 @@
 
     parallelize(model, mesh, cfg, root=loss_wrapper)
       1. tensor parallel      (apply_tp; only when cfg.tp > 1)
-      2. activation checkpointing, per block  (apply_activation_checkpointing)
-      3. torch.compile, per block             (apply_compile)
-      4. FSDP2: fully_shard every block, then the root  (apply_fsdp)
+      2. context parallel     (apply_context_parallel; the model takes rows cut over "cp")
+      3. expert parallel      (apply_expert_parallel; experts sharded over "ep")
+      4. activation checkpointing, per block  (apply_activation_checkpointing)
+      5. torch.compile, per block             (apply_compile)
+      6. FSDP2: fully_shard every block (its experts first, over "dp_outer"), then the root
+         (apply_fsdp)
 
 The order matters: TP turns block weights into DTensors on the "tp" mesh dim, which FSDP then
 shards further along "dp_shard" (HSDP: sharded along "dp_shard", replicated along
@@ -49,6 +52,10 @@ class ParallelConfig:
         node) and that sharded copy replicated `dp_replicate` times (across nodes), gradients
         all-reduced between replicas; 1 is plain FSDP.
     tp: tensor-parallel degree (attention heads and MLP columns split across ranks).
+    cp: context-parallel degree (each packed row's tokens split across ranks).
+    ep: expert-parallel degree, carved out of dp_shard (dp_shard = dp_outer x ep): each MoE
+        layer's experts split across ep ranks, tokens sent to them and back with all-to-alls
+        (`apply_expert_parallel`); FSDP shards the experts over dp_outer only.
     activation_checkpointing: "full" recomputes every block's activations in backward;
         "selective" only every `ac_every`-th block's (blocks 0, k, 2k, ...), trading memory for
         less recompute.
@@ -63,6 +70,7 @@ class ParallelConfig:
     dp_replicate: int = 1
     tp: int = 1
     cp: int = 1
+    ep: int = 1
     activation_checkpointing: ActivationCheckpointing = "none"
     ac_every: int = 2                   # selective: checkpoint every k-th block
     compile: bool = False
@@ -79,6 +87,13 @@ class ParallelConfig:
             raise ConfigError(f"parallel.cp must be >= 1, got {self.cp}")
         if self.tp < 1:
             raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
+        if self.ep < 1:
+            raise ConfigError(f"parallel.ep must be >= 1, got {self.ep}")
+        if self.ep > 1 and (self.tp > 1 or self.cp > 1 or self.dp_replicate > 1):
+            raise UnsupportedParallelismError(
+                f"parallel.ep={self.ep} is built beside FSDP (dp_shard) only, not with "
+                f"parallel.tp={self.tp}, cp={self.cp} or dp_replicate={self.dp_replicate}; "
+                "set those to 1 or parallel.ep=1")
         if self.dp_replicate < 1:
             raise ConfigError(f"parallel.dp_replicate must be >= 1, got {self.dp_replicate}")
         if self.ac_every < 1:
@@ -440,10 +455,12 @@ def _shard_fp32_owners(block: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfi
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
-               blocks_attr: str = "layers", root: nn.Module | None = None) -> None:
+               blocks_attr: str = "layers", root: nn.Module | None = None,
+               expert_mesh: DeviceMesh | None = None) -> None:
     """fully_shard each block over the data-parallel mesh dims (`fsdp_mesh`), then the root
     (`root` or `model`); parameters the model keeps in fp32 get fp32 units of their own
-    (`_shard_fp32_owners`)."""
+    (`_shard_fp32_owners`); experts split by expert parallelism get units of their own over
+    `expert_mesh` (`_shard_experts`)."""
     from torch.distributed.fsdp import fully_shard
     root = model if root is None else root
     if not any(m is model for m in root.modules()):
@@ -456,6 +473,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
         # the last block's weights would be all-gathered again at once for backward: keep them
         last = i == len(blocks) - 1
         _shard_fp32_owners(block, dp_mesh, cfg, cfg.reshard_after_forward and not last)
+        if expert_mesh is not None:
+            _shard_experts(block, expert_mesh, dp_mesh.size(), mp,
+                           cfg.reshard_after_forward and not last)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp,
                     reshard_after_forward=cfg.reshard_after_forward and not last)
     fully_shard(root, mesh=dp_mesh, mp_policy=mp,
@@ -474,11 +494,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
     if cfg.tp > 1:
         apply_tp(model, mesh, blocks_attr=blocks_attr)
     apply_context_parallel(model, mesh)
+    expert_mesh = apply_expert_parallel(model, mesh, cfg.ep)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, blocks_attr=blocks_attr,
                                    every=cfg.ac_every)
     if cfg.compile:
         apply_compile(model, blocks_attr=blocks_attr)
-    apply_fsdp(model, mesh, cfg, blocks_attr=blocks_attr, root=root)
+    apply_fsdp(model, mesh, cfg, blocks_attr=blocks_attr, root=root, expert_mesh=expert_mesh)
     return model if root is None else root
 
 
@@ -542,6 +563,59 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         raise UnsupportedParallelismError(f"{type(model).__name__} does not take context "
                                           "parallelism; set parallel.cp=1")
     model.cp = (cp_mesh.get_local_rank(), cp_mesh.size(), cp_mesh.get_group())
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, ep: int) -> DeviceMesh | None:
+    """Split every MoE layer's experts over `ep` ranks (`posttrain.ops.expert_parallel`): the
+    mesh's "dp_shard" dim is unflattened into ("dp_outer", "ep"); each `Experts` module's
+    stacked parameters (weights, biases, LoRA adapters: all [E, ...]) become DTensors sharded
+    on the expert dim over "ep", and the module dispatches its tokens to their owners. Returns
+    the mesh FSDP shards the experts over ("dp_outer"), or None with ep = 1."""
+    if ep == 1:
+        return None
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from posttrain.models.moe import Experts
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    if not experts:
+        raise UnsupportedParallelismError(f"parallel.ep={ep} needs a mixture-of-experts model; "
+                                          f"{type(model).__name__} has no experts")
+    dp_shard = mesh["dp_shard"].size()
+    if dp_shard % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide the FSDP shard degree dp_shard="
+                          f"{dp_shard} (expert groups are carved out of it)")
+    if experts[0].num_experts % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide the number of experts "
+                          f"({experts[0].num_experts})")
+    split = mesh._unflatten("dp_shard", (dp_shard // ep, ep), ("dp_outer", "ep"))
+    ep_mesh = split["ep"]
+    for module in experts:
+        for name, p in list(module.named_parameters(recurse=False)):
+            assert p.shape[0] == module.num_experts, (name, tuple(p.shape))
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(p, ep_mesh, [Shard(0)]), requires_grad=p.requires_grad))
+        module.ep = (ep_mesh.get_local_rank(), ep, ep_mesh.get_group())
+    return split["dp_outer"]
+
+
+def _shard_experts(block: nn.Module, expert_mesh: DeviceMesh, dp_size: int, mp: Any,
+                   reshard: bool) -> None:
+    """An FSDP unit for each expert-parallel `Experts` module of `block`, over "dp_outer".
+    Its gradients are divided by all `dp_size` data-parallel ranks, as the block's are: each
+    rank's loss is scaled for that mean, and an expert's gradient already sums the tokens of
+    its whole "ep" group (the all-to-all's backward), so averaging over "dp_outer" alone would
+    count them ep times."""
+    from torch.distributed.fsdp import fully_shard
+
+    from posttrain.models.moe import Experts
+    for module in list(block.modules()):
+        if isinstance(module, Experts) and module.ep is not None:
+            fully_shard(module, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
+            module.set_gradient_divide_factor(float(dp_size))
+            # over several ranks: a sum, then the division (dividing by another number than
+            # the group's size takes NCCL's PREMUL_SUM, which gloo lacks); over one rank FSDP
+            # only divides, and forcing the sum would divide twice (torch 2.13)
+            module.set_force_sum_reduction_for_comms(expert_mesh.size() > 1)
 
 
 def _check_mesh(mesh: DeviceMesh, cfg: ParallelConfig) -> None:

@@ -54,7 +54,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from posttrain.errors import ConfigError
-from posttrain.models.moe import Experts
+from posttrain.models.moe import Experts, local_tensor
 
 __all__ = ["EXPERT_PROJECTIONS", "LoRAExperts", "LoRALinear", "LoraConfig", "adapter_names",
            "apply_lora", "check_peft_export", "disable_adapters", "flops_kwargs", "fold_adapters",
@@ -264,7 +264,8 @@ class LoRAExperts(_Adapted, Experts):
 
     def _update(self, name: str, x_sorted: torch.Tensor,
                 groups: torch.Tensor | list[int]) -> torch.Tensor:
-        a, b = getattr(self, f"{name}_lora_A"), getattr(self, f"{name}_lora_B")
+        a = local_tensor(getattr(self, f"{name}_lora_A"))
+        b = local_tensor(getattr(self, f"{name}_lora_B"))
         if isinstance(groups, torch.Tensor) and (self.rank * a.element_size()) % 16:
             # torch._grouped_mm needs row strides of whole 16 bytes ([rows, r] here): loop
             groups = torch.diff(groups, prepend=groups.new_zeros(1)).tolist()

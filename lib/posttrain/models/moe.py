@@ -63,7 +63,10 @@ coefficients (`ModelConfig.moe_aux_loss_coef`, `moe_z_loss_coef`; `posttrain.tra
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -71,9 +74,9 @@ from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
 from posttrain.models.layers import _ACTIVATIONS, FeedForward, rms_norm
 
-__all__ = ["Experts", "MoEBlock", "build_moe", "clamped_swiglu", "grouped_mm_available",
-           "grouped_mm_flops", "load_balancing_loss", "moe_aux_loss", "router_logits",
-           "router_z_loss"]
+__all__ = ["Experts", "MoEBlock", "build_moe", "clamped_swiglu", "expert_group",
+           "grouped_mm_available", "grouped_mm_flops", "load_balancing_loss", "local_tensor",
+           "moe_aux_loss", "router_logits", "router_z_loss"]
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk")
 
@@ -123,6 +126,11 @@ def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * rows * b_shape[-1]
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter sharded by expert (a DTensor under expert parallelism)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _gmm(x_NH: torch.Tensor, w_EOH: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """Rows of group e of `x_NH` (by `offs_E`, cumulative ends) times w[e]^T."""
     y = torch._grouped_mm(x_NH, w_EOH.transpose(1, 2), offs=offs_E)
@@ -150,6 +158,10 @@ class Experts(nn.Module):
     """
 
     impl: str = "auto"
+    # expert parallelism (`parallelize.apply_expert_parallel`): (rank, size, group) of the
+    # expert group, whose ranks each hold E / size of the experts (the stacked weights are
+    # DTensors sharded on dim 0); None runs every expert here
+    ep: tuple | None = None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  hidden_act: str, *, bias: bool = False, swiglu_limit: float | None = None,
@@ -193,28 +205,38 @@ class Experts(nn.Module):
         token_idx = order // k
         counts_E = torch.bincount(flat_expert, minlength=self.num_experts)
         x_sorted = x_NH.index_select(0, token_idx)
-        grouped = self.impl == "grouped" or (
-            self.impl == "auto" and grouped_mm_available(x_NH.device, self.gate.dtype))
-        groups = torch.cumsum(counts_E, 0).to(torch.int32) if grouped else counts_E.tolist()
-        gate, up = self.project("gate", x_sorted, groups), self.project("up", x_sorted, groups)
-        if self.gate_bias is not None:          # the three biases come together
-            expert_sorted = flat_expert[order]
-            gate = gate + self.gate_bias.index_select(0, expert_sorted)
-            up = up + self.up_bias.index_select(0, expert_sorted)
-        y_sorted = self.project("down", self._glu(gate, up), groups)
-        if self.down_bias is not None:
-            y_sorted = y_sorted + self.down_bias.index_select(0, expert_sorted)
+        if self.ep is None:
+            y_sorted = self.run_sorted(x_sorted, flat_expert[order], counts_E)
+        else:            # the owners of the experts run them (`posttrain.ops.expert_parallel`)
+            from posttrain.ops.expert_parallel import run_on_owners
+            y_sorted = run_on_owners(self.run_sorted, x_sorted, counts_E, self.ep)
         # weights in fp32 (Gemma 4) sum the experts in fp32 and round once, as transformers'
         # grouped experts do; weights in the model dtype keep the sum in it
         y_sorted = y_sorted * weight_NK.reshape(-1)[order, None]
         out = x_NH.new_zeros(x_NH.shape, dtype=y_sorted.dtype).index_add(0, token_idx, y_sorted)
         return out.to(x_NH.dtype)
 
+    def run_sorted(self, x_sorted: torch.Tensor, expert_sorted: torch.Tensor,
+                   counts_E: torch.Tensor) -> torch.Tensor:
+        """The experts this module holds over rows sorted by expert (`expert_sorted`: each
+        row's index among them, `counts_E` rows per expert) -> their outputs, same order."""
+        grouped = self.impl == "grouped" or (
+            self.impl == "auto" and grouped_mm_available(x_sorted.device, self.gate.dtype))
+        groups = torch.cumsum(counts_E, 0).to(torch.int32) if grouped else counts_E.tolist()
+        gate, up = self.project("gate", x_sorted, groups), self.project("up", x_sorted, groups)
+        if self.gate_bias is not None:          # the three biases come together
+            gate = gate + local_tensor(self.gate_bias).index_select(0, expert_sorted)
+            up = up + local_tensor(self.up_bias).index_select(0, expert_sorted)
+        y_sorted = self.project("down", self._glu(gate, up), groups)
+        if self.down_bias is not None:
+            y_sorted = y_sorted + local_tensor(self.down_bias).index_select(0, expert_sorted)
+        return y_sorted
+
     def project(self, name: str, x_sorted: torch.Tensor,
                 groups: torch.Tensor | list[int]) -> torch.Tensor:
         """The rows of `x_sorted` (sorted by expert) times their expert's `name` weight ("gate",
         "up", "down"). Adapters join the dispatch here (`posttrain.models.lora.LoRAExperts`)."""
-        return self.expert_matmul(x_sorted, getattr(self, name), groups)
+        return self.expert_matmul(x_sorted, local_tensor(getattr(self, name)), groups)
 
     @staticmethod
     def expert_matmul(x_sorted: torch.Tensor, w_EOI: torch.Tensor,
@@ -380,7 +402,8 @@ def router_logits(model: nn.Module) -> list[torch.Tensor]:
 
 
 def load_balancing_loss(router_logits_LNE: list[torch.Tensor], top_k: int,
-                        token_mask: torch.Tensor | None = None) -> torch.Tensor:
+                        token_mask: torch.Tensor | None = None,
+                        group: Any = None) -> torch.Tensor:
     """Switch-Transformer load-balancing loss (Fedus et al. 2021, eqs. 4-6), over all layers.
 
         f_e = (1 / (L * N)) * sum_{l, tokens} [e in top_k(softmax(logits_l))]
@@ -389,6 +412,12 @@ def load_balancing_loss(router_logits_LNE: list[torch.Tensor], top_k: int,
 
     Counts and probabilities are pooled over layers before the product, as transformers'
     `load_balancing_loss_func` does. `token_mask` [B, T] (1 = real token) leaves padding out.
+
+    `group` (expert parallelism, `expert_group`): the experts serve the group's tokens, so f_e
+    and N are the group's (their sums all-reduced, no gradient), and each rank returns
+    G * E * sum_e f_e * P_e^r with P_e^r its own tokens' probability sums over the group's N:
+    the mean over the G ranks, which their averaged gradients follow, is the loss of the
+    group's tokens pooled.
     """
     num_experts = router_logits_LNE[0].shape[-1]
     device = router_logits_LNE[0].device
@@ -405,7 +434,13 @@ def load_balancing_loss(router_logits_LNE: list[torch.Tensor], top_k: int,
         probs = probs.float()
         prob_E = prob_E + (probs if mask_N is None else probs * mask_N[:, None]).sum(0)
         rows = rows + (probs.shape[0] if mask_N is None else mask_N.sum())
-    return num_experts * torch.sum((count_E / rows) * (prob_E / rows))
+    if group is None:
+        return num_experts * torch.sum((count_E / rows) * (prob_E / rows))
+    totals = torch.cat([count_E, rows.reshape(1)]).detach()
+    dist.all_reduce(totals, group=group)
+    count_E, rows = totals[:-1], totals[-1]
+    size = dist.get_world_size(group)
+    return size * num_experts * torch.sum((count_E / rows) * (prob_E / rows))
 
 
 def router_z_loss(router_logits_LNE: list[torch.Tensor],
@@ -423,6 +458,14 @@ def router_z_loss(router_logits_LNE: list[torch.Tensor],
     return total / rows
 
 
+def expert_group(model: nn.Module) -> Any:
+    """The process group of `model`'s expert parallelism, or None (experts all local)."""
+    for module in model.modules():
+        if isinstance(module, Experts) and module.ep is not None:
+            return module.ep[2]
+    return None
+
+
 def moe_aux_loss(model: nn.Module, token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """`router_aux_loss_coef * load_balancing_loss` of the last forward, the term to add to the
     training loss (0 for a model without MoE layers)."""
@@ -431,4 +474,4 @@ def moe_aux_loss(model: nn.Module, token_mask: torch.Tensor | None = None) -> to
     if not logits:
         return torch.zeros(())
     return args.router_aux_loss_coef * load_balancing_loss(logits, args.num_experts_per_tok,
-                                                           token_mask)
+                                                           token_mask, expert_group(model))

@@ -393,8 +393,8 @@ class Engine:
     def _router_losses(self, batch: dict) -> dict[str, tuple[float, torch.Tensor]]:
         """{metric: (coefficient, value)} of the router losses of the last forward, padding
         left out."""
-        from posttrain.models.moe import (MoEBlock, load_balancing_loss, router_logits,
-                                          router_z_loss)
+        from posttrain.models.moe import (MoEBlock, expert_group, load_balancing_loss,
+                                          router_logits, router_z_loss)
         from posttrain.models.moe_balance import sequence_balance_loss
         logits = router_logits(self.model)
         mask = _real_token_mask(batch)
@@ -408,8 +408,9 @@ class Engine:
             out["moe/aux_loss"] = (aux_coef, sequence_balance_loss(logits, experts, lengths,
                                                                    mask))
         elif aux_coef:
+            # with expert parallelism f_e is the expert group's (`load_balancing_loss`)
             out["moe/aux_loss"] = (aux_coef, load_balancing_loss(
-                logits, self.args.num_experts_per_tok, mask))
+                logits, self.args.num_experts_per_tok, mask, expert_group(self.model)))
         if z_coef:
             out["moe/z_loss"] = (z_coef, router_z_loss(logits, mask))
         return out

@@ -125,7 +125,7 @@ def check_step_split(micro_batches: int, run: RunConfig, parallel: Any, streams:
     with `streams` S > 1, over the streams (G / S each), and the streams over the ranks."""
     from posttrain.distributed.env import resolve_mesh_shape
     dp_shard, tp = resolve_mesh_shape(run.num_workers, parallel.dp_shard, parallel.tp,
-                                      parallel.dp_replicate, parallel.cp)
+                                      parallel.dp_replicate, parallel.cp, parallel.ep)
     dp = parallel.dp_replicate * dp_shard
     split = " x ".join(f"parallel.{k}={v}" for k, v in (("tp", tp), ("cp", parallel.cp))
                        if v > 1)

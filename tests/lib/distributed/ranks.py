@@ -1,10 +1,50 @@
-"""What the multi-rank layout tests share: the SFT loss root that also returns the logits, full
-tensors of DTensors, and the comparison with the single-process run."""
+"""What the multi-rank layout tests share: running a body on N gloo processes, the SFT loss root
+that also returns the logits, full tensors of DTensors, and the comparison with the
+single-process run."""
 
 from __future__ import annotations
 
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
+
+
+def run_on_ranks(body: Callable[[str], dict], world: int, out_dir: Path) -> list[dict]:
+    """`body(out_dir)` on `world` spawned processes joined in one gloo group (one torch thread
+    each); returns each rank's result dict, failing with the first rank's traceback. `body`
+    must be a module-level function (it is pickled by name)."""
+    from posttrain.distributed import free_port
+    mp.spawn(_rank_main, args=(world, free_port(), str(out_dir), body), nprocs=world, join=True)
+    results = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
+    return results
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str,
+               body: Callable[[str], dict]) -> None:
+    from posttrain.distributed import close_process_group, init_process_group
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        init_process_group(timeout_s=120)
+        results = body(out_dir)
+    except Exception:
+        results = {"error": traceback.format_exc()}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    if "error" in results:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
+    close_process_group()
+    os._exit(0)   # skip finalization, where gloo objects held by FSDP modules may abort
 
 
 class LossAndLogits(nn.Module):

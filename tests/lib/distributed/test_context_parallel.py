@@ -20,23 +20,19 @@ reduced over the cp ranks (every gradient off by a factor).
 
 from __future__ import annotations
 
-import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from posttrain.distributed import (ParallelConfig, build_mesh, close_process_group, free_port,
-                                   init_process_group, parallelize)
+from posttrain.distributed import ParallelConfig, build_mesh, parallelize
 from posttrain.distributed.env import dp_mesh
 from posttrain.models.args import ModelArgs
 from posttrain.models.transformer import build_model
 from posttrain.ops.context_parallel import CPShard
 
-from .ranks import LossAndLogits, compare, full
+from .ranks import LossAndLogits, compare, full, run_on_ranks
 
 WORLD = 4
 T = 32
@@ -116,37 +112,18 @@ def _run(family: str, layout: dict | None, lora: bool) -> dict:
             "positions": positions, "grads": grads}
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    results: dict = {}
-    try:
-        init_process_group(timeout_s=120)
-        for family in FAMILIES:
-            refs = {lora: _run(family, None, lora) for lora in (False, True)}
-            for name, layout in LAYOUTS.items():
-                lora = name.endswith("lora")
-                results[(family, name)] = compare(refs[lora], _run(family, layout, lora))
-    except Exception:
-        results["error"] = traceback.format_exc()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    if "error" in results:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return
-    close_process_group()
-    os._exit(0)
-
+def _all_layouts(out_dir: str) -> dict:
+    results = {}
+    for family in FAMILIES:
+        refs = {lora: _run(family, None, lora) for lora in (False, True)}
+        for name, layout in LAYOUTS.items():
+            lora = name.endswith("lora")
+            results[(family, name)] = compare(refs[lora], _run(family, layout, lora))
+    return results
 
 @pytest.fixture(scope="module")
 def four_rank_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
-    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    for r, res in enumerate(results):
-        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
-    return results
+    return run_on_ranks(_all_layouts, WORLD, tmp_path_factory.mktemp("cp"))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
