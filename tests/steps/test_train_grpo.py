@@ -323,6 +323,31 @@ def test_two_ray_trainers_with_a_separate_engine_follow_one_inline_rank(
     assert max(m["sync/max_abs_logprob_diff"] for m in got) <= SYNC_ATOL
 
 
+# ------------------------------------------------------------------- memory release
+def test_releasing_the_colocated_engine_changes_nothing(resume_reference, workdir):
+    """rollout.release_memory (the default) frees the colocated engine's weights before each
+    update and takes them back for a full sync. With LoRA the sync is otherwise adapters only,
+    so this catches an engine resumed without a full sync (garbage weights) or not resumed
+    (generation refuses): two steps with release on and off give identical metrics and
+    exported weights."""
+    config, ref = resume_reference
+    runs = {}
+    for release in (True, False):
+        changes = {"run.dir": str(workdir / f"release_{release}"), "train.max_steps": 2,
+                   "rollout.release_memory": release, "export.format": "merged",
+                   "model.lora": {"rank": 4, "alpha": 8.0}, "train.optimizer.lr": 1e-3}
+        result = train_grpo.run(config, overrides=changes, prepared_dir=str(ref / "prepared"),
+                                show_progress=False)
+        runs[release] = result["run_dir"], result["hf_dir"]
+    keys = ("reward/total/mean", "loss", "grad_norm", "rollout_tokens", "entropy",
+            "sync/max_abs_logprob_diff")
+    on, off = ([[m[k] for k in keys] for m in metrics(Path(runs[r][0])) if "loss" in m]
+               for r in (True, False))
+    assert len(on) == 2 and on == off
+    assert on[0][1] != on[1][1]                                   # it trained
+    assert safetensors(Path(runs[True][1])) == safetensors(Path(runs[False][1]))
+
+
 # ---------------------------------------------------------------------------- 5. KL, LoRA
 @pytest.mark.parametrize("variant", ["lora_base", "copy"])
 def test_kl_to_a_reference_with_lora_or_a_frozen_copy(resume_reference, workdir, variant):

@@ -60,7 +60,9 @@ def init_process_group(backend: str | None = None, timeout_s: int = 600) -> None
     """Join the default process group described by the environment; a no-op if already joined.
 
     Without any launcher variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) this process
-    forms a group of one. `backend` defaults to NCCL where CUDA is available, else gloo.
+    forms a group of one. `backend` defaults to NCCL where CUDA is available (with gloo for
+    CPU tensors: the shards `parallel.offload` keeps in host memory take part in collectives,
+    the gradient norm and weight sync), else gloo.
     """
     if dist.is_initialized():
         if backend is not None and dist.get_backend() != backend:
@@ -70,7 +72,7 @@ def init_process_group(backend: str | None = None, timeout_s: int = 600) -> None
                 "torch.distributed.destroy_process_group() first.")
         return
     cuda = torch.cuda.is_available()
-    backend = backend or ("nccl" if cuda else "gloo")
+    backend = backend or ("cpu:gloo,cuda:nccl" if cuda else "gloo")
     kwargs = {}
     if cuda and "nccl" in backend:
         torch.cuda.set_device(local_rank())

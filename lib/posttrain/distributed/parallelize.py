@@ -64,6 +64,9 @@ class ParallelConfig:
         fp32); the sharded master weights and optimizer state stay fp32.
     reshard_after_forward: free gathered block weights after forward (ZeRO-3); False keeps them
         until backward (ZeRO-2-like: more memory, one all-gather less per block).
+    offload: keep the sharded parameters, gradients and optimizer state in CPU memory (FSDP2's
+        `CPUOffloadPolicy`); each unit's shards are copied to the device for its all-gather
+        and the optimizer steps on the CPU.
     """
 
     dp_shard: int = -1
@@ -76,6 +79,7 @@ class ParallelConfig:
     compile: bool = False
     mixed_precision: MixedPrecision = "fp32"
     reshard_after_forward: bool = True
+    offload: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in (("activation_checkpointing", ActivationCheckpointing),
@@ -426,6 +430,20 @@ def apply_compile(model: nn.Module, *, blocks_attr: str = "layers",
 
 # ------------------------------------------------------------------------------------- FSDP
 
+def _offload_policy(cfg: ParallelConfig):
+    """FSDP2's CPU offload when `cfg.offload`; pinned host memory only where there is CUDA to
+    copy to (pinning needs it)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    if cfg.offload:
+        return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    return OffloadPolicy()
+
+
+def param_device(cfg: ParallelConfig, device: torch.device) -> torch.device:
+    """Where the sharded parameters live: the CPU under `cfg.offload`, else `device`."""
+    return torch.device("cpu") if cfg.offload else device
+
+
 def _mp_policy(mixed_precision: MixedPrecision):
     from torch.distributed.fsdp import MixedPrecisionPolicy
     if mixed_precision == "bf16":
@@ -451,7 +469,7 @@ def _shard_fp32_owners(block: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfi
             if leaf in module.get_submodule(owner)._parameters:
                 assert owner, f"{type(module).__name__}.keep_fp32: {name} needs a submodule"
                 fully_shard(module.get_submodule(owner), mesh=dp_mesh, mp_policy=fp32,
-                            reshard_after_forward=reshard)
+                            reshard_after_forward=reshard, offload_policy=_offload_policy(cfg))
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
@@ -474,11 +492,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
         last = i == len(blocks) - 1
         _shard_fp32_owners(block, dp_mesh, cfg, cfg.reshard_after_forward and not last)
         if expert_mesh is not None:
-            _shard_experts(block, expert_mesh, dp_mesh.size(), mp,
+            _shard_experts(block, expert_mesh, dp_mesh.size(), cfg,
                            cfg.reshard_after_forward and not last)
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp,
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=_offload_policy(cfg),
                     reshard_after_forward=cfg.reshard_after_forward and not last)
-    fully_shard(root, mesh=dp_mesh, mp_policy=mp,
+    fully_shard(root, mesh=dp_mesh, mp_policy=mp, offload_policy=_offload_policy(cfg),
                 reshard_after_forward=cfg.reshard_after_forward)
 
 
@@ -522,7 +540,7 @@ def shard_frozen(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
     for block in _blocks(model, blocks_attr):
         _shard_fp32_owners(block, fsdp_mesh(mesh), cfg, True)
         fully_shard(block, mesh=fsdp_mesh(mesh), mp_policy=_mp_policy(cfg.mixed_precision),
-                    reshard_after_forward=True)
+                    reshard_after_forward=True, offload_policy=_offload_policy(cfg))
 
 
 def parallelize_frozen(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *,
@@ -537,7 +555,7 @@ def parallelize_frozen(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, 
     root = model if root is None else root
     root.requires_grad_(False)
     fully_shard(root, mesh=fsdp_mesh(mesh), mp_policy=_mp_policy(cfg.mixed_precision),
-                reshard_after_forward=True)
+                reshard_after_forward=True, offload_policy=_offload_policy(cfg))
     return root
 
 
@@ -598,8 +616,8 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, ep: int) -> Device
     return split["dp_outer"]
 
 
-def _shard_experts(block: nn.Module, expert_mesh: DeviceMesh, dp_size: int, mp: Any,
-                   reshard: bool) -> None:
+def _shard_experts(block: nn.Module, expert_mesh: DeviceMesh, dp_size: int,
+                   cfg: ParallelConfig, reshard: bool) -> None:
     """An FSDP unit for each expert-parallel `Experts` module of `block`, over "dp_outer".
     Its gradients are divided by all `dp_size` data-parallel ranks, as the block's are: each
     rank's loss is scaled for that mean, and an expert's gradient already sums the tokens of
@@ -610,7 +628,8 @@ def _shard_experts(block: nn.Module, expert_mesh: DeviceMesh, dp_size: int, mp: 
     from posttrain.models.moe import Experts
     for module in list(block.modules()):
         if isinstance(module, Experts) and module.ep is not None:
-            fully_shard(module, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
+            fully_shard(module, mesh=expert_mesh, mp_policy=_mp_policy(cfg.mixed_precision),
+                        offload_policy=_offload_policy(cfg), reshard_after_forward=reshard)
             module.set_gradient_divide_factor(float(dp_size))
             # over several ranks: a sum, then the division (dividing by another number than
             # the group's size takes NCCL's PREMUL_SUM, which gloo lacks); over one rank FSDP

@@ -102,6 +102,18 @@ class RolloutEngine(Protocol):
         """Teacher-forced log-probs of sequences[i][prompt_lens[i]:], one per token."""
         ...
 
+    def release_memory(self) -> bool:
+        """Give back the memory the engine holds between generations: its KV cache and its
+        weights (vLLM's sleep level 2). Returns whether anything was released; if so, the
+        engine generates again only after `resume_memory` and a full `update_weights`. A
+        colocated trainer calls it between generation and its update."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Take the memory back (weights undefined until the next full `update_weights`);
+        a no-op unless released."""
+        ...
+
 
 def stop_token_ids(tokenizer, stop_tokens: Iterable[str], *,
                    key: str = "sampling.stop_tokens") -> tuple[int, ...]:

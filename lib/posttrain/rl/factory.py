@@ -38,6 +38,9 @@ class RolloutEngineConfig:
         synchronous loop; `posttrain.rl.pipeline`).
     vllm: keyword arguments of `posttrain.rl.vllm_engine.VLLMEngine` (gpu_memory_utilization,
         tensor_parallel_size, kv_cache_memory_bytes, enforce_eager, ...).
+    release_memory: colocated: the engine gives back its memory (KV cache, weights) after
+        generating, so the trainers' update runs without it, and takes it back for the next
+        (then full) weight sync. vLLM sleeps (CUDA only; elsewhere it warns and keeps it).
     """
 
     kind: Literal["native", "vllm"] = "native"
@@ -48,6 +51,7 @@ class RolloutEngineConfig:
     max_batch_sequences: int = 256
     max_staleness: int = 0
     vllm: dict[str, Any] = field(default_factory=dict)
+    release_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
@@ -63,6 +67,8 @@ class RolloutEngineConfig:
             raise ValueError(f"rollout.max_staleness={self.max_staleness} generates while the "
                              "trainers update, which needs engines of their own: set "
                              "rollout.placement: separate")
+        if "release_memory" in self.vllm:
+            raise ValueError("rollout.vllm.release_memory: set rollout.release_memory instead")
         if self.kind == "native" and self.vllm:
             raise ValueError("rollout.vllm options are set but rollout.kind is native")
 
@@ -93,7 +99,8 @@ def build_rollout_engine(cfg: RolloutEngineConfig, args: ModelArgs | None, hf_di
             p.requires_grad_(False)
         return NativeEngine(model, max_batch_sequences=cfg.max_batch_sequences)
     from posttrain.rl.vllm_engine import VLLMEngine
-    return VLLMEngine(hf_dir, seed=seed, **cfg.vllm)
+    release = cfg.release_memory and cfg.placement == "colocated"
+    return VLLMEngine(hf_dir, seed=seed, release_memory=release, **cfg.vllm)
 
 
 def _fallback_engine(cfg: RolloutEngineConfig, hf_dir: str, device: torch.device | str,

@@ -18,6 +18,11 @@ The cache is the model's kind: the native static cache (`posttrain.models.kv_cac
 `HFCausalLM`, whose parameters are then named ``hf.<transformers name>`` for `update_weights`.
 Loop, sampler, log-prob convention and teacher-forced scoring are the same for both.
 
+Memory: the cache lives for one chunk of a `generate` call. Between generations the engine holds
+its own copy of the weights; `release_memory` frees those storages (and the device allocator's
+cached blocks) and `resume_memory` allocates them again for the next full weight sync, so a
+colocated trainer's update runs without the engine's memory (`rollout.release_memory`).
+
 Determinism: for the same prompts, config, weights, `n` and `max_batch_sequences` the rollouts are
 identical. One generator serves the whole batch, so a sample depends on its batch neighbours.
 """
@@ -66,6 +71,7 @@ class NativeEngine:
                                else self.model.max_position_embeddings)
         # a causal-LM head whose weight the chunked log-probs read (not a custom head)
         self._lm_head = fallback or isinstance(self.model.head, LMHead)
+        self._released: dict[int, torch.Size] | None = None   # id(tensor) -> shape
 
     partial_updates = True        # `update_weights` takes any subset of the parameters
 
@@ -86,6 +92,42 @@ class NativeEngine:
         return {name: tuple(t.shape) for name, t in [*self.model.named_parameters(),
                                                       *persistent_buffers(self.model).items()]}
 
+    # ------------------------------------------------------------------ memory
+
+    def _synced_tensors(self) -> list[torch.Tensor]:
+        """The tensors a weight sync writes (parameters and persistent buffers), once each."""
+        from posttrain.distributed.materialize import persistent_buffers
+        unique = {id(t): t for t in [*self.model.parameters(),
+                                     *persistent_buffers(self.model).values()]}
+        return list(unique.values())
+
+    def release_memory(self) -> bool:
+        """Free the weights' storage (the next sync refills it) and the device's cached
+        blocks; the KV cache is already gone once `generate` returns."""
+        if self._released is not None:
+            return True
+        self._released = {}
+        device = self.device
+        for t in self._synced_tensors():
+            self._released[id(t)] = t.shape
+            t.data = torch.empty(0, dtype=t.dtype, device=device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True
+
+    def resume_memory(self) -> None:
+        """Allocate the released weights again (undefined until the next full sync)."""
+        if self._released is None:
+            return
+        for t in self._synced_tensors():
+            t.data = torch.empty(self._released[id(t)], dtype=t.dtype, device=t.device)
+        self._released = None
+
+    def _check_resident(self) -> None:
+        if self._released is not None:
+            raise RuntimeError("the engine's memory is released: call resume_memory() and "
+                               "sync the weights before generating or scoring")
+
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
@@ -93,6 +135,7 @@ class NativeEngine:
         """`n` rollouts per prompt; result[i][j] is sample j of prompts[i]."""
         if n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+        self._check_resident()
         self._check_prompts(prompts, sampling.max_new_tokens)
         generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         per_chunk = max(1, self.max_batch_sequences // n)
@@ -208,6 +251,7 @@ class NativeEngine:
         (the convention of `posttrain.rl.engine`); one full forward per batch of sequences."""
         if len(sequences) != len(prompt_lens):
             raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens")
+        self._check_resident()
         for i, (seq, plen) in enumerate(zip(sequences, prompt_lens)):
             if not 1 <= plen <= len(seq):
                 raise ValueError(f"prompt_lens[{i}] = {plen} must be in [1, {len(seq)}] "

@@ -145,6 +145,10 @@ class VLLMEngine:
             (`load_hf`'s `vocab_multiple`); embedding and head rows arrive padded to it.
         llm_kwargs: further `vllm.LLM` arguments (e.g. `hf_overrides={"head_dtype":
             "float32"}` for an fp32 head under bf16 weights).
+        release_memory: start vLLM with `enable_sleep_mode`, so that `release_memory` puts it
+            to sleep (level 2: KV cache and weights discarded) and `resume_memory` wakes it up
+            for the next full weight sync. Sleep mode needs CUDA: elsewhere the engine warns
+            once and keeps its memory.
 
     The engine uses its own sampling defaults only: `generation_config="vllm"` ignores the
     checkpoint's generation_config.json, the model's EOS token does not end a sample
@@ -158,8 +162,11 @@ class VLLMEngine:
     def __init__(self, hf_dir: str | Path, *, dtype: str = "auto", tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.9, kv_cache_memory_bytes: int | None = None,
                  enforce_eager: bool = False, seed: int = 0, max_model_len: int | None = None,
-                 vocab_multiple: int = 64, llm_kwargs: dict[str, Any] | None = None):
+                 vocab_multiple: int = 64, llm_kwargs: dict[str, Any] | None = None,
+                 release_memory: bool = False):
         import vllm
+
+        self.sleeps = release_memory and _sleep_mode_supported()
 
         config = read_hf_config(hf_dir)
         self.args = bridge_for_config(config).args_from_hf(config, vocab_multiple=vocab_multiple)
@@ -171,7 +178,8 @@ class VLLMEngine:
             max_model_len=max_model_len, logprobs_mode="processed_logprobs",
             generation_config="vllm", skip_tokenizer_init=True,
             worker_extension_cls=f"{__name__}.{VLLMWorkerExtension.__qualname__}",
-            **(llm_kwargs or {}))
+            **({"enable_sleep_mode": True} if self.sleeps else {}), **(llm_kwargs or {}))
+        self._asleep = False
         model_config = self.llm.llm_engine.model_config
         self.max_model_len: int = model_config.max_model_len
         self.dtype: torch.dtype = model_config.dtype
@@ -264,6 +272,21 @@ class VLLMEngine:
         self.llm.collective_rpc("posttrain_reload_weights", args=(payload,))
         self.llm.reset_prefix_cache()
 
+    def release_memory(self) -> bool:
+        """Sleep at level 2 (KV cache and weights discarded, the next sync reloads all of
+        them); False, keeping the memory, where sleep mode is not available."""
+        if not self.sleeps:
+            return False
+        if not self._asleep:
+            self.llm.sleep(level=2)
+            self._asleep = True
+        return True
+
+    def resume_memory(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
     def logprobs(self, sequences: list[list[int]], prompt_lens: list[int], *,
                  temperature: float = 1.0) -> list[list[float]]:
         """Teacher-forced log p(sequences[i][t]) for t >= prompt_lens[i], at `temperature`
@@ -296,6 +319,18 @@ class VLLMEngine:
                 self.llm.collective_rpc("posttrain_set_logit_scale", args=(previous[0],))
         return [_token_logprobs(out.prompt_logprobs[plen:], seq[plen:])
                 for out, seq, plen in zip(outputs, sequences, prompt_lens)]
+
+
+def _sleep_mode_supported() -> bool:
+    """vLLM's sleep mode (`enable_sleep_mode`) needs CUDA; elsewhere warn once, naming the
+    option, and keep the memory."""
+    if torch.cuda.is_available():
+        return True
+    import warnings
+    warnings.warn("rollout.release_memory: vLLM's sleep mode (enable_sleep_mode) needs CUDA; "
+                  "on this device the vLLM engine keeps its KV cache and weights between "
+                  "generations", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def _token_logprobs(positions: Any, tokens: list[int]) -> list[float]:

@@ -254,7 +254,8 @@ class WeightSender:
         for bucket in buckets:
             if len(bucket) == 1:
                 (_, tensor), = gather_full(self.params, bucket)
-                self.group.broadcast(tensor.contiguous(), src=0)
+                # offloaded shards (parallel.offload) gather into host memory
+                self.group.broadcast(tensor.to(self.device).contiguous(), src=0)
                 continue
             flat, offset = buffers[bucket[0].dtype], 0
             for entry, tensor in gather_full(self.params, bucket):

@@ -43,8 +43,8 @@ from torch import nn
 
 from posttrain.distributed.env import build_mesh, dp_mesh, get_device
 from posttrain.distributed.materialize import materialize
-from posttrain.distributed.parallelize import (ParallelConfig, count_params, parallelize,
-                                               parallelize_frozen)
+from posttrain.distributed.parallelize import (ParallelConfig, count_params, param_device,
+                                               parallelize, parallelize_frozen)
 from posttrain.errors import ConfigError
 from posttrain.models.args import DTYPES, ModelArgs
 from posttrain.models.families.base import VOCAB_PARAMS
@@ -556,7 +556,9 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
                     torch.float32 if name in fp32 else dtype))
                for name, t in iter_hf_tensors(hf_dir, ckpt_args)
                if not (custom_head and name.startswith("head.")))
-    materialize(root, device, tensors, prefix="model.", init_missing=init_missing)
+    # under parallel.offload the shards live in host memory (FSDP2 copies them in to gather)
+    materialize(root, param_device(parallel, device), tensors, prefix="model.",
+                init_missing=init_missing)
     model.tie_weights()
     return model, root
 

@@ -405,6 +405,7 @@ class GRPOWorker:
             plan = self._sync_plan(self.rollout.parameter_shapes, self.rollout.dtype)
             self._local_receiver = WeightReceiver(self.rollout, plan)
         self._first_local_sync = True
+        self._rollout_released = False
         self.peak_flops, _ = device_peak_flops(self.engine.device)
 
     @property
@@ -466,9 +467,18 @@ class GRPOWorker:
         adapters) into this rank's engine, a tensor at a time; returns the bytes written."""
         if self._local_receiver is None:
             raise RuntimeError("sync_rollout needs rollout.placement: colocated")
-        written = self.weight_sync.copy_to(self._local_receiver, full=self._first_local_sync)
-        self._first_local_sync = False
+        full = self._first_local_sync or self._rollout_released
+        if self._rollout_released:
+            self.rollout.resume_memory()
+        written = self.weight_sync.copy_to(self._local_receiver, full=full)
+        self._first_local_sync = self._rollout_released = False
         return written
+
+    def release_rollout(self) -> None:
+        """Colocated with `rollout.release_memory`: the engine gives back its memory before
+        the update (`RolloutEngine.release_memory`); `sync_rollout` takes it back."""
+        if self.rollout is not None and self.cfg.rollout.release_memory:
+            self._rollout_released = self.rollout.release_memory() or self._rollout_released
 
     def open_weight_sync(self, engine_shapes: dict[str, tuple[int, ...]],
                          engine_dtype: torch.dtype, num_engines: int
@@ -516,7 +526,9 @@ class GRPOWorker:
         this data-parallel rank taking r, r + D, ...) one optimizer step. Old-policy log-probs
         are computed first for the mini-batches after the first (the first is scored by the
         policy that has not moved yet, so its own log-probs, detached, are the old ones),
-        reference log-probs when configured."""
+        reference log-probs when configured. A colocated engine's memory is released first
+        (`release_rollout`)."""
+        self.release_rollout()
         mine = [self.engine.dp.share(mb) for mb in mini_batches]
         t0 = time.perf_counter()
         for i, batches in enumerate(mine):

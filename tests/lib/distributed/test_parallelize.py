@@ -183,6 +183,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             ("fsdp_untied_no_reshard", ParallelConfig(reshard_after_forward=False), False),
             ("tp", ParallelConfig(dp_shard=1, tp=2), True),
             ("bf16", ParallelConfig(mixed_precision="bf16"), True),
+            ("bf16_offload", ParallelConfig(mixed_precision="bf16", offload=True), True),
+            ("tp_offload", ParallelConfig(dp_shard=1, tp=2, offload=True), True),
         ]:
             results[name] = _distributed_run(cfg, tie)
         results["frozen"] = _frozen_run()
@@ -266,6 +268,16 @@ def test_bf16_trains_close_and_keeps_fp32_weights(two_rank_results):
     losses, sd, _ = two_rank_results[0]["bf16"]
     assert losses == pytest.approx(ref_losses, abs=5e-3)
     assert all(v.dtype == torch.float32 for v in sd.values())
+
+
+@pytest.mark.parametrize("name,plain", [("bf16_offload", "bf16"), ("tp_offload", "tp")])
+def test_offload_composes_with_bf16_and_tensor_parallelism(two_rank_results, name, plain):
+    """parallel.offload (FSDP2 CPU offload) under bf16 mixed precision and under TP trains
+    exactly as without it: same losses and full weights."""
+    for res in two_rank_results:
+        assert res[name][0] == pytest.approx(res[plain][0], abs=1e-6, rel=0)
+    got, want = two_rank_results[0][name][1], two_rank_results[0][plain][1]
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
 
 
 def test_bad_mesh_in_a_group_is_a_config_error(two_rank_results):

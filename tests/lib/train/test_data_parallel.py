@@ -10,12 +10,20 @@ data-parallel ranks only. Three layouts of the same run, on real gloo process gr
     dp_replicate=2 x dp_shard=2   4 ranks, HSDP (SFT only): two sharded replicas, 4 DP ranks
     cp=2; dp_shard=2 x cp=2       SFT with every packed row cut over two ranks (context
                                   parallelism: the cp ranks see the same micro-batches)
+    dp_shard=2, parallel.offload  SFT (qwen3) with shards, gradients and Adam state in host
+                                  memory (FSDP2's CPUOffloadPolicy), stopped after step 2 and
+                                  resumed from its checkpoint for step 3
 
 must give the same per-step losses (1e-5, fp32) and the same exported weights (1e-5), for SFT
 (chunked cross-entropy over packed documents) and DPO (packed pairs, precomputed reference),
 on the native Qwen3 and Llama definitions. Before the data rule used the DP rank, the 4-rank
 layout fed the two ranks of a TP pair different micro-batches and scaled the gradient by the
 world size (4) instead of the data-parallel size (2).
+
+The offload layout must equal dp_shard=2 without offload within 1e-6 (losses, grad norms,
+exported weights): it catches an optimizer built over other tensors than the offloaded shards
+(FSDP2 makes host copies of them where the model was not materialized on the CPU), a policy that
+is not applied, and optimizer state that a DCP resume does not bring back to host memory.
 """
 
 from __future__ import annotations
@@ -35,9 +43,11 @@ ROOT = Path(__file__).resolve().parents[3]
 STEPS = 3
 # world, dp_shard, tp, dp_replicate, cp
 LAYOUTS = {"1": (1, 1, 1, 1, 1), "dp2": (2, 2, 1, 1, 1), "dp2_tp2": (4, 2, 2, 1, 1),
-           "hsdp": (4, 2, 1, 2, 1), "cp2": (2, 1, 1, 1, 2), "dp2_cp2": (4, 2, 1, 1, 2)}
+           "hsdp": (4, 2, 1, 2, 1), "cp2": (2, 1, 1, 1, 2), "dp2_cp2": (4, 2, 1, 1, 2),
+           "dp2_offload": (2, 2, 1, 1, 1)}
 # the recipes a layout runs (default: all); context parallelism is built for SFT
-ONLY = {"hsdp": ("sft",), "cp2": ("sft",), "dp2_cp2": ("sft",)}
+ONLY = {"hsdp": ("sft",), "cp2": ("sft",), "dp2_cp2": ("sft",), "dp2_offload": ("sft",)}
+OFFLOAD, RESUME_AT = "dp2_offload", 2         # the offload layout: qwen3 only, resumed here
 FAMILIES = ("qwen3", "llama")
 RECIPES = ("sft", "dpo")
 ATOL = 1e-5
@@ -55,7 +65,8 @@ _LOADER = {"rows_per_batch": 1, "shuffle_buffer_samples": 16, "seed": 0, "epochs
 
 
 def _config(recipe: str, family: str, world: int, dp_shard: int, tp: int,
-            data: Path = ROOT / "assets" / "data", dp_replicate: int = 1, cp: int = 1) -> dict:
+            data: Path = ROOT / "assets" / "data", dp_replicate: int = 1, cp: int = 1,
+            offload: bool = False) -> dict:
     """The recipe's config: 4 micro-batches of 1 x 128 tokens per step, data under `data`."""
     common = {
         "run": {"num_workers": world, "launcher": "ray" if world > 1 else "inline"},
@@ -65,7 +76,7 @@ def _config(recipe: str, family: str, world: int, dp_shard: int, tp: int,
         "eval": {"max_batches": 3},
     }
     parallel = {"dp_shard": dp_shard, "tp": tp, "dp_replicate": dp_replicate, "cp": cp,
-                "activation_checkpointing": "none"}
+                "activation_checkpointing": "none", "offload": offload}
     if recipe == "sft":
         return {**common,
                 "data": {"format": "chat", "max_tokens_per_sample": 128,
@@ -122,15 +133,24 @@ def _rank(rank: int, world: int, port: int, layout: str, root: str, inputs: dict
 
     _, dp_shard, tp, dp_replicate, cp = LAYOUTS[layout]
     for (recipe, family), (prepared, hf_dir) in sorted(inputs.items()):
-        if recipe not in ONLY.get(layout, RECIPES):
+        if recipe not in ONLY.get(layout, RECIPES) or (layout == OFFLOAD and family != "qwen3"):
             continue
         from posttrain.train.recipe import RecipeWorker
         run_dir = Path(root) / layout / f"{recipe}_{family}"
         cfg = _config(recipe, family, world, dp_shard, tp, Path(root) / "data", dp_replicate,
-                      cp)
+                      cp, offload=layout == OFFLOAD)
         worker = RecipeWorker(_recipe(recipe), cfg, hf_dir, prepared, str(run_dir))
         worker.before_training()
-        steps = [worker.train_step() for _ in range(STEPS)]
+        steps = []
+        if layout == OFFLOAD:
+            _assert_offloaded(worker.engine)
+            steps = [worker.train_step() for _ in range(RESUME_AT)]
+            worker.save_checkpoint()
+            worker.close()
+            worker = RecipeWorker(_recipe(recipe), cfg, hf_dir, prepared, str(run_dir))
+            worker.before_training()
+            assert worker.resume() == RESUME_AT
+        steps += [worker.train_step() for _ in range(STEPS - len(steps))]
         evaluation = worker.evaluate()
         hf = worker.export(str(run_dir / "hf"))
         worker.close()
@@ -141,6 +161,19 @@ def _rank(rank: int, world: int, port: int, layout: str, root: str, inputs: dict
                  "grad_norms": [m["grad_norm"] for m in steps], "eval": evaluation,
                  "dp": [worker.engine.dp.rank, worker.engine.dp.size]}))
     dist.destroy_process_group()
+
+
+def _assert_offloaded(engine) -> None:
+    """Every FSDP unit runs CPU offload and the optimizer holds the units' own shards (on a
+    CPU-only machine the shards are in host memory either way: only the policy tells)."""
+    from torch.distributed.fsdp import FSDPModule
+    params = [p for m in engine.root.modules() if isinstance(m, FSDPModule)
+              for g in [m._get_fsdp_state()._fsdp_param_group] if g is not None
+              for p in g.fsdp_params]
+    assert params and all(p.offload_to_cpu for p in params)
+    shards = {id(p.sharded_param) for p in params}
+    held = [q for group in engine.optimizer.param_groups for q in group["params"]]
+    assert held and all(id(q) in shards for q in held)
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +215,18 @@ def test_layout_trains_like_one_rank(layouts, recipe, family, layout):
     moved = max((ref_w[k] - w).abs().max().item()
                 for k, w in _base_weights(layouts, recipe, family).items())
     assert moved > 30 * ATOL                                     # the weights did change
+
+
+def test_offload_trains_like_no_offload_and_resumes(layouts):
+    """parallel.offload (and a stop + DCP resume after step 2) against the same 2 ranks
+    keeping everything on the device: equal within 1e-6."""
+    ref, ref_w = _result(layouts, "dp2", "sft", "qwen3")
+    got, got_w = _result(layouts, OFFLOAD, "sft", "qwen3")
+    print(f"offload: losses {got['losses']} ({ref['losses']}); grad norms {got['grad_norms']}")
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-6, rel=0)
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], abs=1e-6, rel=0)
+    assert got_w.keys() == ref_w.keys()
+    assert max((got_w[k] - ref_w[k]).abs().max().item() for k in ref_w) <= 1e-6
 
 
 def _base_weights(root: Path, recipe: str, family: str) -> dict[str, torch.Tensor]:
