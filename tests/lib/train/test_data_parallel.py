@@ -13,6 +13,9 @@ data-parallel ranks only. Three layouts of the same run, on real gloo process gr
     dp_shard=2, parallel.offload  SFT (qwen3) with shards, gradients and Adam state in host
                                   memory (FSDP2's CPUOffloadPolicy), stopped after step 2 and
                                   resumed from its checkpoint for step 3
+    dp_shard=2, parallel.ep=2     SFT of Qwen3-MoE with its experts split over the two ranks
+                                  (expert parallelism through the engine: sharded experts,
+                                  all-to-all dispatch, clipping over their mesh, export)
 
 must give the same per-step losses (1e-5, fp32) and the same exported weights (1e-5), for SFT
 (chunked cross-entropy over packed documents) and DPO (packed pairs, precomputed reference),
@@ -44,11 +47,16 @@ STEPS = 3
 # world, dp_shard, tp, dp_replicate, cp
 LAYOUTS = {"1": (1, 1, 1, 1, 1), "dp2": (2, 2, 1, 1, 1), "dp2_tp2": (4, 2, 2, 1, 1),
            "hsdp": (4, 2, 1, 2, 1), "cp2": (2, 1, 1, 1, 2), "dp2_cp2": (4, 2, 1, 1, 2),
-           "dp2_offload": (2, 2, 1, 1, 1)}
+           "dp2_offload": (2, 2, 1, 1, 1), "ep2": (2, 2, 1, 1, 1)}
 # the recipes a layout runs (default: all); context parallelism is built for SFT
-ONLY = {"hsdp": ("sft",), "cp2": ("sft",), "dp2_cp2": ("sft",), "dp2_offload": ("sft",)}
+ONLY = {"hsdp": ("sft",), "cp2": ("sft",), "dp2_cp2": ("sft",), "dp2_offload": ("sft",),
+        "ep2": ("sft",)}
 OFFLOAD, RESUME_AT = "dp2_offload", 2         # the offload layout: qwen3 only, resumed here
+EP = {"ep2": 2}
 FAMILIES = ("qwen3", "llama")
+MOE = "qwen3_moe"          # SFT at 1 rank and ep2 only
+# the families a layout runs (default: FAMILIES; the 1-rank reference also runs MOE's SFT)
+FAMILIES_OF = {OFFLOAD: ("qwen3",), "ep2": (MOE,), "1": (*FAMILIES, MOE)}
 RECIPES = ("sft", "dpo")
 ATOL = 1e-5
 
@@ -66,17 +74,22 @@ _LOADER = {"rows_per_batch": 1, "shuffle_buffer_samples": 16, "seed": 0, "epochs
 
 def _config(recipe: str, family: str, world: int, dp_shard: int, tp: int,
             data: Path = ROOT / "assets" / "data", dp_replicate: int = 1, cp: int = 1,
-            offload: bool = False) -> dict:
-    """The recipe's config: 4 micro-batches of 1 x 128 tokens per step, data under `data`."""
+            offload: bool = False, ep: int = 1) -> dict:
+    """The recipe's config: 4 micro-batches of 1 x 128 tokens per step, data under `data`.
+    Qwen3-MoE trains without the load-balancing loss, whose f_e expert parallelism takes over
+    the expert group's micro-batches (one rank: each micro-batch's own)."""
+    model = {"init": {"family": family, "seed": 0, "overrides": _MODEL},
+             "dtype": "float32", "loss_chunk_tokens": 64}
+    if family == MOE:
+        model["moe_aux_loss_coef"] = 0.0
     common = {
         "run": {"num_workers": world, "launcher": "ray" if world > 1 else "inline"},
         "tokenizer": {"path": str(ROOT / "assets" / "tokenizer")},
-        "model": {"init": {"family": family, "seed": 0, "overrides": _MODEL},
-                  "dtype": "float32", "loss_chunk_tokens": 64},
+        "model": model,
         "eval": {"max_batches": 3},
     }
     parallel = {"dp_shard": dp_shard, "tp": tp, "dp_replicate": dp_replicate, "cp": cp,
-                "activation_checkpointing": "none", "offload": offload}
+                "activation_checkpointing": "none", "offload": offload, "ep": ep}
     if recipe == "sft":
         return {**common,
                 "data": {"format": "chat", "max_tokens_per_sample": 128,
@@ -117,7 +130,7 @@ def _prepare(root: Path) -> dict[tuple[str, str], tuple[str, str]]:
     out = {}
     for recipe in RECIPES:
         schema = _recipe(recipe).config_cls
-        for family in FAMILIES:
+        for family in (*FAMILIES, MOE) if recipe == "sft" else FAMILIES:
             cfg = build(schema, _config(recipe, family, 1, 1, 1, root / "data"), where="config")
             prepared = ensure_prepared(cfg, str(root / f"prepared_{recipe}"), show_progress=False)
             out[recipe, family] = prepared, base_model_dir(cfg, prepared, root / f"{recipe}_{family}")
@@ -133,12 +146,13 @@ def _rank(rank: int, world: int, port: int, layout: str, root: str, inputs: dict
 
     _, dp_shard, tp, dp_replicate, cp = LAYOUTS[layout]
     for (recipe, family), (prepared, hf_dir) in sorted(inputs.items()):
-        if recipe not in ONLY.get(layout, RECIPES) or (layout == OFFLOAD and family != "qwen3"):
+        if recipe not in ONLY.get(layout, RECIPES) or family not in FAMILIES_OF.get(layout,
+                                                                                  FAMILIES):
             continue
         from posttrain.train.recipe import RecipeWorker
         run_dir = Path(root) / layout / f"{recipe}_{family}"
         cfg = _config(recipe, family, world, dp_shard, tp, Path(root) / "data", dp_replicate,
-                      cp, offload=layout == OFFLOAD)
+                      cp, offload=layout == OFFLOAD, ep=EP.get(layout, 1))
         worker = RecipeWorker(_recipe(recipe), cfg, hf_dir, prepared, str(run_dir))
         worker.before_training()
         steps = []
@@ -227,6 +241,21 @@ def test_offload_trains_like_no_offload_and_resumes(layouts):
     assert got["grad_norms"] == pytest.approx(ref["grad_norms"], abs=1e-6, rel=0)
     assert got_w.keys() == ref_w.keys()
     assert max((got_w[k] - ref_w[k]).abs().max().item() for k in ref_w) <= 1e-6
+
+
+def test_expert_parallel_trains_like_one_rank(layouts):
+    """Qwen3-MoE SFT with its experts split over two ranks (parallel.ep=2) against one rank:
+    per-step losses, grad norms, eval and exported weights within 1e-5."""
+    ref, ref_w = _result(layouts, "1", "sft", MOE)
+    got, got_w = _result(layouts, "ep2", "sft", MOE)
+    print(f"ep2: losses {got['losses']} ({ref['losses']}); grad norms {got['grad_norms']}")
+    assert got["losses"] == pytest.approx(ref["losses"], abs=ATOL, rel=0)
+    assert ref["losses"][0] != ref["losses"][-1]
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-4)
+    for key, value in ref["eval"].items():
+        assert got["eval"][key] == pytest.approx(value, abs=ATOL, rel=1e-6), key
+    assert got_w.keys() == ref_w.keys() and any("experts" in k for k in ref_w)
+    assert max((got_w[k] - ref_w[k]).abs().max().item() for k in ref_w) <= ATOL
 
 
 def _base_weights(root: Path, recipe: str, family: str) -> dict[str, torch.Tensor]:
