@@ -15,6 +15,13 @@ Cases (random weights from `ModelArgs`, nothing downloaded; `--cases` picks some
   Qwen3's case it shows what the chunked delta rule costs per token.
 * ``rollout_qwen3_0.6b``, ``rollout_qwen3_5_0.8b``: `NativeEngine.generate` (KV cache or the
   DeltaNet's recurrent state, batched sampling) on those shapes in bf16: generated tokens/s.
+* ``long_qwen3_0.6b``: one packed row of `--long-packs` tokens (32k, then 64k) per step at
+  cp=1 on one GPU, the SFT case otherwise: tokens/s and peak memory per length, and the
+  longest row that fits (an out-of-memory error ends the list): the single-GPU limit that
+  context parallelism (`parallel.cp`) lifts.
+* ``ep2_qwen3_moe``: the MoE case on two ranks with its experts split over them
+  (`parallel.ep=2`, all-to-all dispatch); needs two devices (one GPU: a skipped line). On a
+  CPU, two gloo processes.
 
 Each SFT case is one `posttrain.train.engine.Engine` as the recipes build it: the random model
 is written as an HF checkpoint (bf16) and loaded the sharded way (FSDP2 over the one GPU, bf16
@@ -79,7 +86,7 @@ TINY_LINEAR = dict(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8)
 
 # in this order: the cheap ones first, the largest checkpoint (the MoE's) last
 CASES = ("sft_qwen3_0.6b", "sft_qwen3_5_0.8b", "rollout_qwen3_0.6b", "rollout_qwen3_5_0.8b",
-         "sft_qwen3_1.7b", "sft_qwen3_moe")
+         "long_qwen3_0.6b", "sft_qwen3_1.7b", "sft_qwen3_moe", "ep2_qwen3_moe")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -100,6 +107,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=64, help="rollout: prompts per generate call")
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--long-packs", default="32768,65536",
+                   help="long-context case: row lengths, ascending")
     a = p.parse_args(argv)
     unknown = sorted(set(a.cases.split(",")) - set(CASES))
     if unknown:
@@ -107,6 +116,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if a.tiny:
         a.pack, a.rows_per_step, a.warmup, a.steps, a.moe_layers = 128, 2, 1, 2, 2
         a.prompts, a.samples_per_prompt, a.max_new_tokens = 2, 2, 8
+        a.long_packs = "256,512"
     return a
 
 
@@ -151,8 +161,13 @@ def _packed_rows(vocab: int, pack: int, rows: int, seed: int = 0) -> list[dict]:
     return [collate([next(packer)]) for _ in range(rows)]
 
 
-def sft_case(shape: str, a: argparse.Namespace, device, work: str) -> dict[str, Any]:
+def sft_case(shape: str, a: argparse.Namespace, device, work: str, *,
+             parallel: dict | None = None) -> dict[str, Any]:
+    """One SFT engine's timed steps; with `parallel` (a multi-rank layout, in a process group
+    of that many ranks) each data-parallel rank takes its share of every step's rows and
+    tokens/s is the job's (this rank's x the world)."""
     import torch
+    import torch.distributed as dist
 
     from posttrain.distributed.parallelize import ParallelConfig
     from posttrain.models.hf_io import save_hf
@@ -168,10 +183,14 @@ def sft_case(shape: str, a: argparse.Namespace, device, work: str) -> dict[str, 
     args = model_args(shape, a)
     bf16 = device.type == "cuda"
     hf_dir = os.path.join(work, shape)
-    base = build_model(args, device=device, seed=0,
-                       dtype=torch.bfloat16 if bf16 else torch.float32)
-    save_hf(base, hf_dir)
-    del base
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        base = build_model(args, device=device, seed=0,
+                           dtype=torch.bfloat16 if bf16 else torch.float32)
+        save_hf(base, hf_dir)
+        del base
+    if world > 1:
+        dist.barrier()
     if args.num_experts:
         # probe torch._grouped_mm before the first step: its one-time probe inside an
         # activation-checkpointed block adds saved tensors the recomputation lacks
@@ -182,7 +201,7 @@ def sft_case(shape: str, a: argparse.Namespace, device, work: str) -> dict[str, 
                        checkpoint_every_steps=10**9,
                        parallel=ParallelConfig(mixed_precision="bf16" if bf16 else "fp32",
                                                activation_checkpointing="full",
-                                               compile=a.compile))
+                                               compile=a.compile, **(parallel or {})))
     engine = Engine(ModelConfig(hf_dir=hf_dir), cfg, hf_dir, os.path.join(work, f"{shape}.run"))
     batches = _packed_rows(args.vocab_size, a.pack, steps * a.rows_per_step)
     setup_s = time.perf_counter() - t0
@@ -195,10 +214,11 @@ def sft_case(shape: str, a: argparse.Namespace, device, work: str) -> dict[str, 
     timed: list[dict] = []
     seconds, flops, metrics = 0.0, 0.0, {}
     for step in range(steps):
-        micro = batches[step * a.rows_per_step:(step + 1) * a.rows_per_step]
+        rows = batches[step * a.rows_per_step:(step + 1) * a.rows_per_step]
+        micro = rows[engine.dp.rank::engine.dp.size]
         _sync(device)
         t1 = time.perf_counter()
-        metrics = engine.train_step(micro, sum(int(b["num_loss_tokens"]) for b in micro))
+        metrics = engine.train_step(micro, sum(int(b["num_loss_tokens"]) for b in rows))
         _sync(device)
         if step >= a.warmup:
             seconds += time.perf_counter() - t1
@@ -206,6 +226,7 @@ def sft_case(shape: str, a: argparse.Namespace, device, work: str) -> dict[str, 
             timed += micro
     out = step_metrics(batch_counts(timed), seconds=seconds, data_wait_s=0.0, flops=flops,
                        peak_flops=peak, device=device)
+    layout = {"world": world, **(parallel or {})} if world > 1 else {}
     moe = {}
     if args.num_experts:
         moe = {"num_experts": args.num_experts, "experts_per_token": args.num_experts_per_tok,
@@ -220,13 +241,72 @@ def sft_case(shape: str, a: argparse.Namespace, device, work: str) -> dict[str, 
             "compile_blocks": a.compile, "loss_chunk_tokens": engine.model_cfg.loss_chunk_tokens,
             "pack_tokens": a.pack, "rows_per_step": a.rows_per_step, "warmup_steps": a.warmup,
             "timed_steps": a.steps, "setup_s": round(setup_s, 1),
-            "step_s": round(seconds / max(a.steps, 1), 3),
-            "real_tokens_per_s": round(out["real_tokens_per_s"], 1),
+            "step_s": round(seconds / max(a.steps, 1), 3), **layout,
+            "real_tokens_per_s": round(out["real_tokens_per_s"] * world, 1),
             "padding_fraction": round(out["padding_fraction"], 4),
             "model_flops_per_s": flops / seconds, "mfu": round(out["mfu"], 4),
             "peak_flops": peak, "peak_flops_source": peak_source,
             "peak_memory_gib": round(out["peak_memory_bytes"] / 2**30, 2),
             "final_loss": round(float(metrics["loss"]), 4)}
+
+
+def long_case(shape: str, a: argparse.Namespace, device, work: str) -> dict[str, Any]:
+    """The SFT case at one row of each `--long-packs` length per step (cp=1), until one does
+    not fit; the longest that did is the single-device limit."""
+    import torch
+    lengths, fitted = [], None
+    for pack in (int(x) for x in a.long_packs.split(",")):
+        one = argparse.Namespace(**{**vars(a), "pack": pack, "rows_per_step": 1,
+                                    "warmup": 1, "steps": 1})
+        try:
+            r = sft_case(shape, one, device, work)
+        except torch.OutOfMemoryError as e:
+            lengths.append({"pack_tokens": pack, "out_of_memory": str(e)[:300]})
+            break
+        finally:
+            shutil.rmtree(os.path.join(work, shape), ignore_errors=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        lengths.append({k: r[k] for k in ("pack_tokens", "step_s", "real_tokens_per_s", "mfu",
+                                          "peak_memory_gib", "attention_backends")})
+        fitted = pack
+    return {"kind": "long_context", "shape": shape, "cp": 1, "lengths": lengths,
+            "longest_fitting_row": fitted}
+
+
+def ep_case(shape: str, a: argparse.Namespace, device, work: str,
+            world: int = 2) -> dict[str, Any]:
+    """The SFT case on `world` processes with the experts split over them (ep = world)."""
+    import torch
+    import torch.multiprocessing as mp
+    if device.type == "cuda" and torch.cuda.device_count() < world:
+        return {"skipped": f"expert parallelism over {world} ranks needs {world} devices; "
+                           f"this machine has {torch.cuda.device_count()}"}
+    from posttrain.distributed.env import free_port
+    out = os.path.join(work, "ep_rank0.json")
+    mp.spawn(_ep_rank, args=(world, free_port(), shape, a, device.type, work, out),
+             nprocs=world, join=True)
+    with open(out) as f:
+        return json.load(f)
+
+
+def _ep_rank(rank: int, world: int, port: int, shape: str, a: argparse.Namespace,
+             device_type: str, work: str, out: str) -> None:
+    import torch
+
+    from posttrain.distributed.env import close_process_group, init_process_group
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    init_process_group()
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    record = sft_case(shape, a, device, work, parallel={"dp_shard": world, "ep": world})
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(record, f)
+    close_process_group()
+    os._exit(0)       # skip finalization, where gloo objects held by FSDP modules may abort
 
 
 # ------------------------------------------------------------------------------ rollout
@@ -320,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
                                                f"{a.budget_s:.0f} s spent"})
                 continue
             kind, _, shape = name.partition("_")
-            case = sft_case if kind == "sft" else rollout_case
+            case = {"sft": sft_case, "rollout": rollout_case, "long": long_case,
+                    "ep2": ep_case}[kind]
             emit(_run_case(name, lambda: case(shape, a, device, work), device))
             shutil.rmtree(os.path.join(work, shape), ignore_errors=True)
     finally:

@@ -47,17 +47,27 @@ def test_tiny_cpu_mode_prints_one_json_line_per_case(tmp_path) -> None:
     assert printed == written
     by_case = {r["case"]: r for r in printed}
     assert list(by_case) == ["sft_qwen3_0.6b", "sft_qwen3_5_0.8b", "rollout_qwen3_0.6b",
-                             "rollout_qwen3_5_0.8b", "sft_qwen3_1.7b", "sft_qwen3_moe"]
+                             "rollout_qwen3_5_0.8b", "long_qwen3_0.6b", "sft_qwen3_1.7b",
+                             "sft_qwen3_moe", "ep2_qwen3_moe"]
     for record in printed:
         assert "error" not in record, record
         assert record["bench"] == "gpu_suite" and record["tiny"] and record["device"] == "cpu"
-    for name in ("sft_qwen3_0.6b", "sft_qwen3_5_0.8b", "sft_qwen3_1.7b", "sft_qwen3_moe"):
+    for name in ("sft_qwen3_0.6b", "sft_qwen3_5_0.8b", "sft_qwen3_1.7b", "sft_qwen3_moe",
+                 "ep2_qwen3_moe"):
         record = by_case[name]
         assert SFT_FIELDS <= set(record), SFT_FIELDS - set(record)
         assert record["real_tokens_per_s"] > 0 and 0 < record["mfu"] < 1
         assert record["attention_backends"] and record["dtype"] == "fp32"
     assert "split" in {b for r in printed if r["kind"] == "sft" for b in r["attention_backends"]}
     assert by_case["sft_qwen3_moe"]["num_experts"] == 4
+    # two gloo ranks with the experts split over them train the same first steps as one
+    ep = by_case["ep2_qwen3_moe"]
+    assert (ep["world"], ep["ep"]) == (2, 2)
+    assert ep["final_loss"] == pytest.approx(by_case["sft_qwen3_moe"]["final_loss"], abs=1e-3)
+    long = by_case["long_qwen3_0.6b"]
+    assert [r["pack_tokens"] for r in long["lengths"]] == [256, 512]
+    assert long["longest_fitting_row"] == 512 and all(r["real_tokens_per_s"] > 0
+                                                      for r in long["lengths"])
     assert by_case["sft_qwen3_5_0.8b"]["family"] == "qwen3_5"
     for name in ("rollout_qwen3_0.6b", "rollout_qwen3_5_0.8b"):
         rollout = by_case[name]
