@@ -29,6 +29,7 @@ import yaml
 from .conftest import ROOT, bundled, local_data
 
 TOLERANCE = 0.20
+pytestmark = pytest.mark.slow      # about a minute: scheduled first (tests/conftest.py)
 
 
 def measure(recipe: str, cfg: dict, tmp: Path) -> dict:
