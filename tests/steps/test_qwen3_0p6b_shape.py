@@ -10,6 +10,9 @@ It checks that transformers loads the export and gives the native model's logits
 input (both compute in fp32 from the same bf16 weights, so only the fp32 summation order
 differs: 1e-4, `posttrain verify-model`'s tolerance), and that rank 0's peak process memory
 (VmHWM at its last step) is within the memory plan's predicted peak and above 75 % of it.
+
+Known failing: rank 0 peaked at 4.20 GB against a plan of 3.46 GB (README, "Memory plan"):
+about 0.7 GB that appears only with two FSDP ranks on a Ray worker is not modelled yet.
 """
 
 from __future__ import annotations
