@@ -49,12 +49,11 @@ from typing import Any
 import torch
 import yaml
 
+from posttrain.models.shapes import QWEN3_0P6B, write_random_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
 
 TINY_HF = ROOT / "tests" / "fixtures" / "arithmetic_sft"
-QWEN3_0P6B = dict(family="qwen3", vocab_size=151_936, hidden_size=1024, intermediate_size=3072,
-                  num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, qk_norm=True,
-                  rope_theta=1e6, max_position_embeddings=4096, tie_word_embeddings=True)
 LORA = {"rank": 16, "alpha": 32.0, "targets": ["q", "k", "v", "o", "gate", "up", "down"]}
 PROBE = list(range(40, 72))
 
@@ -115,22 +114,7 @@ def _old_update_weights(rollout_worker: Any, state: dict[str, torch.Tensor]) -> 
 
 def write_qwen3_0p6b(out_dir: Path) -> Path:
     """A random Qwen3-0.6B-shaped checkpoint in bf16 (normal(0, 0.02) weights)."""
-    from posttrain.models.args import ModelArgs
-    from posttrain.models.hf_io import save_hf
-    from posttrain.models.transformer import build_model
-    args = ModelArgs(**QWEN3_0P6B)
-    model = build_model(args, device="meta", dtype=torch.bfloat16)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02)
-    save_hf(model, out_dir, dtype=torch.bfloat16, max_shard_bytes=256 << 20)
-    return out_dir
+    return write_random_checkpoint(QWEN3_0P6B, out_dir)
 
 
 def grpo_config(hf_dir: Path, dtype: str, lora: bool, run_dir: Path) -> dict:

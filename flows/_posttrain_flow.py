@@ -276,11 +276,12 @@ def scratch_dir(root: str, name: str) -> str:
     return os.path.join(tempfile.gettempdir(), "posttrain-runs", key, name)
 
 
-def check_inputs(config: Any) -> None:
+def check_inputs(config: Any, schema: str | None = None) -> None:
     """A start step: the config's data files and tokenizer given by relative paths (inside the
     repository, shipped with the code package) exist, or the run stops here, before any work,
     naming each missing one and what makes it. Absolute paths (a cluster's mounts), URIs and
-    globs are checked where they are read."""
+    globs are checked where they are read. With the recipe's `schema`, its memory plan must
+    also fit the declared devices (`check_plan`)."""
     from metaflow.exception import MetaflowException
     cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     wanted = [("tokenizer.path", (cfg.get("tokenizer") or {}).get("path"))]
@@ -295,12 +296,28 @@ def check_inputs(config: Any) -> None:
         and not any(c in str(path) for c in "*?[") and not Path(path).exists()]
     if missing:
         raise MetaflowException("missing inputs, nothing was run:\n  " + "\n  ".join(missing))
+    if schema is not None:
+        check_plan(config, schema)
 
 
-def storage_and_nodes(flow: Any) -> tuple[str, int]:
-    """A recipe flow's start step: this run's storage root (retries and `resume` read it back
-    from the artifact) and how many nodes its train step spans."""
-    check_inputs(flow.config)
+def check_plan(config: Any, schema: str) -> None:
+    """Stop the run when its memory plan does not fit the declared devices (`run.gpu`, or this
+    machine's RAM on a CPU run), naming the part and the knobs that would make it fit;
+    `run.plan_check: warn` or `off` launches anyway (`posttrain.plan.check`)."""
+    from metaflow.exception import MetaflowException
+
+    from posttrain.plan import PlanError, check_run
+    try:
+        check_run(build_config(schema, config))
+    except PlanError as e:
+        raise MetaflowException(f"nothing was run: {e}") from None
+
+
+def storage_and_nodes(flow: Any, schema: str | None = None) -> tuple[str, int]:
+    """A recipe flow's start step: the inputs and (with `schema`) the memory plan checked, this
+    run's storage root (retries and `resume` read it back from the artifact) and how many
+    nodes its train step spans."""
+    check_inputs(flow.config, schema)
     root = storage_root(flow, flow.config.run.dir)
     nodes = int(flow.config.run.num_nodes)
     print(f"storage: {root}; {nodes} node(s), {flow.config.run.num_workers} worker(s)")

@@ -36,7 +36,7 @@ class DistillFlow(FlowSpec):
     def start(self):
         """Fix this run's storage root; retries and `resume` read it back from here."""
         from _posttrain_flow import storage_and_nodes
-        self.storage_root, self.num_nodes = storage_and_nodes(self)
+        self.storage_root, self.num_nodes = storage_and_nodes(self, DISTILL_SCHEMA)
         self.next(self.prepare)
 
     @step

@@ -48,7 +48,7 @@ class GRPOFlow(FlowSpec):
     def start(self):
         """Fix the storage root and the starting checkpoint (recorded as lineage)."""
         from _posttrain_flow import check_inputs, storage_root
-        check_inputs(self.config)
+        check_inputs(self.config, GRPO_SCHEMA)
         self.storage_root = storage_root(self, self.config.run.dir)
         self.num_nodes = int(self.config.run.num_nodes)
         self.parent_run, self.base_model_uri = None, self.config.model.hf_dir

@@ -32,8 +32,8 @@ class PipelineFlow(FlowSpec):
     def start(self):
         """Fix the storage root of the whole chain."""
         from _posttrain_flow import check_inputs, storage_root
-        for config in (self.sft, self.grpo):
-            check_inputs(config)
+        for config, schema in ((self.sft, SFT_SCHEMA), (self.grpo, GRPO_SCHEMA)):
+            check_inputs(config, schema)
         self.storage_root = storage_root(self, "runs/pipeline")
         print(f"storage: {self.storage_root}")
         self.next(self.train_sft)

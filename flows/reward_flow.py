@@ -30,7 +30,7 @@ class RewardFlow(FlowSpec):
     def start(self):
         """Fix this run's storage root; retries and `resume` read it back from here."""
         from _posttrain_flow import storage_and_nodes
-        self.storage_root, self.num_nodes = storage_and_nodes(self)
+        self.storage_root, self.num_nodes = storage_and_nodes(self, REWARD_SCHEMA)
         self.next(self.prepare)
 
     @step

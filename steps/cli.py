@@ -8,6 +8,7 @@
     posttrain train-grpo --config configs/grpo/tiny.yaml
     posttrain train-sequence --config configs/sequence/tiny.yaml
     posttrain verify-model --hf-dir path/to/model
+    posttrain plan --config configs/sft/qwen3_0p6b_lora_1gpu.yaml --gpu h100-80g [--json]
     posttrain evaluate --suite configs/eval/tiny.yaml --model DIR --baseline DIR
     posttrain evaluate --recipe dpo --config configs/dpo/tiny.yaml --model DIR --baseline DIR
     posttrain lineage GRPOFlow/1733000000000000
@@ -61,6 +62,11 @@ def _train_sequence(args: argparse.Namespace) -> int:
     return train_sequence.main(args)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from steps import plan
+    return plan.main(args)
+
+
 def _lineage(args: argparse.Namespace) -> int:
     from steps import lineage
     return lineage.main(args)
@@ -93,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
         r = sub.add_parser(name, help=f"{text} on Ray trainer workers")
         add_arguments(r)
         r.set_defaults(func=func)
+    from steps import plan
+    m = sub.add_parser("plan", help="per-rank memory by part, predicted peak, FLOPs per step")
+    plan.add_arguments(m)
+    m.set_defaults(func=_plan)
     from steps import lineage
     g = sub.add_parser("lineage", help="the runs, datasets, configs and code behind a run")
     lineage.add_arguments(g)

@@ -67,9 +67,18 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024
 
 
 def peak_memory_bytes(device: torch.device | None = None) -> int:
-    """Peak accelerator memory on CUDA, else the process's peak resident set size."""
+    """Peak accelerator memory on CUDA, else the process's peak resident set size: Linux's
+    VmHWM, which starts afresh at exec, where ru_maxrss keeps the high-water mark of the
+    process that forked it (a trainer started by a large parent would report the parent's)."""
     if device is not None and device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 

@@ -81,8 +81,17 @@ class RunConfig:
     launcher: Literal["ray", "inline"] = "ray"
     num_nodes: int = 1                        # machines (Metaflow @metaflow_ray num_parallel)
     tensorboard_dir: str | None = None        # also mirror metrics.jsonl as TensorBoard events
+    # the GPU kind each worker gets (h100-80g, h200, a100-40g, ...: `posttrain.plan.devices`):
+    # the memory plan is checked against it when a flow starts
+    gpu: str | None = None
+    # what a flow's start does when the memory plan does not fit (`posttrain.plan.check`):
+    # error (stop, naming the part and the knobs), warn (log and go on), off (no plan)
+    plan_check: Literal["error", "warn", "off"] = "error"
 
     def __post_init__(self) -> None:
+        if self.gpu is not None:
+            from posttrain.plan.devices import gpu_bytes
+            gpu_bytes(self.gpu)
         if self.num_workers < 1:
             raise ValueError("run.num_workers must be at least 1")
         if self.num_nodes < 1:
