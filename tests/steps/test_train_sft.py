@@ -9,16 +9,20 @@ a checkpoint after every step):
   (the chaos test); a 1-worker checkpoint
   resumed on 2 Ray workers trains the same global batches (losses within 1e-5);
 - a corrupted newest checkpoint is refused with a warning naming it, and the previous one used;
+- a checkpoint save on a full disk fails the run naming the checkpoint and the bytes it needs,
+  and the restart resumes from the checkpoint before it, bit-identical;
 - the exported HF checkpoint (full, merged LoRA, PEFT adapter) gives the native model's logits;
 - the loss falls; a bad config fails with a ConfigError that names the key.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -256,6 +260,65 @@ def test_sigkill_and_restart_gives_bit_identical_weights(tiny, kills):
     assert sorted(got) == list(range(1, MAX_STEPS + 1))
     assert [got[s]["loss"] for s in range(1, MAX_STEPS + 1)] == \
         [m["loss"] for m in tiny.ref_metrics]
+
+
+@contextlib.contextmanager
+def _small_disk(path: Path, size: int):
+    """A tmpfs of `size` bytes at `path`, yielding a function that regrows it (keeping its
+    files), or None where mounting is not allowed (no root, no CAP_SYS_ADMIN)."""
+    path.mkdir(parents=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                           capture_output=True)
+    if mount.returncode:
+        yield None
+        return
+    try:
+        yield lambda new: subprocess.run(
+            ["mount", "-o", f"remount,size={new}", str(path)], check=True)
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_checkpoint_save_on_a_full_disk_fails_naming_path_and_bytes_then_resumes(tiny):
+    """The checkpoints live on a tmpfs with room for two and a half: the save of checkpoint
+    3 hits a real ENOSPC in DCP's shard write (where mounting is not allowed, fault_at.py
+    raises it there), the run fails with a message naming the checkpoint and the bytes it
+    needs (the previous checkpoint's size, which is the reference's), checkpoint 2 stays the
+    newest, and once there is room the restart resumes from it and ends bit-identical.
+    Catches a traceback in place of the message, a torn attempt taken for a checkpoint or
+    left filling the disk, and a wrong size."""
+    run_dir, full_step = tiny.tmp / "full_disk", 3
+    files = [p for p in (tiny.ref_dir / "checkpoints" / "step-00000001").rglob("*")
+             if p.is_file()]
+    pages = sum(-(-p.stat().st_size // 4096) * 4096 for p in files)
+    with _small_disk(run_dir / "checkpoints", 2 * pages + pages // 2) as regrow:
+        if regrow is None:
+            proc = _run_with_fault(tiny, run_dir, "enospc", f"save/dcp:{full_step}")
+        else:
+            proc = subprocess.run(
+                [sys.executable, "-m", "steps.train_sft", "--config", str(tiny.config),
+                 "--run-dir", str(run_dir), "--launcher", "inline", "--no-progress"],
+                cwd=ROOT, capture_output=True, timeout=300)
+        stderr = proc.stderr.decode()
+        assert proc.returncode == 2, stderr[-3000:]
+        error = stderr[stderr.index("posttrain train-sft: error: "):]
+        print(f"{'tmpfs' if regrow else 'injected'}: {error}")
+        assert "Traceback" not in stderr
+        final = run_dir / "checkpoints" / f"step-{full_step:08d}"
+        assert f"checkpoint {final} could not be saved: [Errno 28] No space left on device" \
+            in error
+        needed = int(re.search(r"needs about ([\d,]+) bytes", error)[1].replace(",", ""))
+        previous = run_dir / "checkpoints" / f"step-{full_step - 1:08d}"
+        assert needed == sum(p.stat().st_size for p in previous.rglob("*") if p.is_file())
+        assert f"resumes from the previous checkpoint, {previous}" in error
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == \
+            [f"step-{s:08d}" for s in range(1, full_step)]
+        if regrow is not None:
+            regrow(200 << 20)
+        _run_to_end(tiny.config, run_dir)
+        result = json.loads((run_dir / "result.json").read_text())
+        assert (result["started_at_step"], result["steps"]) == (full_step - 1, MAX_STEPS)
+        assert _safetensors(run_dir / "hf") == _safetensors(tiny.ref_dir / "hf")
 
 
 def test_resume_one_worker_checkpoint_on_two_ray_workers(tiny, local_ray):
