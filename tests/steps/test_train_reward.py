@@ -4,27 +4,33 @@ Proves: the scalar-head model trained with Bradley-Terry beats chance on held-ou
 trainer and through the exported artifact); the export is an HF causal LM body plus
 `reward_head.safetensors` / `reward_head.json`; `load_reward_model` gives a
 `score(prompt_messages, completion_text) -> float` callable whose scores equal the trainer's
-rewards for the same sequences.
+rewards for the same sequences; a run SIGKILLed after a checkpoint and started again ends with
+the uninterrupted run's losses and byte-identical body and head.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from posttrain.config.loader import build
-from posttrain.train.reward import RewardConfig, last_response_index, load_reward_model
-from steps import train_reward
+from posttrain.train.reward import last_response_index, load_reward_model
 
+from .conftest import run_and_kill, run_to_end, safetensors
 from .golden import check_golden
+
+_run_to_end = partial(run_to_end, "steps.train_reward")
+_run_and_kill = partial(run_and_kill, "steps.train_reward")
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow          # a module fixture trains the reference runs
 TRAIN_PAIRS, EVAL_PAIRS = 300, 60
+MAX_STEPS, KILL_STEP = 30, 15
 
 CONFIG = {
     "run": {"num_workers": 1, "launcher": "inline"},
@@ -36,35 +42,60 @@ CONFIG = {
                                      "num_key_value_heads": 2, "head_dim": 16,
                                      "tie_word_embeddings": False}},
               "dtype": "float32"},
-    "train": {"max_steps": 30, "tokens_per_step": 1024,
+    "train": {"max_steps": MAX_STEPS, "tokens_per_step": 1024,
               "loader": {"format": "preference",
                          "packing": {"max_tokens_per_pack": 256, "buffer_samples": 16},
                          "rows_per_batch": 1, "shuffle_buffer_samples": 64, "seed": 0,
                          "epochs": 3},
               "optimizer": {"lr": 0.003, "weight_decay": 0.0, "betas": [0.9, 0.95]},
               "scheduler": {"kind": "constant", "warmup_steps": 0},
-              "checkpoint_every_steps": 100, "seed": 0},
+              "checkpoint_every_steps": 5, "seed": 0},
     "eval": {"max_batches": 100},
 }
 
 
+def _losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
+    """The uninterrupted reference run (a subprocess, as the SIGKILL test's runs): the tmp
+    directory and its result.json."""
     tmp = tmp_path_factory.mktemp("reward")
     for split, rows in (("train", TRAIN_PAIRS), ("eval", EVAL_PAIRS)):
         lines = (ROOT / "assets/data/preference" / f"{split}.jsonl").read_text().splitlines()
         (tmp / f"{split}.jsonl").write_text("\n".join(lines[:rows]) + "\n")
     cfg = json.loads(json.dumps(CONFIG))
-    cfg["run"]["dir"] = str(tmp / "run")
+    cfg["run"]["dir"] = str(tmp / "unused")
     cfg["data"]["train"] = [{"name": "pairs", "path": str(tmp / "train.jsonl")}]
     cfg["data"]["eval"] = [{"name": "pairs", "path": str(tmp / "eval.jsonl")}]
-    return tmp, train_reward.run(build(RewardConfig, cfg), show_progress=False)
+    (tmp / "reward.yaml").write_text(yaml.safe_dump(cfg))
+    _run_to_end(tmp / "reward.yaml", tmp / "run")
+    return tmp, json.loads((tmp / "run" / "result.json").read_text())
 
 
 def test_first_losses_match_the_golden_values(trained):
     tmp, _ = trained
-    rows = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
-    check_golden("reward", [r["loss"] for r in rows if "loss" in r])
+    check_golden("reward", _losses(tmp / "run"))
+
+
+def test_sigkill_and_restart_gives_bit_identical_weights(trained):
+    """Killed right after checkpoint KILL_STEP and started again, the run ends with the
+    reference's losses and byte-identical safetensors, the reward head's included: catches
+    reward-model state a checkpoint misses (the head's weights or optimizer state, the
+    pair loader's position) or a head re-initialized on resume."""
+    tmp, _ = trained
+    run_dir = tmp / "killed"
+    _run_and_kill(tmp / "reward.yaml", run_dir, KILL_STEP)
+    _run_to_end(tmp / "reward.yaml", run_dir)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert (result["started_at_step"], result["steps"]) == (KILL_STEP, MAX_STEPS)
+    got = safetensors(run_dir / "hf")
+    assert "reward_head.safetensors" in got
+    assert got == safetensors(tmp / "run" / "hf")
+    assert _losses(run_dir) == _losses(tmp / "run")
 
 
 def test_reward_model_beats_chance_on_held_out_pairs(trained):

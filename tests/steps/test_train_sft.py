@@ -4,18 +4,25 @@ What is proved here, against one uninterrupted reference run (a subprocess, 1 in
 a checkpoint after every step):
 - 2 Ray workers (FSDP2 over gloo) follow it: per-step losses within 1e-5, weights within 1e-5;
 - SIGKILL + restart gives bit-identical exported weights, killed mid-epoch, at the checkpoint
-  where the loader's shard reader crossed into epoch 2, and killed twice; a 1-worker checkpoint
+  where the loader's shard reader crossed into epoch 2, and killed twice; killed at 6 seeded
+  points over data loading, forward, optimizer step and checkpoint save, restarted after each
+  (the chaos test); a 1-worker checkpoint
   resumed on 2 Ray workers trains the same global batches (losses within 1e-5);
 - a corrupted newest checkpoint is refused with a warning naming it, and the previous one used;
+- a checkpoint save on a full disk fails the run naming the checkpoint and the bytes it needs,
+  and the restart resumes from the checkpoint before it, bit-identical;
 - the exported HF checkpoint (full, merged LoRA, PEFT adapter) gives the native model's logits;
 - the loss falls; a bad config fails with a ConfigError that names the key.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import random
+import re
 import shutil
 import signal
 import subprocess
@@ -102,6 +109,16 @@ def _epoch(run_dir: Path, step: int) -> int:
 
 
 
+def _run_with_fault(tiny: Tiny, run_dir: Path, fault: str, at: str,
+                    marker: Path | None = None) -> subprocess.CompletedProcess:
+    """The CLI of a run with one fault (tests/steps/fault_at.py: FAULT POINT:N MARKER)."""
+    marker = marker or run_dir.with_suffix(".faults")
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tests/steps/fault_at.py"), fault, at, str(marker),
+         "steps.train_sft", "--config", str(tiny.config), "--run-dir", str(run_dir),
+         "--launcher", "inline", "--no-progress"], cwd=ROOT, capture_output=True, timeout=300)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Tiny:
     tmp = tmp_path_factory.mktemp("sft")
@@ -149,13 +166,10 @@ def test_two_ray_workers_match_one_inline_worker(tiny, local_ray):
                                    "commit"])
 def test_sigkill_inside_a_checkpoint_save_resumes_from_the_previous_one(tiny, point):
     """SIGKILL at a point inside the save of checkpoint MID_EPOCH_STEP (tests/steps/
-    kill_in_save.py): the torn attempt is never loaded, the restart continues from the
+    fault_at.py): the torn attempt is never loaded, the restart continues from the
     checkpoint before it and ends bit-identical to the uninterrupted run."""
     run_dir = tiny.tmp / f"torn_{point}"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/steps/kill_in_save.py"), str(MID_EPOCH_STEP), point,
-         "steps.train_sft", "--config", str(tiny.config), "--run-dir", str(run_dir),
-         "--launcher", "inline", "--no-progress"], cwd=ROOT, capture_output=True, timeout=300)
+    proc = _run_with_fault(tiny, run_dir, "kill", f"save/{point}:{MID_EPOCH_STEP}")
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-3000:]
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     complete = [n for n in names if ".tmp-" not in n]
@@ -165,6 +179,66 @@ def test_sigkill_inside_a_checkpoint_save_resumes_from_the_previous_one(tiny, po
     result = json.loads((run_dir / "result.json").read_text())
     assert (result["started_at_step"], result["steps"]) == (MID_EPOCH_STEP - 1, MAX_STEPS)
     assert _safetensors(run_dir / "hf") == _safetensors(tiny.ref_dir / "hf")
+
+
+CHAOS_SEED, CHAOS_KILLS = 0, 6
+SAVE_PARTS = ("dcp", "rank-00000.json", "meta.json", "manifest.json", "commit")
+
+
+def chaos_plan(seed: int, kills: int, max_steps: int, micro_batches: int
+               ) -> list[tuple[str, int, int]]:
+    """`kills` (point, step, micro-batch) triples: every kind (load, forward, optimizer,
+    save/<part>) at least once, in seeded order; kill i at a seeded step of the i-th of
+    `kills` equal slices of the run, so the kills spread over it (and over the epoch
+    boundary), and for load and forward at a seeded micro-batch of that step (1-based)."""
+    rng = random.Random(seed)
+    kinds = ["load", "forward", "optimizer", "save"]
+    kinds += [rng.choice(kinds) for _ in range(kills - len(kinds))]
+    rng.shuffle(kinds)
+    bounds = [round(i * max_steps / kills) for i in range(kills + 1)]
+    plan = []
+    for i, kind in enumerate(kinds):
+        point = f"save/{rng.choice(SAVE_PARTS)}" if kind == "save" else kind
+        plan.append((point, rng.randint(bounds[i] + 1, bounds[i + 1]),
+                     rng.randint(1, micro_batches)))
+    return plan
+
+
+def test_chaos_sigkill_at_seeded_points_each_restart_resumes_and_ends_byte_identical(tiny):
+    """A run SIGKILLed CHAOS_KILLS times, at seeded points in data loading, forward, optimizer
+    step and checkpoint save (tests/steps/fault_at.py), rerun after each kill as a user would:
+    every kill lands where planned (its marker names the point and the engine's step, which
+    also shows the restart before it resumed from the right checkpoint), and the last run ends
+    with the reference's losses and byte-identical safetensors. Catches state a checkpoint
+    misses or restores wrongly (loader position, optimizer, scheduler, RNG, step), a torn save
+    taken for a checkpoint, and what only shows after several resumes in a row (metrics,
+    leftovers of dead attempts)."""
+    run_dir, marker = tiny.tmp / "chaos", tiny.tmp / "chaos.faults"
+    g = 4                                    # micro-batches per step (CONFIG's tokens_per_step)
+    plan = chaos_plan(CHAOS_SEED, CHAOS_KILLS, MAX_STEPS, g)
+    start = 0                                # the step each run resumes from
+    for point, step, micro in plan:
+        # the N-th visit of `point` in this process that lands in step `step`
+        if point in ("load", "forward"):
+            n, engine_step = (step - start - 1) * g + micro, step - 1
+        elif point == "optimizer":
+            n, engine_step = step - start, step - 1
+        else:
+            n, engine_step = step - start, step      # the save of checkpoint `step`
+        proc = _run_with_fault(tiny, run_dir, "kill", f"{point}:{n}", marker)
+        assert proc.returncode == -signal.SIGKILL, (point, n, proc.stderr.decode()[-3000:])
+        hit = json.loads(marker.read_text().splitlines()[-1])
+        assert (hit["point"], hit["n"], hit["step"]) == (point, n, engine_step), (plan, hit)
+        start = step - 1                     # the checkpoint before `step` (its save was cut)
+    assert len(marker.read_text().splitlines()) == CHAOS_KILLS
+    _run_to_end(tiny.config, run_dir)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert (result["started_at_step"], result["steps"]) == (start, MAX_STEPS)
+    assert _safetensors(run_dir / "hf") == _safetensors(tiny.ref_dir / "hf")
+    got = tiny.metrics(run_dir)
+    assert [got[s]["loss"] for s in range(1, MAX_STEPS + 1)] == \
+        [m["loss"] for m in tiny.ref_metrics]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if ".tmp-" in p.name]
 
 
 @pytest.mark.parametrize("kills", ["mid_epoch", "epoch_boundary", "mid_epoch_then_boundary"])
@@ -186,6 +260,65 @@ def test_sigkill_and_restart_gives_bit_identical_weights(tiny, kills):
     assert sorted(got) == list(range(1, MAX_STEPS + 1))
     assert [got[s]["loss"] for s in range(1, MAX_STEPS + 1)] == \
         [m["loss"] for m in tiny.ref_metrics]
+
+
+@contextlib.contextmanager
+def _small_disk(path: Path, size: int):
+    """A tmpfs of `size` bytes at `path`, yielding a function that regrows it (keeping its
+    files), or None where mounting is not allowed (no root, no CAP_SYS_ADMIN)."""
+    path.mkdir(parents=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                           capture_output=True)
+    if mount.returncode:
+        yield None
+        return
+    try:
+        yield lambda new: subprocess.run(
+            ["mount", "-o", f"remount,size={new}", str(path)], check=True)
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_checkpoint_save_on_a_full_disk_fails_naming_path_and_bytes_then_resumes(tiny):
+    """The checkpoints live on a tmpfs with room for two and a half: the save of checkpoint
+    3 hits a real ENOSPC in DCP's shard write (where mounting is not allowed, fault_at.py
+    raises it there), the run fails with a message naming the checkpoint and the bytes it
+    needs (the previous checkpoint's size, which is the reference's), checkpoint 2 stays the
+    newest, and once there is room the restart resumes from it and ends bit-identical.
+    Catches a traceback in place of the message, a torn attempt taken for a checkpoint or
+    left filling the disk, and a wrong size."""
+    run_dir, full_step = tiny.tmp / "full_disk", 3
+    files = [p for p in (tiny.ref_dir / "checkpoints" / "step-00000001").rglob("*")
+             if p.is_file()]
+    pages = sum(-(-p.stat().st_size // 4096) * 4096 for p in files)
+    with _small_disk(run_dir / "checkpoints", 2 * pages + pages // 2) as regrow:
+        if regrow is None:
+            proc = _run_with_fault(tiny, run_dir, "enospc", f"save/dcp:{full_step}")
+        else:
+            proc = subprocess.run(
+                [sys.executable, "-m", "steps.train_sft", "--config", str(tiny.config),
+                 "--run-dir", str(run_dir), "--launcher", "inline", "--no-progress"],
+                cwd=ROOT, capture_output=True, timeout=300)
+        stderr = proc.stderr.decode()
+        assert proc.returncode == 2, stderr[-3000:]
+        error = stderr[stderr.index("posttrain train-sft: error: "):]
+        print(f"{'tmpfs' if regrow else 'injected'}: {error}")
+        assert "Traceback" not in stderr
+        final = run_dir / "checkpoints" / f"step-{full_step:08d}"
+        assert f"checkpoint {final} could not be saved: [Errno 28] No space left on device" \
+            in error
+        needed = int(re.search(r"needs about ([\d,]+) bytes", error)[1].replace(",", ""))
+        previous = run_dir / "checkpoints" / f"step-{full_step - 1:08d}"
+        assert needed == sum(p.stat().st_size for p in previous.rglob("*") if p.is_file())
+        assert f"resumes from the previous checkpoint, {previous}" in error
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == \
+            [f"step-{s:08d}" for s in range(1, full_step)]
+        if regrow is not None:
+            regrow(200 << 20)
+        _run_to_end(tiny.config, run_dir)
+        result = json.loads((run_dir / "result.json").read_text())
+        assert (result["started_at_step"], result["steps"]) == (full_step - 1, MAX_STEPS)
+        assert _safetensors(run_dir / "hf") == _safetensors(tiny.ref_dir / "hf")
 
 
 def test_resume_one_worker_checkpoint_on_two_ray_workers(tiny, local_ray):

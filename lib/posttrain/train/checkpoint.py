@@ -32,6 +32,17 @@ a complete checkpoint replaces it, and a crash in that window loses that step, n
 DCP writes to s3 directly through its fsspec writer,
 so no local staging copy (and no local disk the size of a shard) is needed.
 
+A full disk. A save that runs out of space (ENOSPC, or EDQUOT: a quota) anywhere (DCP's shard
+or index, a JSON file, the manifest, the commit rename) fails on every rank with a
+`CheckpointError` that names the checkpoint, the file being written and the bytes the save
+needs: the size of the previous checkpoint (its manifest's file sizes; the same model and
+optimizer write the same shapes), or where there is none, or it is smaller, the sum over ranks
+of the tensors' bytes each writes (its shards of the model and optimizer state) and of the JSON
+files, which leaves out DCP's index and per-tensor headers (about 6% of a tiny model's
+checkpoint). The partial attempt is removed (it is never loaded either
+way, having no manifest or no final name), so the space it took is free again, and the message
+says how much is free and which checkpoint a restart resumes from: the previous one, untouched.
+
 Loading picks the newest checkpoint whose files match its manifest; a damaged newest checkpoint
 is reported with a warning that names the file, and the previous one is used.
 
@@ -50,11 +61,14 @@ first load with ``weights_only=True``; both files are also checked against the m
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import re
 import secrets
+import shutil
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -95,6 +109,7 @@ _META = "meta.json"
 _DCP = "dcp"
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 _TMP_RE = re.compile(r"^step-\d{8}\.tmp-.+$")
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass(frozen=True)
@@ -297,13 +312,26 @@ class CheckpointManager:
         self._barrier()
 
         state = self._state_dict(model, optimizer, self.cfg.save_frozen)
-        self._dcp(f"{work}/{_DCP}", lambda: dcp.save(
-            state, storage_writer=self._store.dcp_writer(f"{work}/{_DCP}"),
-            no_dist=self.world_size == 1))
-        _write_file(self._store, f"{work}/{_rank_file(self.rank)}", rank_blob)
-        if self.rank == 0:
-            _write_file(self._store, f"{work}/{_META}", meta_blob)
-        self._barrier()
+        writing = f"{work}/{_DCP}"
+        try:
+            self._dcp(writing, lambda: dcp.save(
+                state, storage_writer=self._store.dcp_writer(f"{work}/{_DCP}"),
+                no_dist=self.world_size == 1))
+            writing = f"{work}/{_rank_file(self.rank)}"
+            _write_file(self._store, writing, rank_blob)
+            if self.rank == 0:
+                writing = f"{work}/{_META}"
+                _write_file(self._store, writing, meta_blob)
+            full = None
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            if (cause := _no_space(e)) is None:
+                raise
+            full = (self._store.uri(writing), str(cause))
+        # In place of a barrier: a full disk on any rank fails them all, with the save's size.
+        outcomes = self._gather((full, _tensor_bytes(state) + len(rank_blob) + len(meta_blob)))
+        needed = sum(size for _, size in outcomes)
+        if fulls := [f for f, _ in outcomes if f]:
+            self._fail_no_space(step, work, fulls[0], needed)
 
         # Each rank hashes a share of the files, so no rank reads the whole checkpoint.
         names = [n for n in self._store.files(work) if n != _MANIFEST]
@@ -316,11 +344,53 @@ class CheckpointManager:
             assert sorted(files) == names, "every file must be hashed by exactly one rank"
             manifest = {"format": _FORMAT, "step": step, "world_size": self.world_size,
                         "files": files}
-            _write_file(self._store, f"{work}/{_MANIFEST}", _to_json(manifest, "manifest"))
-            self._store.commit(work, final, nonce)
-            self._prune()
-        self._barrier()
+            writing = f"{work}/{_MANIFEST}"
+            try:
+                _write_file(self._store, writing, _to_json(manifest, "manifest"))
+                writing = final
+                self._store.commit(work, final, nonce)
+            except OSError as e:
+                if (cause := _no_space(e)) is None:
+                    raise
+                full = (self._store.uri(writing), str(cause))
+            else:
+                self._prune()
+        if full := self._gather(full)[0]:        # rank 0's outcome, in place of a barrier
+            self._fail_no_space(step, work, full, needed)
         return self._store.uri(final)
+
+    def _fail_no_space(self, step: int, work: str, full: tuple[str, str], needed: int) -> None:
+        """Remove the attempt at `step` (rank 0) and raise on every rank, naming the checkpoint,
+        the file being written (`full`: where, the OS's error) and the bytes the save needs."""
+        if self.rank == 0:
+            with contextlib.suppress(OSError, CheckpointError):
+                self._store.remove_tree(work)
+        self._barrier()
+        where, why = full
+        free = ""
+        if not self._store.remote:
+            free = (f"; {shutil.disk_usage(self._store.root).free:,} bytes are free there now, "
+                    "with the partial attempt removed")
+        previous = self.latest()
+        resume = (f"the previous checkpoint, {previous.path}, which is untouched"
+                  if previous else "the start: no checkpoint has been saved yet")
+        basis = "its tensors and state files; DCP's index adds a little"
+        if previous and (size := self._size_of(previous.path)) and size >= needed:
+            needed, basis = size, "the size of the previous checkpoint"
+        raise CheckpointError(
+            f"checkpoint {self._store.uri(self._store.join(_step_name(step)))} could not be "
+            f"saved: {why} (writing {where}). The save needs about {needed:,} bytes "
+            f"({_readable(needed)}: {basis}){free}. Free that much space (or point the run at "
+            f"a larger disk) and start the run again: it resumes from {resume}.")
+
+    def _size_of(self, path: str) -> int | None:
+        """The bytes of a complete checkpoint: its manifest's file sizes and the manifest."""
+        root = self._store.strip(path)
+        with contextlib.suppress(CheckpointError, OSError):
+            files = self._read_manifest(root)
+            return sum(int(f["size"]) for f in files.values()) + \
+                self._store.size(f"{root}/{_MANIFEST}")
+        return None
 
     def _dcp(self, path: str, run: Callable[[], Any]) -> None:
         """A DCP save or load (`run`), run again as a whole after a transient error of the
@@ -531,6 +601,39 @@ class CheckpointManager:
             "world_size": saved_ws,
             "world_size_changed": changed,
         })
+
+
+def _no_space(error: BaseException) -> OSError | None:
+    """The out-of-space OSError (ENOSPC, EDQUOT) behind a failed write, or None: `error` itself,
+    one it was raised from, or DCP's wrapped failure of the lowest rank."""
+    seen: set[int] = set()
+    e: BaseException | None = dcp_failure(error)
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _NO_SPACE:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _tensor_bytes(state: Any) -> int:
+    """The bytes of the tensors in a (nested) state dict; a DTensor counts its local shard."""
+    if isinstance(state, DTensor):
+        state = state.to_local()
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in state)
+    return 0
+
+
+def _readable(n: int) -> str:
+    for unit, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if n >= unit:
+            return f"{n / unit:.1f} {name}"
+    return f"{n} bytes"
 
 
 def _write_file(store: Store, path: str, data: bytes) -> None:

@@ -1,15 +1,17 @@
-"""Single-process checkpoints: exact resume, pruning, crash safety, damage fallback, s3, s3
-outages."""
+"""Single-process checkpoints: exact resume, pruning, crash safety, a full disk, damage
+fallback, s3, s3 outages."""
 
 from __future__ import annotations
 
 import copy
+import errno
 import io
 import json
 import logging
 import os
 import pickle
 import random
+import re
 import time
 
 import numpy as np
@@ -250,6 +252,58 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, cras
 
     mgr.save(3, model, opt, scheduler=sched)  # the next good save clears the dead attempt
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-00000001", "step-00000003"]
+
+
+@pytest.mark.parametrize("full_at", ["__0_0.distcp", ".metadata", "rank-00000.json",
+                                     "meta.json", "manifest.json", "commit"])
+def test_save_on_a_full_disk_fails_naming_path_and_bytes_and_keeps_the_previous(
+        tmp_path, monkeypatch, full_at):
+    """The disk fills up at one point of a save (ENOSPC from fsync, where a full disk reports
+    delayed writes, or from the commit rename): the save fails with a CheckpointError naming
+    the checkpoint, the file and the bytes it needs, the partial attempt is removed and the
+    previous checkpoint loads bit-identically. Catches a raw OSError or DCP traceback in place
+    of the message, a torn attempt left (or taken) as a checkpoint, and a size estimate off."""
+    model, opt, sched = _setup()
+    mgr = _manager(tmp_path)
+    previous = mgr.save(1, model, opt, scheduler=sched, extra={"step": 1})
+    size = sum(p.stat().st_size for p in (tmp_path / "ckpt" / "step-00000001").rglob("*")
+               if p.is_file())
+    good = _snapshot(model, opt, sched)
+    _train(model, opt, sched, 1)
+
+    real_fsync, real_rename = os.fsync, os.rename
+    no_space = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if "step-00000002" in path and os.path.basename(path).startswith(full_at):
+            raise no_space
+        real_fsync(fd)
+
+    def rename(src, dst):
+        if full_at == "commit" and str(dst).endswith("step-00000002"):
+            raise no_space
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(CheckpointError) as err:
+        mgr.save(2, model, opt, scheduler=sched, extra={"step": 2})
+    monkeypatch.undo()
+
+    message = str(err.value)
+    assert f"checkpoint {tmp_path / 'ckpt' / 'step-00000002'} could not be saved" in message
+    assert "No space left on device" in message
+    # DCP's own files are named by its directory (an OSError from fsync names no file)
+    written = {"__0_0.distcp": "/dcp", ".metadata": "/dcp", "commit": "step-00000002"}.get(
+        full_at, full_at)
+    assert re.search(rf"\(writing [^)]*{re.escape(written)}\)", message), message
+    needed = int(re.search(r"needs about ([\d,]+) bytes", message)[1].replace(",", ""))
+    assert needed == size, (needed, size)                # the previous checkpoint's size
+    assert f"resumes from the previous checkpoint, {previous}" in message
+    assert os.listdir(tmp_path / "ckpt") == ["step-00000001"]    # the attempt removed
+    assert mgr.load(model, opt, scheduler=sched).meta["extra"] == {"step": 1}
+    _assert_same_tree(good, _snapshot(model, opt, sched))
 
 
 def _flip_byte(path):

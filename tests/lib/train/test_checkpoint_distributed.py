@@ -9,12 +9,15 @@ MASTER_PORT), once per rank and phase:
   (The frozen layer is not in the checkpoints; every load checks its fingerprint, computed
   over 2 shards or 1 plain tensor.)
 - resume (2 fresh ranks, different init): load, rerun steps 3-4 from the saved loader cursor;
-  then load the 1-rank checkpoint into fresh FSDP2 models (growing the world).
+  then load the 1-rank checkpoint into fresh FSDP2 models (growing the world); then save
+  twice more, rank 1's file of the second save hitting a full disk (ENOSPC): both ranks fail
+  with the same message, none waits for the other.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import socket
@@ -127,6 +130,7 @@ def _worker(phase: str, work: Path) -> None:
                                       world_size=world).load(model, opt, scheduler=sched)
             out["grow_meta"] = grown.meta
             states["grow"] = _full_state(model, opt, sched)
+            out["full_disk"] = _save_on_a_full_disk(work, model, opt, sched, rank, world)
         if phase == "reshard":  # and save as one process, for "grow"
             CheckpointManager(CheckpointConfig(dir=str(work / "ckpt-1rank"))).save(
                 SAVE_STEP, model, opt, scheduler=sched, extra={"from": "1 rank"},
@@ -135,6 +139,30 @@ def _worker(phase: str, work: Path) -> None:
     if rank == 0:
         torch.save(states, work / f"{phase}-state.pt")
     close_process_group()
+
+
+def _save_on_a_full_disk(work: Path, model, opt, sched, rank: int, world: int) -> str:
+    """Checkpoint 1, then checkpoint 2 with rank 1's rank file out of space: the error."""
+    from posttrain.train import checkpoint as ckpt_mod
+    from posttrain.train.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
+    mgr = CheckpointManager(CheckpointConfig(dir=str(work / "ckpt-full")), rank=rank,
+                            world_size=world)
+    mgr.save(1, model, opt, scheduler=sched)
+    real = ckpt_mod._write_file
+
+    def write(store, path, data):
+        if path.endswith(f"rank-{rank:05d}.json") and rank == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(store, path, data)
+
+    ckpt_mod._write_file = write
+    try:
+        mgr.save(2, model, opt, scheduler=sched)
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        ckpt_mod._write_file = real
+    return "saved"
 
 
 # --- the test ----------------------------------------------------------------------
@@ -214,6 +242,14 @@ def test_fsdp2_resume_and_reshard(tmp_path):
     assert all(g["grow_meta"]["world_size"] == 1 and g["grow_meta"]["world_size_changed"]
                for g in resumed)
     _assert_same(train_state["at_save"], resume_state["grow"])
+
+    # A full disk on rank 1 only: both ranks fail, naming rank 1's file; checkpoint 1 stays.
+    full = tmp_path / "ckpt-full"
+    for message in (r["full_disk"] for r in resumed):   # (each rank reads the free space)
+        assert f"checkpoint {full / 'step-00000002'} could not be saved: [Errno 28]" in message
+        assert "rank-00001.json)" in message
+        assert f"resumes from the previous checkpoint, {full / 'step-00000001'}" in message
+    assert os.listdir(full) == ["step-00000001"]
 
 
 def _load_states(work: Path, phase: str) -> dict:
