@@ -40,6 +40,20 @@ def test_wrong_pad_id_fails_in_the_parser():
         _parse()(yaml.safe_dump(data))
 
 
+def test_code_package_ships_the_recipe_and_its_data(sandbox):
+    """What a remote task needs: the recipe, its config and the bundled event data."""
+    import os
+    import subprocess
+    listed = subprocess.run([sys.executable, str(SEQUENCE_FLOW), "package", "list"], cwd=REPO,
+                            env={**os.environ, **sandbox.env}, capture_output=True, text=True,
+                            timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    for rel in ("flows/_posttrain_flow.py", "steps/train_sequence.py",
+                "lib/posttrain/train/sequence.py", "lib/posttrain/data/events.py",
+                "configs/sequence/tiny.yaml", "assets/data/events/train.jsonl"):
+        assert str(REPO / rel) in listed.stdout + listed.stderr, rel
+
+
 @pytest.mark.slow
 def test_sequence_flow_end_to_end(sandbox, monkeypatch):
     from metaflow import Run, Runner
