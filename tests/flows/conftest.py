@@ -239,10 +239,11 @@ def reference_export(sandbox: FlowSandbox, recipe: str, config: Path,
     import subprocess
     run_dir = sandbox.root / f"reference-{recipe}"
     extra = [a for key, value in (sets or {}).items() for a in ("--set", f"{key}={value}")]
+    # its own local Ray (with `launcher: ray`), never a cluster this process may have joined
+    env = {k: v for k, v in {**os.environ, **sandbox.env}.items() if k != "RAY_ADDRESS"}
     done = subprocess.run([sys.executable, "-m", f"steps.{recipe}", "--config", str(config),
                            "--run-dir", str(run_dir), "--no-progress", *extra], cwd=REPO,
-                          env={**os.environ, **sandbox.env}, capture_output=True, text=True,
-                          timeout=timeout_s)
+                          env=env, capture_output=True, text=True, timeout=timeout_s)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return run_dir / "hf"
 
