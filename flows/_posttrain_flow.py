@@ -252,8 +252,12 @@ def prepare_data(schema: str, config: Any, storage_root: str) -> Prepared:
     from steps import prepare
     cfg = build_config(schema, config)
     uri = join(storage_root, "prepared")
-    manifest = prepare.run(PrepareConfig(tokenizer=cfg.tokenizer, data=cfg.data,
-                                         output=OutputConfig(dir=uri)), show_progress=False)
+    output = OutputConfig(dir=uri)
+    # what the recipe prepares: its tokenizer and data, or what its `prepare_config` says
+    # (event sequences: a vocabulary and the labels of its heads), as `steps.common` does
+    pcfg = (cfg.prepare_config(output) if hasattr(cfg, "prepare_config") else
+            PrepareConfig(tokenizer=cfg.tokenizer, data=cfg.data, output=output))
+    manifest = prepare.run(pcfg, show_progress=False)
     print(prepare.summarize(manifest))
     paths = {(split, src.name or f"source{i}"): src.path if isinstance(src.path, str)
              else list(src.path)        # named as in steps.prepare
@@ -394,6 +398,27 @@ def evaluate_recipe(step_module: str, schema: str, config: Any, model_uri: str,
     records = {name: task["records"] for name, task in full["tasks"].items()}
     suite_card(card, full, records)
     return full
+
+
+def heldout_metrics(metrics: dict, model_uri: str, root: str, card: Any, *,
+                    provenance: dict | None = None) -> tuple[dict[str, float], str]:
+    """A recipe flow's evaluate step when the recipe has no evaluation suite (event
+    sequences): the held-out metrics its train step computed on `data.eval` with the weights
+    it exported, published as `root`/eval.json and drawn on `card` as a table. Returns the
+    numeric metrics and the URI."""
+    from metaflow import current
+    from metaflow.cards import Markdown, Table
+    values = {k: float(v) for k, v in sorted((metrics or {}).items())
+              if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if not values:
+        raise ValueError("the train step computed no held-out metrics: configure data.eval")
+    uri = publish_json({"model_uri": model_uri, "metrics": values,
+                        "provenance": {"model_uri": model_uri, **(provenance or {})}},
+                       join(root, "eval.json"))
+    card.append(Markdown(f"# Held-out evaluation: {current.flow_name}/{current.run_id}\n\n"
+                         f"model `{model_uri}`"))
+    card.append(Table([[k, round(v, 6)] for k, v in values.items()], headers=["metric", "value"]))
+    return values, uri
 
 
 def train_summary(result: dict, *extra: str) -> dict[str, Any]:

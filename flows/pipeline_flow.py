@@ -34,7 +34,8 @@ class PipelineFlow(FlowSpec):
         from _posttrain_flow import check_inputs, storage_root
         for config, schema in ((self.sft, SFT_SCHEMA), (self.grpo, GRPO_SCHEMA)):
             check_inputs(config, schema)
-        self.storage_root = storage_root(self, "runs/pipeline")
+        # under the SFT recipe's run.dir, keyed by flow and run (apart from SFTFlow's runs)
+        self.storage_root = storage_root(self, self.sft.run.dir)
         print(f"storage: {self.storage_root}")
         self.next(self.train_sft)
 
@@ -50,7 +51,8 @@ class PipelineFlow(FlowSpec):
         result = train_recipe("train_sft", SFT_SCHEMA, self.sft, self.sft_prepared_uri, root,
                               "train")
         self.sft_hf_uri = result["hf_uri"]
-        self.sft_result = {k: result.get(k) for k in ("steps", "final_loss", "eval")}
+        self.sft_result = {k: result.get(k) for k in (
+            "steps", "started_at_step", "final_loss", "eval")}
         self.next(self.train_grpo)
 
     @retry(times=1)
@@ -66,7 +68,8 @@ class PipelineFlow(FlowSpec):
                               root, "train", start_from=self.sft_hf_uri)
         self.hf_uri = result["hf_uri"]
         self.grpo_result = {k: result.get(k) for k in (
-            "steps", "final_reward_mean", "max_sync_diff", "baseline_eval", "eval")}
+            "steps", "started_at_step", "final_reward_mean", "max_sync_diff", "baseline_eval",
+            "eval")}
         self.next(self.evaluate)
 
     @card(type="blank", id="evaluation")

@@ -62,7 +62,8 @@ class RetrainFlow(FlowSpec):
         result = train_recipe("train_sft", SFT_SCHEMA, self.recipe, self.prepared_uri,
                               self.storage_root, "train")
         self.hf_uri = result["hf_uri"]
-        self.train_result = {k: result.get(k) for k in ("steps", "final_loss", "eval")}
+        self.train_result = {k: result.get(k) for k in ("steps", "started_at_step",
+                                                        "final_loss", "eval")}
         self.next(self.evaluate)
 
     @card(type="blank", id="promotion")

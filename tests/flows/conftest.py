@@ -177,3 +177,79 @@ def arithmetic_chain(tmp_path_factory) -> Chain:
             assert grpo.successful, grpo
     yield Chain(box, sft, sft_config, grpo, grpo_config)
     shutil.rmtree(box.ray_tmpdir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- kill and resume
+def _kill_strays(path: str) -> None:
+    """Ray daemons of a killed task (their own session; not in the run's process group)."""
+    import psutil
+    for line in ray_processes_under(path):
+        try:
+            psutil.Process(int(line.split(":")[0])).kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def run_and_kill(sandbox: FlowSandbox, flow_file: Path, configs: dict[str, Path], flow: str,
+                 checkpoints: str, step: int, timeout_s: float = 400) -> str:
+    """`python <flow_file> run` in its own process group, SIGKILLed (the Metaflow runtime, its
+    task and the task's Ray cluster: the machine died) once the train step has committed
+    checkpoint `step` under <run's storage root>/`checkpoints`; returns the killed run's id.
+
+    The run's storage root is <run.dir>/<flow>/<run id>, run.dir being the sandbox's `runs`;
+    runs of the flow that were there before do not count."""
+    import signal
+    import subprocess
+    import time
+    runs = sandbox.root / "runs" / flow
+    before = {p.name for p in runs.glob("*")}
+    args = [a for name, path in configs.items() for a in ("--config", name, str(path))]
+    with open(sandbox.root / "flow.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, str(flow_file), "--no-pylint", *args, "run"],
+                                cwd=REPO, env={**os.environ, **sandbox.env}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    pattern = f"*/{checkpoints}/checkpoints/step-{step:08d}/manifest.json"
+    while not (done := [p for p in runs.glob(pattern)
+                        if p.relative_to(runs).parts[0] not in before]):
+        assert proc.poll() is None, f"the run ended before checkpoint {step}: see flow.log"
+        assert time.monotonic() < deadline, f"no checkpoint {step} after {timeout_s} s"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    _kill_strays(sandbox.ray_tmpdir)
+    return done[0].relative_to(runs).parts[0]
+
+
+def resume(sandbox: FlowSandbox, flow_file: Path) -> tuple[Any, str]:
+    """`python <flow_file> resume` of the newest run (the killed one): the resumed run (a
+    client `Run`) and its output. `resume` takes no config: the origin run's is used."""
+    from metaflow import Runner
+    with Runner(str(flow_file), cwd=str(REPO), env=sandbox.env, show_output=False,
+                pylint=False) as runner:
+        executing = runner.resume()
+        return executing.run, executing.stdout
+
+
+def reference_export(sandbox: FlowSandbox, recipe: str, config: Path,
+                     sets: dict[str, str] | None = None, timeout_s: float = 400) -> Path:
+    """The export of an uninterrupted run of `steps.<recipe>` (the driver a flow's train step
+    calls through `train_recipe`) on `config`, run as `python -m steps.<recipe>`: the same
+    bytes as the flow's train step (same driver, data and seeds), without a Metaflow run."""
+    import subprocess
+    run_dir = sandbox.root / f"reference-{recipe}"
+    extra = [a for key, value in (sets or {}).items() for a in ("--set", f"{key}={value}")]
+    # its own local Ray (with `launcher: ray`), never a cluster this process may have joined
+    env = {k: v for k, v in {**os.environ, **sandbox.env}.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-m", f"steps.{recipe}", "--config", str(config),
+                           "--run-dir", str(run_dir), "--no-progress", *extra], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return run_dir / "hf"
+
+
+def safetensors(hf_dir: str | Path) -> dict[str, bytes]:
+    """The weight files of an export, by name."""
+    files = {p.name: p.read_bytes() for p in sorted(Path(hf_dir).glob("*.safetensors"))}
+    assert files, hf_dir
+    return files

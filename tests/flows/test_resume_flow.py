@@ -1,101 +1,109 @@
-"""`python flows/<sft|grpo>_flow.py resume` after the whole run was killed mid-training.
+"""`python flows/<x>_flow.py resume` after the whole run was killed mid-training, for every
+flow that trains (the retraining flow's case is in test_retrain_flow.py, where the resumed run
+is also the better candidate that takes the `promoted` tag).
 
 The run's process group (the Metaflow runtime, its train task and the task's Ray cluster) is
-SIGKILLed once the train step has committed checkpoint 2 (SFT: of 6 optimizer steps; GRPO:
-of 4 GRPO steps), so the run fails without its @retry. `resume` then clones the steps before
-it (their artifacts are reused, prepare does not run again), reruns the train step, which
-continues from the failed run's checkpoint 2 in the same storage root, and exports weights
-byte-identical to an uninterrupted run's; the lineage of the resumed run names its origin.
+SIGKILLed once the train step has committed checkpoint 2 (of 4 steps; SFT: of 6), so the run
+fails without its @retry. `resume` then clones the steps before the train step (their
+artifacts are reused: prepare, or the pipeline's SFT step, does not run again), reruns the
+train step, which continues from the killed run's checkpoint 2 in the same storage root, and
+exports weights byte-identical to an uninterrupted run's; the lineage of the resumed run names
+its origin.
+
+The uninterrupted run is the recipe's own driver (`python -m steps.<recipe>`, which the
+flow's train step calls through `train_recipe`) on the same config, not a second flow run: the
+same bytes (an uninterrupted DPO and sequence flow run exported exactly the driver's; SFT's
+and GRPO's, compared flow to flow before) for a fraction of the time. SFT trains on two Ray
+workers (the Ray launcher's resume), the other recipes inline on one (they share SFT's kernel;
+their multi-worker resume is tests/steps'): a case takes 30-50 s on two cores, SFT 85-90 s,
+the pipeline 50 s.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 
-from .conftest import GRPO_FLOW, REPO, SFT_FLOW, TINY_GRPO, TINY_SFT, ray_processes_under
+from .conftest import (ARITHMETIC_SFT, GRPO_FLOW, REPO, SFT_FLOW, TINY_GRPO, TINY_SFT,
+                       ray_processes_under, reference_export, resume, run_and_kill,
+                       safetensors)
 
 pytestmark = pytest.mark.slow
+INLINE = {"run.launcher": "inline", "run.num_workers": 1}
+FOUR_STEPS = {"train.max_steps": 4, "train.checkpoint_every_steps": 2}
+ARITHMETIC_MODEL = str(REPO / "tests/fixtures/arithmetic_sft")
+SHORT_GRPO = {**FOUR_STEPS, "train.prompts_per_step": 4, "train.samples_per_prompt": 4,
+              "train.mini_batches": 1, "eval.max_prompts": 4, "eval.num_records": 2}
 
 
 @dataclass
 class Case:
     flow_file: Path
-    flow: str                 # the flow class
-    train_step: str           # the step that trains (and checkpoints)
-    base: Path                # its config
-    changes: dict
-    steps: int
+    flow: str                     # the flow class
+    recipe: str                   # steps.<recipe>: the driver its train step runs
+    configs: dict[str, tuple[Path, dict]]     # Config name -> (base YAML, changes)
+    trained: str = "config"       # the Config the train step trains
+    train_step: str = "train"     # the step that trains (and checkpoints)
+    checkpoints: str = "train"    # its checkpoints: <storage root>/<this>/checkpoints
+    result: tuple[str, str] = ("join", "train_result")   # (step, artifact) of the summary
+    export: tuple[str, str] = ("join", "hf_uri")          # (step, artifact) of the export
+    start_from: tuple[str, str] | None = None  # (step, artifact): the model it started from
+    steps: int = 4
+
+
+def _flow(name: str) -> Path:
+    return REPO / "flows" / f"{name}_flow.py"
+
+
+def _config(name: str) -> Path:
+    return REPO / "configs" / name / "tiny.yaml"
 
 
 CASES = {
-    "sft": Case(SFT_FLOW, "SFTFlow", "train", TINY_SFT, {
+    "sft": Case(SFT_FLOW, "SFTFlow", "train_sft", {"config": (TINY_SFT, {
         "train.max_steps": 6, "train.checkpoint_every_steps": 2, "eval.max_batches": 2,
-        "eval.generate": {"num_samples": 1, "max_new_tokens": 4}}, 6),
-    "grpo": Case(GRPO_FLOW, "GRPOFlow", "grpo", TINY_GRPO, {
-        "model.hf_dir": str(REPO / "tests/fixtures/arithmetic_sft"),
-        "train.max_steps": 4, "train.checkpoint_every_steps": 2, "train.prompts_per_step": 4,
-        "train.samples_per_prompt": 4, "train.mini_batches": 1, "eval.max_prompts": 4, "eval.num_records": 2}, 4),
+        "eval.generate": {"num_samples": 1, "max_new_tokens": 4}})}, steps=6),
+    "dpo": Case(_flow("dpo"), "DPOFlow", "train_dpo", {"config": (_config("dpo"), {
+        **INLINE, **FOUR_STEPS, "eval.max_batches": 2})}),
+    "reward": Case(_flow("reward"), "RewardFlow", "train_reward", {"config": (
+        _config("reward"), {**INLINE, **FOUR_STEPS, "eval.max_batches": 2})},
+        export=("join", "model_uri")),
+    "distill": Case(_flow("distill"), "DistillFlow", "train_distill", {"config": (
+        _config("distill"), {
+            **INLINE, **FOUR_STEPS, "eval.max_batches": 2, "train.tokens_per_step": 2048,
+            "data.train": [{"name": "chat", "path": "assets/data/chat/train.jsonl"}],
+            "data.eval": [{"name": "chat", "path": "assets/data/chat/eval.jsonl"}],
+            "train.loader.epochs": 1})},
+        train_step="distill", checkpoints="distill", result=("join", "distill_result")),
+    "sequence": Case(_flow("sequence"), "SequenceFlow", "train_sequence", {"config": (
+        _config("sequence"), {**FOUR_STEPS, "eval.max_batches": 2})}),
+    "grpo": Case(GRPO_FLOW, "GRPOFlow", "train_grpo", {"config": (TINY_GRPO, {
+        "model.hf_dir": ARITHMETIC_MODEL, **SHORT_GRPO})},
+        train_step="grpo", checkpoints="grpo"),
+    # the pipeline's GRPO step is killed: its SFT step (trained before) is cloned, and GRPO
+    # continues from the SFT export of the killed run
+    "pipeline": Case(_flow("pipeline"), "PipelineFlow", "train_grpo", {
+        "sft": (ARITHMETIC_SFT, {"train.max_steps": 4, "eval.max_batches": 1,
+                                 "eval.generate": {"num_samples": 1, "max_new_tokens": 4}}),
+        "grpo": (TINY_GRPO, SHORT_GRPO),
+        "suite": (REPO / "configs/eval/tiny.yaml", {})},
+        trained="grpo", train_step="train_grpo", checkpoints="grpo/train",
+        result=("train_grpo", "grpo_result"), export=("train_grpo", "hf_uri"),
+        start_from=("train_sft", "sft_hf_uri")),
 }
 
 
-def _flow(sandbox, case: Case, config: Path, *args: str) -> subprocess.Popen:
-    """The flow's command line in its own process group, logging to the sandbox."""
-    with open(sandbox.root / "flow.log", "ab") as log:
-        return subprocess.Popen(
-            [sys.executable, str(case.flow_file), "--no-pylint", "--config", "config",
-             str(config), *args], cwd=REPO, env={**os.environ, **sandbox.env}, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _checkpoints(sandbox, case: Case, step: int) -> list[Path]:
-    return list((sandbox.root / "runs" / case.flow).glob(
-        f"*/{case.train_step}/checkpoints/step-{step:08d}"))
-
-
-def _kill_group_after_checkpoint(proc: subprocess.Popen, sandbox, case: Case, step: int,
-                                 other_run: str, timeout_s: float = 400) -> None:
-    """SIGKILL the flow's whole process group once its train checkpoint `step` is committed
-    (`other_run`'s does not count)."""
-    deadline = time.monotonic() + timeout_s
-    while not any((p / "manifest.json").is_file() for p in _checkpoints(sandbox, case, step)
-                  if p.parts[-4] != other_run):
-        assert proc.poll() is None, f"the run ended before checkpoint {step}: see flow.log"
-        assert time.monotonic() < deadline, f"no checkpoint {step} after {timeout_s} s"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
-def _kill_strays(path: str) -> None:
-    """Ray daemons of the killed task (their own session; not in the process group)."""
-    for line in ray_processes_under(path):
-        try:
-            psutil.Process(int(line.split(":")[0])).kill()
-        except psutil.NoSuchProcess:
-            pass
-
-
-def _safetensors(hf_dir: str) -> dict[str, bytes]:
-    files = {p.name: p.read_bytes() for p in sorted(Path(hf_dir).glob("*.safetensors"))}
-    assert files, hf_dir
-    return files
-
-
-def _runner(sandbox, case: Case, config: Path | None):
-    """The flow's Runner; `resume` takes no config (the origin run's is used)."""
-    from metaflow import Runner
-    configs = {"config": [("config", str(config))]} if config else {}
-    return Runner(str(case.flow_file), cwd=str(REPO), env=sandbox.env, show_output=False,
-                  pylint=False, **configs)
+def _suite(sandbox) -> Path:
+    """The pipeline's evaluation: one held-out loss task on a few rows (its GRPO is tested)."""
+    import yaml
+    suite = yaml.safe_load((REPO / "configs/eval/tiny.yaml").read_text())
+    suite["tasks"] = [dict(t, max_samples=4) for t in suite["tasks"]
+                      if t["name"] == "arithmetic_worked_loss"]
+    path = sandbox.root / "suite.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    return path
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -103,32 +111,34 @@ def test_resume_continues_a_killed_run_from_its_checkpoint(sandbox, monkeypatch,
     from metaflow import Run
     case = CASES[name]
     monkeypatch.setenv("USER", sandbox.env["USER"])
-    config = sandbox.config(case.base, **case.changes)
-    with _runner(sandbox, case, config) as runner:              # uninterrupted
-        reference = runner.run().run
-    assert reference.successful
+    configs = {key: _suite(sandbox) if key == "suite" else
+               sandbox.config(base, name=f"{key}.yaml", **changes)
+               for key, (base, changes) in case.configs.items()}
 
-    killed = _flow(sandbox, case, config, "run")
-    _kill_group_after_checkpoint(killed, sandbox, case, 2, reference.id)
-    _kill_strays(sandbox.ray_tmpdir)
-    origin_id = [p.parts[-4] for p in _checkpoints(sandbox, case, 2)
-                 if p.parts[-4] != reference.id][0]
+    origin_id = run_and_kill(sandbox, case.flow_file, configs, case.flow, case.checkpoints, 2)
     origin = Run(f"{case.flow}/{origin_id}", _namespace_check=False,
                  _current_metadata=f"local@{sandbox.root / 'mfroot'}")
     assert not origin.successful
 
-    with _runner(sandbox, case, None) as runner:
-        executing = runner.resume()
-        resumed, out = executing.run, executing.stdout
-    assert resumed.successful and resumed.id not in (origin.id, reference.id), out[-3000:]
-    # start and prepare were cloned from the origin: its storage root and prepared data
-    start, prepare = resumed["start"].task, resumed["prepare"].task
-    assert start.data.storage_root == origin["start"].task.data.storage_root
-    assert prepare.data.prepared_uri == origin["prepare"].task.data.prepared_uri
-    assert prepare.data.content_hash == reference["prepare"].task.data.content_hash
-    result = resumed["join"].task.data.train_result
+    resumed, out = resume(sandbox, case.flow_file)
+    assert resumed.successful and resumed.id != origin.id, out[-3000:]
+    # the steps before the train step were cloned from the origin: its storage root, its
+    # prepared data (the pipeline: its SFT export)
+    steps = [s.id for s in resumed]                     # newest first
+    for step in steps[steps.index(case.train_step) + 1:]:
+        assert resumed[step].task.origin_pathspec.startswith(origin.pathspec + "/"), step
+    assert resumed["start"].task.data.storage_root == origin["start"].task.data.storage_root
+    assert resumed[case.train_step].task.origin_pathspec is None      # this one ran again
+    step, artifact = case.result
+    result = getattr(resumed[step].task.data, artifact)
     assert (result["started_at_step"], result["steps"]) == (2, case.steps)
-    assert _safetensors(resumed["join"].task.data.hf_uri) == \
-        _safetensors(reference["join"].task.data.hf_uri)
     assert resumed["end"].task.data.lineage["resumed_from"] == origin.pathspec
+
+    sets = {}
+    if case.start_from:
+        step, artifact = case.start_from
+        sets = {"model.hf_dir": getattr(resumed[step].task.data, artifact), "model.init": "null"}
+    reference = reference_export(sandbox, case.recipe, configs[case.trained], sets)
+    step, artifact = case.export
+    assert safetensors(getattr(resumed[step].task.data, artifact)) == safetensors(reference)
     assert not ray_processes_under(sandbox.ray_tmpdir)

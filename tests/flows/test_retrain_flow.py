@@ -3,7 +3,13 @@
 1. nothing is promoted yet: the candidate trained on the newest snapshot is promoted (tagged);
 2. a new snapshot arrives and the recipe is made worse (2 steps instead of 12): the candidate
    loses to the promoted model on the held-out split, is refused with the reason, and the tag
-   stays where it was.
+   stays where it was;
+3. the recipe is made better (24 steps): that run is SIGKILLed once its train step has
+   committed checkpoint 12 and continued with `resume`, which exports the same bytes as an
+   uninterrupted run (the SFT driver on the same recipe) and records `resumed_from`; the
+   candidate beats the promoted model by the margin and takes the `promoted` tag from it.
+   One run answers both questions (the resume of this flow, test_resume_flow.py's for the
+   others, and the move of the tag).
 
 The schedule itself is checked offline in tests/infra/test_argo_specs.py (the cron of the
 deployed WorkflowTemplate).
@@ -13,11 +19,13 @@ from __future__ import annotations
 
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
-from .conftest import REPO, get_card
+from .conftest import (REPO, get_card, reference_export, resume, run_and_kill,
+                       safetensors)
 
 RETRAIN_FLOW = REPO / "flows" / "retrain_flow.py"
 SNAPSHOTS = REPO / "assets" / "data" / "snapshots" / "arithmetic"
@@ -44,20 +52,25 @@ def test_newest_complete_snapshot_is_chosen(tmp_path):
 
 
 @pytest.mark.slow
-def test_gate_promotes_a_better_model_and_refuses_a_worse_one(sandbox, monkeypatch, tmp_path):
+def test_gate_promotes_refuses_a_worse_model_and_moves_the_tag_to_a_better_one(
+        sandbox, monkeypatch, tmp_path):
     from metaflow import Run, Runner
     monkeypatch.setenv("USER", sandbox.env["USER"])
     snapshots = tmp_path / "snapshots"
     shutil.copytree(SNAPSHOTS / "2026-11-29", snapshots / "2026-11-29")
 
-    def launch(steps: int) -> Run:
+    def configure(steps: int, **changes) -> Path:
         recipe = sandbox.config(REPO / "configs/sft/arithmetic_tiny.yaml", name="recipe.yaml",
                                 **{"train.max_steps": steps, "eval.max_batches": 4,
-                                   "train.scheduler.warmup_steps": 1})
+                                   "train.scheduler.warmup_steps": 1, **changes})
         config = tmp_path / "retrain.yaml"
         config.write_text(yaml.safe_dump({
             "recipe": str(recipe), "snapshots": {"root": str(snapshots)},
             "gate": {"metric": "eval_loss", "mode": "min", "margin": 0.01}}))
+        return config
+
+    def launch(steps: int) -> Run:
+        config = configure(steps)
         with Runner(str(RETRAIN_FLOW), cwd=str(REPO), env=sandbox.env, show_output=False,
                     config=[("config", str(config))], pylint=False) as runner:
             run = runner.run().run
@@ -86,3 +99,27 @@ def test_gate_promotes_a_better_model_and_refuses_a_worse_one(sandbox, monkeypat
     assert "promoted" in Run(first.pathspec).tags            # the tag stayed
     card = get_card(sandbox, RETRAIN_FLOW, f"{second.id}/evaluate", "promotion")
     assert any("not promoted" in str(c) for c in card)
+
+    # a better recipe, its run killed mid-training and resumed
+    config = configure(24, **{"train.checkpoint_every_steps": 12})
+    origin_id = run_and_kill(sandbox, RETRAIN_FLOW, {"config": config}, "RetrainFlow",
+                             "train", 12)
+    resumed, out = resume(sandbox, RETRAIN_FLOW)
+    assert resumed.successful, out[-3000:]
+    third = Run(resumed.pathspec)
+    assert third["prepare"].task.origin_pathspec.startswith(f"RetrainFlow/{origin_id}/")
+    result = third["train"].task.data.train_result
+    assert (result["started_at_step"], result["steps"]) == (12, 24)
+    assert third.data.lineage["resumed_from"] == f"RetrainFlow/{origin_id}"
+    recipe = tmp_path / "trained_recipe.yaml"
+    recipe.write_text(yaml.safe_dump(third.data.recipe))
+    assert safetensors(third.data.hf_uri) == \
+        safetensors(reference_export(sandbox, "train_sft", recipe))
+    d3 = third.data.decision
+    print(f"gate: 12-step baseline eval loss {d3['baseline']:.4f}, 24-step candidate "
+          f"{d3['candidate']:.4f}")
+    assert d3["promote"] and d3["baseline_run"] == first.pathspec
+    assert d3["candidate"] < d3["baseline"] - 0.01
+    assert "promoted" in Run(third.pathspec).tags
+    assert "promoted" not in Run(first.pathspec).tags           # the tag moved
+    assert "promoted" not in Run(f"RetrainFlow/{origin_id}").tags
