@@ -38,7 +38,7 @@ class SequenceFlow(FlowSpec):
     def start(self):
         """Fix this run's storage root; retries and `resume` read it back from here."""
         from _posttrain_flow import storage_and_nodes
-        self.storage_root, self.num_nodes = storage_and_nodes(self)
+        self.storage_root, self.num_nodes = storage_and_nodes(self, SEQUENCE_SCHEMA)
         self.next(self.prepare)
 
     @step
