@@ -177,8 +177,11 @@ def test_weight_sync_check_detects_an_unsynced_engine(workdir, sft_model, tmp_pa
     from posttrain.config.loader import to_dict
     from posttrain.train.grpo import GRPOWorker
     from steps.common import ensure_prepared
+    # the engine keeps its memory through the update: skipping the sync must leave it stale,
+    # not released (a released engine refuses to score until a sync brings it back)
     cfg = load_recipe(grpo_config(workdir, sft_model, "by_hand"), GRPOConfig,
-                      {"run.dir": str(tmp_path), "train.optimizer.lr": 1e-3})
+                      {"run.dir": str(tmp_path), "train.optimizer.lr": 1e-3,
+                       "rollout.release_memory": False})
     prepared = ensure_prepared(cfg, str(tmp_path / "prepared"), show_progress=False)
     worker = GRPOWorker(to_dict(cfg), str(sft_model), prepared, str(tmp_path))
     worker.sync_rollout()
