@@ -63,7 +63,10 @@ output floods, filling the scratch directory, leaving a child behind.
 system call, within its namespaces), CPU and memory side channels, and the host's global
 ``/proc`` files (``/proc/meminfo``, ``/proc/cpuinfo``) and kernel version, which it can read.
 With ``allow_subprocess`` the number of processes is bounded only by the wall clock (no cgroup
-``pids.max``). For hostile workloads at scale add a VM boundary (gVisor, Firecracker).
+``pids.max``). bwrap maps the sandbox's uid to the trainer's: under a root trainer it is host
+root without capabilities, so what is visible and owned by root and writable by its owner is
+writable (hence ``/proc/sys`` covered read-only); run trainers as a non-root user where you can.
+For hostile workloads at scale add a VM boundary (gVisor, Firecracker).
 """
 
 from __future__ import annotations
