@@ -11,9 +11,27 @@ ifeq ($(filter-out root,$(USER)),)
 export METAFLOW_USER ?= posttrain
 endif
 
-.PHONY: run test test-long setup assets bench cards clean vllm-env trl-env
+.PHONY: run test test-long setup sandbox-deps assets bench cards clean vllm-env trl-env
 
-setup: $(STAMP)
+setup: $(STAMP) sandbox-deps
+
+# Code rewards and the python tool run model output under bubblewrap (lib/posttrain/rl/
+# sandbox.py): installed with apt where it is missing and we are root (or have sudo without a
+# password); otherwise this says what to install, and such configs refuse to start without it.
+sandbox-deps:
+	@command -v bwrap >/dev/null && exit 0; \
+	if command -v apt-get >/dev/null; then \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+		else SUDO=none; fi; \
+		if [ "$$SUDO" != none ]; then \
+			export DEBIAN_FRONTEND=noninteractive; \
+			$$SUDO apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+				{ $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q bubblewrap; }; \
+		fi; \
+	fi; \
+	command -v bwrap >/dev/null || echo "posttrain: bubblewrap (bwrap) is missing: install it \
+	(apt-get install bubblewrap, dnf install bubblewrap, ...) to run code rewards and the python \
+	tool; the sandbox tests fail without it"
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -18,7 +18,8 @@ One step, as `GRPOController.step` reads:
                  in the engine's dtype; LoRA: adapters only), then the sync check: the
                  engine's and the trainer's log-probs of a fixed sequence must agree
     metrics   -> rewards per function, KL, clip fractions, entropy, lengths, log-prob gap,
-                 time per phase, rollout tokens/s
+                 time per phase, rollout tokens/s; code run by rewards and tools, counted by
+                 sandbox mechanism (`sandbox/runs/bwrap`, `sandbox/runs/weak`)
     checkpoint-> every K steps: sharded weights and optimizer, the prompt stream position
 
 The controller holds no weights. Trainer ranks are `posttrain.train.grpo.GRPOWorker` (Ray
@@ -64,6 +65,7 @@ from posttrain.rl.episodes import Episode, EpisodeRunner, episode_metrics, score
 from posttrain.rl.pipeline import RolloutPipeline
 from posttrain.rl.prompts import PromptRow, PromptStream, read_prompt_rows
 from posttrain.rl.rewards import RewardFailures, RewardOutput, combine
+from posttrain.rl.sandbox import run_counts
 from posttrain.train.grpo import GRPO, GRPOConfig, GRPOWorker, RolloutWorker
 from posttrain.train.metrics import MetricsWriter
 from steps.common import Controller, main_for, run_recipe
@@ -196,6 +198,7 @@ class GRPOController(Controller):
         # rollouts: produced on the step (max_staleness 0) or up to k steps ahead while the
         # trainers update; `policy_version` counts the updates the engines' weights hold
         self.policy_version = 0
+        self._sandbox_runs = run_counts()        # this process's sandboxes (rewards, tools)
         self.pipeline = RolloutPipeline(self.produce, lambda: self.policy_version,
                                         cfg.rollout.max_staleness,
                                         end=cfg.train.engine.max_steps)
@@ -326,9 +329,17 @@ class GRPOController(Controller):
         }
         if not cfg.environment.single_turn:
             metrics.update(episode_metrics(rollouts))
+        metrics.update(self._sandbox_metrics())
         if cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
             metrics.update(self._evaluate()[0])
         return metrics
+
+    def _sandbox_metrics(self) -> dict[str, float]:
+        """Sandboxed code runs since the last step, by isolation mechanism (none: no keys)."""
+        now, before = run_counts(), self._sandbox_runs
+        self._sandbox_runs = now
+        return {f"sandbox/runs/{k}": float(v - before.get(k, 0)) for k, v in now.items()
+                if v != before.get(k, 0)}
 
     def score(self, prompts: list[PromptRow], groups: list[list[Episode]]) -> RewardOutput:
         """The configured rewards of each episode's final answer, plus the environment's

@@ -5,6 +5,8 @@
   the model's tokens only, engine and trainer log-probs agreeing on them;
 - SIGKILL + restart of a multi-turn run gives bit-identical weights and per-step metrics (the
   turns' samplers are seeded by (step, round, turn));
+- a GRPO step whose reward executes code: in the isolated sandbox (bubblewrap), counted in the
+  step's metrics by mechanism;
 - the bundled tool-use task: SFT (configs/sft/tools_tiny.yaml) then GRPO
   (configs/grpo/tools_tiny.yaml) raises held-out greedy accuracy, confirmed per problem by an
   exact McNemar test.
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.rl.rewards import parse_number, python_exec, register, registered_names
 from steps import train_grpo, train_sft
 
 from .conftest import run_and_kill, run_to_end, safetensors
@@ -36,6 +39,39 @@ def retry_config(tmp: Path, name: str, **changes) -> Path:
         "train.max_steps": 2, "train.prompts_per_step": 4, "train.samples_per_prompt": 4,
         "eval.max_prompts": 8, "eval.num_records": 8, "eval.accuracy_reward": "environment",
         **changes})
+
+
+def answer_run_as_code(completions: list[str], prompts: list[list[dict]],
+                       columns: dict[str, list], **params) -> list[float]:
+    """A small code task for a model that writes no code: each completion's final number
+    becomes a program that prints it, scored by `python_exec` against the answer; so it
+    equals exact_match_number wherever the sandbox really ran the program."""
+    programs = []
+    for c in completions:
+        got = parse_number(c)
+        programs.append("no number" if got is None else "```python\nfrom fractions import "
+                        f"Fraction\nprint(Fraction({got.numerator}, {got.denominator}))\n```")
+    return python_exec(programs, prompts, columns, column="answer", **params)
+
+
+if "answer_run_as_code" not in registered_names():
+    register("answer_run_as_code", columns=("answer",))(answer_run_as_code)
+
+
+def test_a_grpo_step_runs_reward_code_in_the_isolated_sandbox(tmp_path):
+    config = grpo_config(tmp_path, SFT_MODEL, "code", **{
+        "rewards.functions": [{"name": "exact_match_number", "weight": 1.0},
+                              {"name": "answer_run_as_code", "weight": 0.0,
+                               "params": {"timeout_s": 20.0, "max_workers": 2}}],
+        "train.max_steps": 1, "train.prompts_per_step": 4, "train.samples_per_prompt": 4,
+        "eval.max_prompts": 4})
+    result = train_grpo.run(config, overrides={"run.dir": str(tmp_path / "run")},
+                            show_progress=False)
+    [step] = [m for m in metrics(Path(result["run_dir"])) if "loss" in m]
+    # every one of the 16 completions ran (and the baseline evaluation's, before the step)
+    assert step["sandbox/runs/bwrap"] >= 16 and "sandbox/runs/weak" not in step, step
+    assert step["reward/answer_run_as_code/failures"] == 0
+    assert step["reward/answer_run_as_code/mean"] == step["reward/exact_match_number/mean"] > 0
 
 
 def test_a_short_multi_turn_run(tmp_path):

@@ -30,7 +30,10 @@ Configured under ``environment:`` in a GRPO config: ``{kind: single_turn}`` (the
 ``{kind: tools, params: {tools: [calculator, python]}, max_turns: 3}`` (`posttrain.rl.tools`),
 ``{kind: retry}`` (a wrong answer is told to try again), or an environment of your own,
 ``{module: "my_pkg.envs:Maze", params: {size: 5}}``, where ``Maze(**params)`` makes one
-episode's environment; the import is checked when the config is built.
+episode's environment; the import is checked when the config is built, and so are the params,
+against the factory's signature and, when it has one, its ``check_params(**params)`` (which
+raises ValueError for what it refuses: the tools environment refuses the python tool where no
+isolated sandbox works).
 """
 
 from __future__ import annotations
@@ -158,6 +161,12 @@ class EnvironmentConfig:
             raise ConfigError(f"environment.params: {e} (for {self.name})") from None
         except ValueError:                  # no signature to check (a builtin): trust it
             pass
+        check = getattr(factory, "check_params", None)    # what can only be checked here
+        if check is not None:
+            try:
+                check(**self.params)
+            except ValueError as e:
+                raise ConfigError(f"environment.params ({self.name}): {e}") from None
 
     @property
     def name(self) -> str:

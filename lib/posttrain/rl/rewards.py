@@ -51,7 +51,7 @@ from typing import Any, Callable, Literal, Sequence
 
 from posttrain.config.loader import import_attribute
 from posttrain.errors import ConfigError
-from posttrain.rl.sandbox import SandboxLimits, run_python
+from posttrain.rl.sandbox import IsolationMode, SandboxLimits, require_isolation, run_python
 
 log = logging.getLogger(__name__)
 
@@ -484,31 +484,37 @@ def extract_code(completion: str) -> str | None:
 
 
 def _validate_python_exec(*, column: str = "expected_stdout", timeout_s: float = 5.0,
-                          cpu_s: int = 5, memory_mb: int = 512, max_workers: int = 0) -> None:
+                          cpu_s: int = 5, memory_mb: int = 512, max_workers: int = 0,
+                          isolation: IsolationMode = "required") -> None:
     del column
     if max_workers < 0:
         raise ValueError("params.max_workers must be >= 0 (0: one per CPU core)")
-    _limits(timeout_s, cpu_s, memory_mb)
+    _limits(timeout_s, cpu_s, memory_mb, isolation)
+    require_isolation(isolation, "rewards.functions[python_exec].params.isolation")
 
 
-def _limits(timeout_s: float, cpu_s: int, memory_mb: int) -> SandboxLimits:
-    return SandboxLimits(timeout_s=timeout_s, cpu_s=cpu_s, memory_bytes=memory_mb * 2**20)
+def _limits(timeout_s: float, cpu_s: int, memory_mb: int,
+            isolation: IsolationMode) -> SandboxLimits:
+    return SandboxLimits(timeout_s=timeout_s, cpu_s=cpu_s, memory_bytes=memory_mb * 2**20,
+                         isolation=isolation)
 
 
 @register("python_exec", validate=_validate_python_exec, columns=column_param)
 def python_exec(completions: list[str], prompts: list[list[dict]],
                 columns: dict[str, list[Any]], *, column: str = "expected_stdout",
                 timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: int = 512,
-                max_workers: int = 0) -> list[float]:
+                max_workers: int = 0, isolation: IsolationMode = "required") -> list[float]:
     """1.0 where the completion's last code block, run in the sandbox (`posttrain.rl.sandbox`),
     exits cleanly and prints `column`'s value (both stripped of surrounding whitespace).
 
     The example of a reward that executes model output: the code is untrusted, so it never runs
-    in this process. No code block, a crash, a timeout or a blocked network call score 0.
+    in this process, and by default only in an isolated sandbox (a config without one fails
+    at launch; ``isolation: weak`` accepts rlimits and the audit hook alone). No code block, a
+    crash, a timeout or a blocked network call score 0.
     """
     del prompts
     expected = _column(columns, column)
-    limits = _limits(timeout_s, cpu_s, memory_mb)
+    limits = _limits(timeout_s, cpu_s, memory_mb, isolation)
 
     def one(i: int) -> float:
         code = extract_code(completions[i])

@@ -24,7 +24,9 @@ tail of stderr.
 **Environment** (``environment: {kind: tools}``): a turn with tool calls gets their results and
 the model goes on; a turn without one is the final answer and ends the episode (scored by the
 reward functions). Params: ``tools`` (names, default ``[calculator]``), ``max_result_chars``,
-and the python tool's ``timeout_s``, ``cpu_s``, ``memory_mb``.
+and the python tool's ``timeout_s``, ``cpu_s``, ``memory_mb`` and ``isolation`` (``required``:
+a config with the python tool fails at launch where no isolated sandbox works; ``weak``:
+then run it with rlimits and the audit hook only).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any, Callable
 
 from posttrain.rl.environment import Message, StepResult, Turn
 from posttrain.rl.prompts import PromptRow
-from posttrain.rl.sandbox import SandboxLimits, run_python
+from posttrain.rl.sandbox import IsolationMode, SandboxLimits, require_isolation, run_python
 
 __all__ = ["TOOL_SCHEMAS", "ToolCall", "ToolEnvironment", "calculator", "parse_tool_calls"]
 
@@ -168,7 +170,7 @@ class ToolEnvironment:
 
     def __init__(self, tools: list[str] | tuple[str, ...] = ("calculator",),
                  max_result_chars: int = 2000, timeout_s: float = 5.0, cpu_s: int = 5,
-                 memory_mb: int = 256):
+                 memory_mb: int = 256, isolation: IsolationMode = "required"):
         unknown = sorted(set(tools) - set(TOOL_SCHEMAS))
         if unknown or not tools:
             raise ValueError(f"params.tools: {unknown or 'none'} given; the bundled tools are "
@@ -178,11 +180,20 @@ class ToolEnvironment:
         self.tools = [TOOL_SCHEMAS[t] for t in tools]
         self.max_result_chars = max_result_chars
         self.limits = SandboxLimits(timeout_s=timeout_s, cpu_s=cpu_s,
-                                    memory_bytes=memory_mb * 2**20)
+                                    memory_bytes=memory_mb * 2**20, isolation=isolation)
         self._run: dict[str, Callable[[dict[str, Any]], str]] = {
             "calculator": lambda a: _display(_argument(a, "expression")),
             "python": lambda a: self._python(_argument(a, "code"))}
         self._enabled = set(tools)
+
+    @staticmethod
+    def check_params(tools: list[str] | tuple[str, ...] = ("calculator",),
+                     isolation: IsolationMode = "required", **params: Any) -> None:
+        """At config time: the python tool needs an isolated sandbox unless `isolation` is
+        "weak" (`posttrain.rl.sandbox.require_isolation`)."""
+        del params
+        if "python" in tools:
+            require_isolation(isolation, "environment.params.isolation")
 
     def reset(self, row: PromptRow, seed: int) -> list[Message]:
         return row.messages
