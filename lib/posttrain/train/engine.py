@@ -268,6 +268,11 @@ class Engine:
                                                   if moe and (aux or model_cfg.moe_z_loss_coef)
                                                   else ())
         self.bias_update_speed = model_cfg.moe_bias_update_speed
+        # expert parallelism: the group whose tokens the load-balancing loss's f_e covers
+        self.expert_group = None
+        if moe:
+            from posttrain.models.moe import expert_group
+            self.expert_group = expert_group(self.model)
         if self.bias_update_speed and not _moe_balance().score_bias_blocks(self.model):
             raise ConfigError("model.moe_bias_update_speed: this model's routers have no "
                               "score-correction bias (DeepSeek-V3's e_score_correction_bias); "
@@ -393,8 +398,8 @@ class Engine:
     def _router_losses(self, batch: dict) -> dict[str, tuple[float, torch.Tensor]]:
         """{metric: (coefficient, value)} of the router losses of the last forward, padding
         left out."""
-        from posttrain.models.moe import (MoEBlock, expert_group, load_balancing_loss,
-                                          router_logits, router_z_loss)
+        from posttrain.models.moe import (MoEBlock, load_balancing_loss, router_logits,
+                                          router_z_loss)
         from posttrain.models.moe_balance import sequence_balance_loss
         logits = router_logits(self.model)
         mask = _real_token_mask(batch)
@@ -410,7 +415,7 @@ class Engine:
         elif aux_coef:
             # with expert parallelism f_e is the expert group's (`load_balancing_loss`)
             out["moe/aux_loss"] = (aux_coef, load_balancing_loss(
-                logits, self.args.num_experts_per_tok, mask, expert_group(self.model)))
+                logits, self.args.num_experts_per_tok, mask, self.expert_group))
         if z_coef:
             out["moe/z_loss"] = (z_coef, router_z_loss(logits, mask))
         return out

@@ -65,6 +65,38 @@ class LossAndLogits(nn.Module):
         return loss_sum * self.ranks / self.global_tokens, self.model.logits(hidden).detach()
 
 
+def randomize_adapters(model: nn.Module, std: float = 0.05, seed: int = 1) -> None:
+    """Every LoRA factor (attention's A/B, the experts' stacked {p}_lora_A/B) drawn from
+    normal(0, std), so that both factors get gradients. Not larger than 0.05: at 0.1 (with
+    alpha / r = 2) the tiny Qwen3.5 models are so ill-conditioned that 1e-7 relative noise on
+    the adapters moves their gradients by 5e-5 in one process (measured), so no layout could
+    be compared at 1e-5; at 0.05 the same noise moves them by 1e-7."""
+    from posttrain.models.lora import lora_modules
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, module in lora_modules(model):
+            for name, p in module.named_parameters():
+                if name.endswith(("lora_A", "lora_B")):
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def token_batch(rows: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded random (input ids, labels) [rows, seq_len]: labels are the ids shifted by one."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, vocab, (rows, seq_len + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def assert_layouts_match(per_rank: list[dict], key: tuple, atol: float) -> None:
+    """Every rank's `compare` result for `key` within `atol` (loss, logits, every gradient),
+    with the same gradients present."""
+    for rank, results in enumerate(per_rank):
+        d = results[key]
+        where = f"{' '.join(map(str, key))} rank {rank}: {d}"
+        assert not d["grad_names_differ"] and d["num_grads"] > 0, where
+        assert d["loss"] <= atol and d["logits"] <= atol and d["grads"] <= atol, where
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 

@@ -32,7 +32,8 @@ from posttrain.models.args import ModelArgs
 from posttrain.models.transformer import build_model
 from posttrain.ops.context_parallel import CPShard
 
-from .ranks import LossAndLogits, compare, full, run_on_ranks
+from .ranks import (LossAndLogits, assert_layouts_match, compare, full, randomize_adapters,
+                    run_on_ranks, token_batch)
 
 WORLD = 4
 T = 32
@@ -56,27 +57,16 @@ def _args(family: str) -> ModelArgs:
 def _model(family: str, lora: bool, device: str = "cpu") -> nn.Module:
     model = build_model(_args(family), seed=0, device=device)
     if lora:
-        from posttrain.models.lora import LoraConfig, apply_lora, lora_modules
+        from posttrain.models.lora import LoraConfig, apply_lora
         apply_lora(model, LoraConfig(rank=4, alpha=8.0, targets=("q", "k", "v", "o")))
         if device != "meta":
-            gen = torch.Generator().manual_seed(1)
-            with torch.no_grad():
-                for _, module in lora_modules(model):
-                    for name, p in module.named_parameters():
-                        if name.endswith(("lora_A", "lora_B")):
-                            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+            randomize_adapters(model)
     return model
-
-
-def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, vocab, (len(DOCS), T + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
 
 
 def _run(family: str, layout: dict | None, lora: bool) -> dict:
     model = _model(family, lora)
-    ids, labels = _batch(model.args.vocab_size)
+    ids, labels = token_batch(len(DOCS), T, model.args.vocab_size)
     tokens = int((labels >= 0).sum())
     positions = torch.arange(T)
     if layout is None:
@@ -121,6 +111,7 @@ def _all_layouts(out_dir: str) -> dict:
             results[(family, name)] = compare(refs[lora], _run(family, layout, lora))
     return results
 
+
 @pytest.fixture(scope="module")
 def four_rank_results(tmp_path_factory):
     return run_on_ranks(_all_layouts, WORLD, tmp_path_factory.mktemp("cp"))
@@ -129,11 +120,7 @@ def four_rank_results(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cp_layout_gives_the_single_process_numbers(four_rank_results, family, layout):
-    for rank, results in enumerate(four_rank_results):
-        d = results[(family, layout)]
-        where = f"{family} {layout} rank {rank}: {d}"
-        assert not d["grad_names_differ"] and d["num_grads"] > 0, where
-        assert d["loss"] <= ATOL and d["logits"] <= ATOL and d["grads"] <= ATOL, where
+    assert_layouts_match(four_rank_results, (family, layout), ATOL)
 
 
 def test_split_is_balanced_and_covers_every_token():

@@ -39,7 +39,8 @@ from posttrain.models.args import ModelArgs
 from posttrain.models.moe import MoEBlock, expert_group, load_balancing_loss, router_logits
 from posttrain.models.transformer import build_model
 
-from .ranks import LossAndLogits, compare, full, run_on_ranks
+from .ranks import (LossAndLogits, assert_layouts_match, compare, full, randomize_adapters,
+                    run_on_ranks, token_batch)
 
 WORLD = 4
 T = 8
@@ -87,23 +88,12 @@ def _model(family: str, lora: bool, device: str = "cpu") -> nn.Module:
             for block in (m for m in model.modules() if isinstance(m, MoEBlock)):
                 block.router.bias[-1] = -100.0
     if lora:
-        from posttrain.models.lora import LoraConfig, apply_lora, lora_modules
+        from posttrain.models.lora import LoraConfig, apply_lora
         apply_lora(model, LoraConfig(rank=4, alpha=8.0, targets=(
             "q", "v", "experts.gate", "experts.up", "experts.down")))
         if device != "meta":
-            gen = torch.Generator().manual_seed(1)
-            with torch.no_grad():
-                for _, module in lora_modules(model):
-                    for name, p in module.named_parameters():
-                        if "lora_" in name:
-                            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+            randomize_adapters(model)
     return model
-
-
-def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, vocab, (len(DOCS), T + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
 
 
 def _sharded(family: str, layout: dict, lora: bool, weights: dict, tokens: int,
@@ -140,7 +130,7 @@ def _run(family: str, layout: dict, lora: bool, sharded: bool) -> dict:
     """The layout's run, or (not `sharded`) the single-process run with its expert groups'
     load-balancing loss."""
     model = _model(family, lora)
-    ids, labels = _batch(model.args.vocab_size)
+    ids, labels = token_batch(len(DOCS), T, model.args.vocab_size)
     tokens = int((labels >= 0).sum())
     groups = WORLD // layout["ep"]
     if not sharded:
@@ -191,7 +181,7 @@ def _reshard(out_dir: str) -> dict:
     family = "qwen3_moe"
     model = _model(family, False)
     weights = {n: p.detach() for n, p in model.named_parameters()}
-    ids, labels = _batch(model.args.vocab_size)
+    ids, labels = token_batch(len(DOCS), T, model.args.vocab_size)
     tokens = int((labels >= 0).sum())
     manager = CheckpointManager(CheckpointConfig(dir=os.path.join(out_dir, "ckpt")),
                                 rank=dist.get_rank(), world_size=WORLD)
@@ -233,6 +223,7 @@ def _all_layouts(out_dir: str) -> dict:
         for ep, r in reshard.items()}
     return results
 
+
 @pytest.fixture(scope="module")
 def four_rank_results(tmp_path_factory):
     return run_on_ranks(_all_layouts, WORLD, tmp_path_factory.mktemp("ep"))
@@ -241,11 +232,7 @@ def four_rank_results(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ep_layout_gives_the_single_process_numbers(four_rank_results, family, layout):
-    for rank, results in enumerate(four_rank_results):
-        d = results[(family, layout)]
-        where = f"{family} {layout} rank {rank}: {d}"
-        assert not d["grad_names_differ"] and d["num_grads"] > 0, where
-        assert d["loss"] <= ATOL and d["logits"] <= ATOL and d["grads"] <= ATOL, where
+    assert_layouts_match(four_rank_results, (family, layout), ATOL)
     # the batch exercises empty dispatches: an expert with no pair from some rank, and (GPT-OSS,
     # whose last expert no token chooses) one with no pair from its whole group
     empty = [r[(family, layout)]["empty"] for r in four_rank_results]
