@@ -12,7 +12,9 @@ One step, as `GRPOController.step` reads:
                  shaping (`overlong:`); with `dynamic_sampling:` the groups
                  without reward variance are dropped and more prompts drawn and sampled, up
                  to `max_rounds` rounds (`posttrain.rl.dynamic`)
-    advantages-> group-relative: reward minus the group mean (over the group std for GRPO)
+    advantages-> per response from the group's rewards (`algorithm.advantage`): GRPO's
+                 group-normalized (Dr. GRPO: centered only), RLOO's leave-one-out, or
+                 REINFORCE++'s group-centered and batch-normalized
     update    -> packed micro-batches, `mini_batches` optimizer steps on the FSDP2 trainers
     sync      -> the trainers' new weights into the engines (gathered per bucket and broadcast
                  in the engine's dtype; LoRA: adapters only), then the sync check: the
@@ -57,7 +59,7 @@ from posttrain.config.loader import to_dict
 from posttrain.data.prepared import local_view
 from posttrain.data.tokenizer import ChatTokenizer
 from posttrain.eval.rl import reward_eval
-from posttrain.losses.grpo import group_advantages
+from posttrain.losses.grpo import estimate_advantages
 from posttrain.rl.batch import Sample, pack_micro_batches, split_mini_batches
 from posttrain.rl.dynamic import GroupBatch, overlong_penalty, round_seed, sample_groups
 from posttrain.rl.engine import Rollout, SamplingConfig, stop_token_ids
@@ -291,7 +293,8 @@ class GRPOController(Controller):
         rollouts = [r for g in batch.groups for r in g]
         # advantages
         rewards_G_N = torch.tensor(scored.total, dtype=torch.float64).view(len(prompts), n)
-        advantages = group_advantages(rewards_G_N, normalize_std=cfg.algorithm.normalize_std)
+        advantages = estimate_advantages(rewards_G_N, cfg.algorithm.advantage,
+                                         normalize_std=cfg.algorithm.normalize_std)
         # update (importance-corrected by the engine's log-probs, however stale)
         samples = [Sample(r.prompt_ids, r.completion_ids, r.logprobs, float(a), r.loss_mask)
                    for r, a in zip(rollouts, advantages.flatten().tolist())]

@@ -1,15 +1,43 @@
-"""Group-relative policy optimization (GRPO) and its DAPO / Dr. GRPO variants, per token.
+"""Group-relative policy optimization (GRPO), its DAPO / Dr. GRPO / GSPO variants, and the
+critic-free advantage estimators RLOO and REINFORCE++, per token.
 
-Advantages (`group_advantages`). Each prompt g gets N sampled responses with scalar rewards r_gi;
-the advantage of every token of response i is its reward relative to the group:
+Advantages (`estimate_advantages`, estimator by name). Each prompt g gets N sampled responses
+with scalar rewards r_gi; every token of response i gets the advantage of its response:
 
-    A_gi = (r_gi - mean_j r_gj) / (std_j r_gj + eps)     GRPO, Shao et al. 2024 (DeepSeekMath)
-    A_gi =  r_gi - mean_j r_gj                           Dr. GRPO, Liu et al. 2025 (no std:
-                                                         dividing by it up-weights prompts that
-                                                         are too easy or too hard)
+    group_norm    A_gi = (r_gi - mean_j r_gj) / (std_j r_gj + eps)
+                                  GRPO, Shao et al. 2024 (DeepSeekMath)
+                  A_gi =  r_gi - mean_j r_gj               (normalize_std false)
+                                  Dr. GRPO, Liu et al. 2025 (no std: dividing by it up-weights
+                                  prompts that are too easy or too hard)
+    rloo          A_gi = r_gi - 1/(N-1) sum_{j != i} r_gj  = N/(N-1) (r_gi - mean_j r_gj)
+                                  REINFORCE leave-one-out, Kool et al. 2019 ("Buy 4 REINFORCE
+                                  samples, get a baseline for free"), Ahmadian et al. 2024
+                                  ("Back to basics"): each sample's baseline is the mean of the
+                                  others, so it is independent of the sample (unbiased)
+    reinforce_pp  a_gi = r_gi - mean_j r_gj,  A_gi = (a_gi - mean_B a) / (std_B a + eps)
+                                  REINFORCE++ (Hu et al. 2025), its "baseline" form for
+                                  groups: the group mean as baseline, then normalization over
+                                  the whole step's batch B (all prompts' samples) instead of
+                                  per group, which keeps prompts' relative scales
 
 std is the sample standard deviation (Bessel's correction, as ``torch.std``). A group whose
-rewards are all equal carries no signal and gets advantages of exactly 0.
+rewards are all equal carries no signal and gets advantages of exactly 0 under every estimator.
+`normalize_std` applies to group_norm only. REINFORCE++'s token-level KL penalty in the reward
+is `kl_coef` with a reference here, in the loss (as GRPO adds it).
+
+Importance ratio (`ratio`). ``token`` (default, PPO/GRPO): rho_bt = pi(y_t)/pi_old(y_t).
+``sequence`` (GSPO, Zheng et al. 2025, "Group Sequence Policy Optimization"): one ratio per
+response, the geometric mean of its token ratios,
+
+    s_b = exp( (1/n_b) sum_t m_bt (logp_bt - old_logp_bt) )
+
+clipped as a whole, so a response is kept or dropped together. Written as GSPO-token:
+rho_bt = sg[s_b] * pi(y_t) / sg[pi(y_t)], whose value is s_b on every token and whose gradient
+is s_b * grad log pi(y_t); with ``seq_mean_token_mean`` aggregation and one advantage per
+response, the loss and its gradient are GSPO's sequence objective exactly,
+-(1/S) sum_b min(s_b A_b, clip(s_b, 1 - clip_low, 1 + clip_high) A_b). GSPO's clip range is
+about three orders of magnitude narrower than GRPO's (the paper: 3e-4 / 4e-4), since s_b
+averages the token log-ratios.
 
 Per-token loss (`grpo_loss`). For response token t of row b, with log-probs under the policy
 being trained (logp), under the policy that generated the batch as the trainer computes it
@@ -65,9 +93,33 @@ from typing import Literal
 
 import torch
 
-__all__ = ["group_advantages", "grpo_loss"]
+__all__ = ["estimate_advantages", "group_advantages", "grpo_loss"]
 
 Aggregation = Literal["seq_mean_token_mean", "token_mean", "constant"]
+Estimator = Literal["group_norm", "rloo", "reinforce_pp"]
+Ratio = Literal["token", "sequence"]
+ESTIMATORS = ("group_norm", "rloo", "reinforce_pp")
+
+
+def estimate_advantages(rewards_G_N: torch.Tensor, estimator: Estimator = "group_norm", *,
+                        normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Per-response advantages [num_prompts, samples_per_prompt] by `estimator` (formulas in
+    the module docstring); `normalize_std` is group_norm's (False: Dr. GRPO). All-equal groups
+    give exactly 0. The dtype of the input, at least fp32; no gradient flows."""
+    if estimator == "group_norm":
+        return group_advantages(rewards_G_N, normalize_std=normalize_std, eps=eps)
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"advantage estimator must be one of {', '.join(ESTIMATORS)}; got "
+                         f"{estimator!r}")
+    centered_G_N = group_advantages(rewards_G_N, normalize_std=False, eps=eps)
+    n = rewards_G_N.shape[1]
+    if estimator == "rloo":
+        return centered_G_N * (n / (n - 1))
+    flat = centered_G_N.flatten()
+    if flat.numel() < 2:
+        return centered_G_N
+    adv_G_N = (centered_G_N - flat.mean()) / (flat.std() + eps)
+    return adv_G_N.masked_fill(centered_G_N.eq(0).all(dim=1, keepdim=True), 0.0)
 
 
 def group_advantages(rewards_G_N: torch.Tensor, *, normalize_std: bool = True,
@@ -105,7 +157,7 @@ def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_B: to
               engine_logp_BT: torch.Tensor | None = None, is_cap: float | None = None,
               aggregation: Aggregation = "token_mean", constant_norm: float | None = None,
               global_tokens: int | None = None, global_sequences: int | None = None,
-              held_BT: torch.Tensor | None = None,
+              held_BT: torch.Tensor | None = None, ratio: Ratio = "token",
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss over B responses, one per row (formulas in the module
     docstring).
@@ -133,6 +185,8 @@ def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_B: to
             there only): the loss is this rank's part of the batch's, its terms summed over the
             held tokens and normalized by the whole batch's counts (a response's token count
             from `mask_BT`), so the parts add up over the group; metrics are over held tokens.
+        ratio: "token" (PPO/GRPO) or "sequence" (GSPO: one ratio per response, module
+            docstring); "sequence" needs every token of a response, so not with `held_BT`.
 
     Returns:
         (loss, metrics): loss is an fp32 scalar (fp64 for fp64 input); a batch without response
@@ -146,11 +200,20 @@ def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_B: to
                 clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, is_cap=is_cap,
                 aggregation=aggregation, constant_norm=constant_norm,
                 global_tokens=global_tokens, global_sequences=global_sequences)
+    if ratio not in ("token", "sequence"):
+        raise ValueError(f"ratio must be 'token' or 'sequence', got {ratio!r}")
+    if ratio == "sequence" and held_BT is not None:
+        raise ValueError("ratio='sequence' needs every token of a response on this rank; it "
+                         "does not combine with context parallelism (held_BT)")
     counts_BT = mask_BT.bool()          # what the normalizers count: the whole responses
     m_BT = counts_BT if held_BT is None else counts_BT & held_BT.bool()
     logp = _wide(logp_BT)
     # where, not multiply: a masked position may hold -inf or NaN, and 0 * inf is NaN.
     log_ratio_BT = (logp - _wide(old_logp_BT).detach()).where(m_BT, 0.0)
+    if ratio == "sequence":                # GSPO-token: value s_b, gradient s_b grad logp
+        log_s_B1 = (log_ratio_BT.detach().sum(dim=1, keepdim=True)
+                    / m_BT.sum(dim=1, keepdim=True).clamp(min=1))
+        log_ratio_BT = (log_s_B1 + logp - logp.detach()).where(m_BT, 0.0)
     ratio_BT = log_ratio_BT.exp()
     adv_B1 = _wide(advantages_B).detach().to(logp.dtype).unsqueeze(1)
     unclipped_BT = ratio_BT * adv_B1

@@ -99,9 +99,13 @@ class GRPOTrainConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    """The policy loss; formulas in `posttrain.losses.grpo`."""
+    """The policy loss and the advantages; formulas in `posttrain.losses.grpo`."""
 
-    normalize_std: bool = True                 # False: Dr. GRPO advantages
+    # group_norm: GRPO (Dr. GRPO with normalize_std false); rloo: leave-one-out baseline;
+    # reinforce_pp: REINFORCE++ (group baseline, normalized over the step's batch)
+    advantage: Literal["group_norm", "rloo", "reinforce_pp"] = "group_norm"
+    normalize_std: bool = True                 # group_norm only; False: Dr. GRPO advantages
+    ratio: Literal["token", "sequence"] = "token"   # sequence: GSPO (one ratio per response)
     clip_low: float = 0.2
     clip_high: float = 0.28                    # > clip_low: DAPO clip-higher
     aggregation: Literal["seq_mean_token_mean", "token_mean", "constant"] = "token_mean"
@@ -194,6 +198,10 @@ class GRPOConfig:
             raise ValueError(f"overlong.buffer_tokens={self.overlong.buffer_tokens} exceeds "
                              f"the {self.episode_tokens} tokens of an episode "
                              "(sampling.max_new_tokens, or environment.max_total_tokens)")
+        if self.algorithm.ratio == "sequence" and self.train.engine.parallel.cp > 1:
+            raise ValueError("algorithm.ratio: sequence (GSPO) averages each response's token "
+                             "log-ratios, which context parallelism splits over ranks; use "
+                             "train.parallel.cp: 1 or algorithm.ratio: token")
         if self.rollout.placement == "separate" and self.run.launcher != "ray":
             raise ValueError("rollout.placement: separate runs the engines as Ray actors; set "
                              "run.launcher: ray")
@@ -356,7 +364,7 @@ class GRPOLoss(nn.Module):
             constant_norm=self.constant_norm if aggregation == "constant" else None,
             global_tokens=global_tokens if aggregation == "token_mean" else None,
             global_sequences=None if aggregation == "token_mean" else global_sequences,
-            held_BT=held)
+            held_BT=held, ratio=algo.ratio)
         if held is not None:
             mask = mask & held
         n = mask.sum()

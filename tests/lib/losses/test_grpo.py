@@ -1,4 +1,5 @@
-"""GRPO, DAPO and Dr. GRPO losses equal their paper formulas, token by token; gradients too."""
+"""GRPO, DAPO, Dr. GRPO and GSPO losses and the GRPO / RLOO / REINFORCE++ advantages equal their
+paper formulas, written here independently (loops over samples and tokens); gradients too."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from posttrain.losses.grpo import group_advantages, grpo_loss
+from posttrain.losses.grpo import estimate_advantages, group_advantages, grpo_loss
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)
 B, T = 6, 7
@@ -107,6 +108,55 @@ def test_advantages_reject_bad_input():
         group_advantages(torch.tensor([[1.0, float("nan")]]))
 
 
+def reference_advantages(r, estimator, eps=1e-6):
+    """RLOO and REINFORCE++(-baseline) from their definitions, one sample at a time."""
+    G, N = r.shape
+    out = torch.zeros_like(r)
+    for g in range(G):
+        for i in range(N):
+            others = [r[g, j] for j in range(N) if j != i]
+            if estimator == "rloo":
+                out[g, i] = r[g, i] - sum(others) / (N - 1)
+            else:
+                out[g, i] = r[g, i] - sum(r[g]) / N
+    if estimator == "reinforce_pp":
+        a = out.flatten()
+        mean = sum(a) / len(a)
+        std = math.sqrt(sum((x - mean) ** 2 for x in a) / (len(a) - 1))
+        out = (out - mean) / (std + eps)
+        for g in range(G):
+            if bool((r[g] == r[g, 0]).all()):
+                out[g] = 0.0
+    return out
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp"])
+def test_rloo_and_reinforce_pp_match_their_definitions(estimator):
+    g = torch.Generator().manual_seed(3)
+    r = torch.rand(5, 6, generator=g, dtype=torch.float64)
+    r[2] = 0.5                                   # a group without signal
+    got = estimate_advantages(r, estimator)
+    torch.testing.assert_close(got, reference_advantages(r, estimator), rtol=0, atol=1e-12)
+    assert (got[2] == 0).all()
+    if estimator == "rloo":                      # N/(N-1) times the group-centered reward
+        torch.testing.assert_close(got, group_advantages(r, normalize_std=False) * 6 / 5,
+                                   rtol=0, atol=1e-12)
+    else:                                        # normalized over the batch, not per group
+        live = torch.cat([got[:2], got[3:]]).flatten()
+        assert abs(float(got.flatten().mean())) < 1e-12
+        assert float(got.flatten().std()) == pytest.approx(1.0, abs=1e-5)
+        assert float(live.abs().max()) > 0
+
+
+def test_group_norm_estimator_is_grpo_and_dr_grpo():
+    r = torch.rand(4, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    assert torch.equal(estimate_advantages(r), group_advantages(r))
+    assert torch.equal(estimate_advantages(r, normalize_std=False),
+                       group_advantages(r, normalize_std=False))
+    with pytest.raises(ValueError, match="rloo, reinforce_pp"):
+        estimate_advantages(r, "gae_typo")
+
+
 # ------------------------------------------------------------------------- loss vs reference
 
 CASES = [
@@ -143,6 +193,51 @@ def test_loss_and_grads_match_reference(case):
     assert ("kl" in metrics) == use_ref
     assert ("is_weight_mean" in metrics) == use_engine
     assert all(not v.requires_grad and torch.isfinite(v) for v in metrics.values())
+
+
+def reference_gspo(logp, old, adv, mask, *, clip_low, clip_high):
+    """GSPO's sequence objective (Zheng et al. 2025, eq. 5-7), negated: one length-normalized
+    ratio per response, clipped as a whole, averaged over responses."""
+    terms = []
+    for b in range(logp.shape[0]):
+        ts = [t for t in range(logp.shape[1]) if mask[b, t]]
+        if not ts:
+            continue
+        s = torch.exp(sum(logp[b, t] - old[b, t] for t in ts) / len(ts))
+        terms.append(-torch.min(s * adv[b], torch.clamp(s, 1 - clip_low, 1 + clip_high) * adv[b]))
+    return sum(terms) / len(terms)
+
+
+@pytest.mark.parametrize("clip", [(3e-4, 4e-4), (0.2, 0.28), (0.5, 5.0)])
+def test_gspo_sequence_ratio_matches_the_sequence_objective(clip):
+    """Value and gradient of GSPO's objective, on responses far enough off-policy that some are
+    clipped whole (narrow range) and some are not (wide range)."""
+    clip_low, clip_high = clip
+    logp, old, _, _, adv, mask = batch(seed=5, spread=0.05)
+    want = reference_gspo(logp, old, adv, mask, clip_low=clip_low, clip_high=clip_high)
+    got, m = grpo_loss(logp, old, adv, mask, clip_low=clip_low, clip_high=clip_high,
+                       aggregation="seq_mean_token_mean", ratio="sequence")
+    torch.testing.assert_close(got, want, **TIGHT)
+    g_got, g_want = grad_of(got, logp), grad_of(want, logp)
+    assert (g_got[~mask] == 0).all()
+    torch.testing.assert_close(g_got, g_want, **TIGHT)
+    # every token of a response carries the response's ratio
+    s_B = torch.stack([torch.exp(((logp - old).where(mask, 0.0)[b].sum()) / mask[b].sum())
+                       for b in range(B)]).detach()
+    assert float(m["ratio_max"]) == pytest.approx(float(s_B.max()), rel=1e-12)
+    if clip_low < 1e-3:              # the narrow range clips whole responses, or none of them
+        clipped = (g_got.abs().sum(dim=1) == 0) & (adv != 0)
+        assert 0 < int(clipped.sum()) < B
+
+
+def test_gspo_is_the_token_ratio_on_policy():
+    """On-policy (old = logp) both ratios are 1: the same loss and gradient."""
+    logp, _, _, _, adv, mask = batch(seed=6)
+    old = logp.detach().clone()
+    tok, _ = grpo_loss(logp, old, adv, mask, aggregation="seq_mean_token_mean")
+    seq, _ = grpo_loss(logp, old, adv, mask, aggregation="seq_mean_token_mean", ratio="sequence")
+    torch.testing.assert_close(seq, tok, **TIGHT)
+    torch.testing.assert_close(grad_of(seq, logp), grad_of(tok, logp), **TIGHT)
 
 
 def test_aggregations_weight_tokens_as_the_papers_say():
@@ -295,6 +390,8 @@ def test_bad_arguments_are_named():
         (dict(clip_low=1.0), "clip_low"),
         (dict(clip_high=-0.1), "clip_high"),
         (dict(ref_logp_BT=ref[:, :3]), "ref_logp_BT"),
+        (dict(ratio="response"), "ratio"),
+        (dict(ratio="sequence", held_BT=mask), "context parallelism"),
     ]
     for kw, name in cases:
         with pytest.raises(ValueError, match=name):
