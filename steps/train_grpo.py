@@ -188,11 +188,7 @@ class GRPOController(Controller):
         self.records: dict[str, list[dict]] = {}
         self.stream = PromptStream(train_rows, seed=cfg.train.engine.seed)
         self.eval_rows = eval_rows
-        self.reward = combine(cfg.rewards.functions)
-        self.stop_ids = stop_token_ids(tokenizer, cfg.sampling.stop_tokens)
-        chat = ChatTokenizer(replace(cfg.tokenizer, added_tokens=(), semantic_ids=None),
-                             tokenizer=tokenizer)       # the prepared one has them already
-        self.episodes = EpisodeRunner(cfg.environment, chat, self.stop_ids)
+        self.reward, self.stop_ids, self.episodes = self.generation(tokenizer)
         first = train_rows[0].prompt_ids
         # any fixed token sequence will do; a prompt followed by itself stays in-distribution
         self.probe_sequence, self.probe_prompt_len = first + first, len(first)
@@ -204,6 +200,16 @@ class GRPOController(Controller):
         self.pipeline = RolloutPipeline(self.produce, lambda: self.policy_version,
                                         cfg.rollout.max_staleness,
                                         end=cfg.train.engine.max_steps)
+
+    def generation(self, tokenizer: Any) -> tuple[Any, tuple[int, ...], Any]:
+        """The run's reward (`CombinedReward`), stop ids and episode runner (`EpisodeRunner`'s
+        `run`): here chat episodes in the tokenizer's ids (sequence RL: item completions)."""
+        cfg = self.cfg
+        stop_ids = stop_token_ids(tokenizer, cfg.sampling.stop_tokens)
+        chat = ChatTokenizer(replace(cfg.tokenizer, added_tokens=(), semantic_ids=None),
+                             tokenizer=tokenizer)       # the prepared one has them already
+        return (combine(cfg.rewards.functions), stop_ids,
+                EpisodeRunner(cfg.environment, chat, stop_ids))
 
     @classmethod
     def for_run(cls, cfg: GRPOConfig, group: Any, context: dict[str, Any]) -> "GRPOController":
@@ -330,12 +336,16 @@ class GRPOController(Controller):
             "time/sync_s": t_synced - t_updated - ahead_wait,
             "time/step_s": t_synced - t_start,
         }
-        if not cfg.environment.single_turn:
-            metrics.update(episode_metrics(rollouts))
+        metrics.update(self.rollout_metrics(rollouts))
         metrics.update(self._sandbox_metrics())
         if cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
             metrics.update(self._evaluate()[0])
         return metrics
+
+    def rollout_metrics(self, rollouts: list[Any]) -> dict[str, float]:
+        """What the step's episodes did besides their length (multi-turn: turns, environment
+        tokens; `episode_metrics`)."""
+        return {} if self.cfg.environment.single_turn else episode_metrics(rollouts)
 
     def _sandbox_metrics(self) -> dict[str, float]:
         """Sandboxed code runs since the last step, by isolation mechanism (none: no keys)."""
@@ -388,8 +398,12 @@ class GRPOController(Controller):
 
         return reward_eval(generate, self.eval_rows, self.reward,
                            accuracy_reward=self.cfg.eval.accuracy_reward,
-                           num_records=self.cfg.eval.num_records,
-                           environment=not self.cfg.environment.single_turn)
+                           num_records=self.cfg.eval.num_records, **self.eval_scoring())
+
+    def eval_scoring(self) -> dict[str, Any]:
+        """How `reward_eval` scores the held-out episodes: with the environment's reward when
+        it is multi-turn (sequence RL: its own `score`)."""
+        return {"environment": not self.cfg.environment.single_turn}
 
     def save_checkpoint(self, step: int) -> None:
         """The prompt stream's position and the rollout batches made ahead of `step` (their

@@ -9,7 +9,9 @@ How a `generate` call runs (see `posttrain.models.kv_cache` for the cache layout
 2. Each step computes fp32 logits over the real vocabulary for the last token of every live row,
    draws the next token with `posttrain.ops.vocab.sample_next_token` (greedy, temperature, top-k,
    top-p) from one `torch.Generator` seeded by `SamplingConfig.seed`, and records its log-prob
-   (convention in `posttrain.rl.engine`).
+   (convention in `posttrain.rl.engine`). With `allowed_token_ranges` the logits are those of
+   the allowed ids only (the head's rows for them, `posttrain.ops.vocab.restrict_head`), so
+   nothing else is drawn and the log-prob is renormalised over them, as a trainer computes it.
 3. A row that samples a stop token or reaches `max_new_tokens` is finished and dropped from the
    batch and the cache, so later steps only pay for live rows.
 
@@ -39,7 +41,8 @@ from posttrain.models.fallback import HFCausalLM, HFKVCache, forward_with_hf_cac
 from posttrain.models.kv_cache import KVCache, forward_with_cache
 from posttrain.models.transformer import LMHead, Transformer
 from posttrain.ops.cross_entropy import IGNORE_INDEX, chunked_logprobs
-from posttrain.ops.vocab import mask_padded_logits, sample_next_token
+from posttrain.ops.vocab import (check_token_ranges, mask_padded_logits, renumber_tokens,
+                                 restrict_head, sample_next_token, token_range_ids)
 from posttrain.rl.engine import Rollout, SamplingConfig
 
 __all__ = ["NativeEngine"]
@@ -137,6 +140,8 @@ class NativeEngine:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
         self._check_resident()
         self._check_prompts(prompts, sampling.max_new_tokens)
+        check_token_ranges(sampling.allowed_token_ranges, self.vocab_size,
+                           key="sampling.allowed_token_ranges")
         generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         per_chunk = max(1, self.max_batch_sequences // n)
         results: list[list[Rollout]] = []
@@ -165,13 +170,19 @@ class NativeEngine:
         finish: list[str] = ["length"] * len(live)
         stops = set(sampling.stop_token_ids)
         lp_temperature = sampling.logprob_temperature
+        # the allowed ids (None: all): column j of the logits is id allowed_A[j]
+        allowed_A = (token_range_ids(sampling.allowed_token_ranges, device)
+                     if sampling.allowed_token_ranges else None)
         for _ in range(max_new):
-            logits_BV = self._next_token_logits(hidden_BH)
+            logits_BV = self._next_token_logits(hidden_BH, allowed_A)
             next_B = sample_next_token(logits_BV, sampling.temperature, sampling.top_p,
                                        sampling.top_k, generator,
-                                       real_vocab_size=self.vocab_size)
+                                       real_vocab_size=None if allowed_A is not None
+                                       else self.vocab_size)
             logp_B = torch.log_softmax(logits_BV / lp_temperature, dim=-1).gather(
                 -1, next_B[:, None]).squeeze(-1)
+            if allowed_A is not None:
+                next_B = allowed_A[next_B]
             keep = []
             for r, (out, token, logp) in enumerate(zip(live, next_B.tolist(), logp_B.tolist())):
                 tokens[out].append(token)
@@ -191,19 +202,23 @@ class NativeEngine:
                          finish[i * n + j])  # type: ignore[arg-type]
                  for j in range(n)] for i in range(len(prompts))]
 
-    def _next_token_logits(self, hidden_BH: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [B, V] (padded columns -inf or cut), computed as `chunked_logprobs`
-        computes them (projection in the model dtype, soft-cap in fp32), so the sampler's
-        log-probs and a trainer's agree."""
+    def _next_token_logits(self, hidden_BH: torch.Tensor,
+                            allowed_A: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [B, V] (padded columns -inf or cut), or [B, A] of the ids `allowed_A`,
+        computed as `chunked_logprobs` computes them (projection in the model dtype, soft-cap in
+        fp32), so the sampler's log-probs and a trainer's agree."""
         head, real = self.model.head, self.vocab_size
         if self._lm_head:
             bias = getattr(head, "bias", None)
-            logits_BV = F.linear(hidden_BH, head.weight[:real],
-                                 None if bias is None else bias[:real]).float()
+            weight = head.weight[:real] if allowed_A is None else head.weight[allowed_A]
+            if bias is not None:
+                bias = bias[:real] if allowed_A is None else bias[allowed_A]
+            logits_BV = F.linear(hidden_BH, weight, bias).float()
             if head.softcap is not None:
                 logits_BV = torch.tanh(logits_BV / head.softcap) * head.softcap
             return logits_BV
-        return mask_padded_logits(self.model.logits(hidden_BH).float(), real)
+        logits_BV = mask_padded_logits(self.model.logits(hidden_BH).float(), real)
+        return logits_BV if allowed_A is None else logits_BV[:, allowed_A]
 
     def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         vocab = self.vocab_size
@@ -246,9 +261,13 @@ class NativeEngine:
 
     @torch.inference_mode()
     def logprobs(self, sequences: list[list[int]], prompt_lens: list[int], *,
-                 temperature: float = 1.0) -> list[list[float]]:
-        """Teacher-forced log p(sequences[i][t]) for t >= prompt_lens[i], at `temperature`
-        (the convention of `posttrain.rl.engine`); one full forward per batch of sequences."""
+                 temperature: float = 1.0, allowed_token_ranges: tuple = ()
+                 ) -> list[list[float]]:
+        """Teacher-forced log p(sequences[i][t]) for t >= prompt_lens[i], at `temperature`,
+        renormalised over `allowed_token_ranges` when given (the convention of
+        `posttrain.rl.engine`); one full forward per batch of sequences."""
+        ranges = check_token_ranges(allowed_token_ranges, self.vocab_size,
+                                    key="allowed_token_ranges")
         if len(sequences) != len(prompt_lens):
             raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens")
         self._check_resident()
@@ -260,11 +279,11 @@ class NativeEngine:
         for start in range(0, len(sequences), self.max_batch_sequences):
             stop = start + self.max_batch_sequences
             out += self._score_batch(sequences[start:stop], prompt_lens[start:stop],
-                                     temperature)
+                                     temperature, ranges)
         return out
 
     def _score_batch(self, sequences: list[list[int]], prompt_lens: list[int],
-                     temperature: float) -> list[list[float]]:
+                     temperature: float, ranges: tuple = ()) -> list[list[float]]:
         device, longest = self.device, max(len(s) for s in sequences)
         # right padding: causal attention keeps it out of every real position
         ids_BT = torch.zeros(len(sequences), longest, dtype=torch.long, device=device)
@@ -275,13 +294,19 @@ class NativeEngine:
         hidden_BTH = self.model(ids_BT)
         head = self.model.head
         if self._lm_head:
-            logp_BT = chunked_logprobs(hidden_BTH, head.weight, targets_BT,
-                                       real_vocab_size=self.vocab_size, softcap=head.softcap,
-                                       bias=getattr(head, "bias", None),
+            weight, bias, real = head.weight, getattr(head, "bias", None), self.vocab_size
+            if ranges:
+                weight, bias, targets_BT = restrict_head(weight, bias, targets_BT, ranges)
+                real = weight.shape[0]
+            logp_BT = chunked_logprobs(hidden_BTH, weight, targets_BT, real_vocab_size=real,
+                                       softcap=head.softcap, bias=bias,
                                        temperature=temperature)
         else:
             logits = mask_padded_logits(self.model.logits(hidden_BTH).float(),
                                         self.vocab_size) / temperature
+            if ranges:
+                logits = logits[..., token_range_ids(ranges, device)]
+                targets_BT = renumber_tokens(targets_BT, ranges, self.vocab_size)
             logp_BT = torch.log_softmax(logits, dim=-1).gather(
                 -1, targets_BT.clamp_min(0)[..., None]).squeeze(-1)
         return [logp_BT[b, plen - 1:len(seq) - 1].tolist()

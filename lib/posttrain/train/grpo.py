@@ -46,6 +46,7 @@ from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.losses.grpo import grpo_loss
 from posttrain.models.transformer import Transformer
 from posttrain.ops.cross_entropy import chunked_logprobs
+from posttrain.ops.vocab import restrict_head
 from posttrain.rl.dynamic import DynamicSamplingConfig, OverlongConfig
 from posttrain.rl.engine import Rollout, SamplingConfig
 from posttrain.rl.environment import EnvironmentConfig
@@ -294,11 +295,15 @@ class GRPOLoss(nn.Module):
     row_keys = ("input_ids", "position_ids", "targets")      # cut by context parallelism
 
     def __init__(self, model: Transformer, algo: AlgorithmConfig, temperature: float,
-                 constant_norm: float | None, chunk_tokens: int = 1024):
+                 constant_norm: float | None, chunk_tokens: int = 1024,
+                 allowed_token_ranges: tuple = ()):
         super().__init__()
         self.model, self.algo = model, algo
         self.temperature, self.constant_norm = temperature, constant_norm
         self.chunk_tokens = chunk_tokens
+        # the ids the engine may sample (`SamplingConfig.allowed_token_ranges`; empty: all):
+        # log-probs over the head's rows for them, as the engine computes its own
+        self.allowed_token_ranges = allowed_token_ranges
 
     def sequence_logprobs(self, input_ids, position_ids, document_lengths, targets,
                           token_index, mask, with_entropy: bool = False
@@ -308,10 +313,14 @@ class GRPOLoss(nn.Module):
         chunked logits, else None)."""
         hidden = self.model(input_ids, position_ids, document_lengths)
         head = self.model.head
-        out = chunked_logprobs(hidden, head.weight, targets, real_vocab_size=head.real_vocab_size,
+        weight, bias, real = head.weight, getattr(head, "bias", None), head.real_vocab_size
+        if self.allowed_token_ranges:
+            weight, bias, targets = restrict_head(weight, bias, targets,
+                                                  self.allowed_token_ranges)
+            real = weight.shape[0]
+        out = chunked_logprobs(hidden, weight, targets, real_vocab_size=real,
                                chunk_tokens=self.chunk_tokens,
-                               softcap=getattr(head, "softcap", None),
-                               bias=getattr(head, "bias", None),
+                               softcap=getattr(head, "softcap", None), bias=bias,
                                temperature=self.temperature, return_entropy=with_entropy)
         logp, entropy = out if with_entropy else (out, None)
         logp_flat = self._whole_row(logp.reshape(-1))
@@ -383,14 +392,20 @@ class GRPOLoss(nn.Module):
 
 class GRPOWorker:
     """One trainer rank (module docstring). Methods are called by the controller on every rank
-    (they are collectives under FSDP) unless noted."""
+    (they are collectives under FSDP) unless noted.
+
+    A recipe on the same rank (sequence RL) sets `config_cls` and `token_ranges`: the ids
+    its engine may sample, which the loss's log-probs are renormalised over (empty: all)."""
+
+    config_cls: type = GRPOConfig
 
     def __init__(self, cfg: dict[str, Any], hf_dir: str, prepared_dir: str, run_dir: str,
                  models: dict[str, str] | None = None):
         """`models`: the driver's other model directories (GRPO has none)."""
-        self.cfg = build(GRPOConfig, cfg, where="grpo config")
+        self.cfg = build(self.config_cls, cfg, where=f"{self.config_cls.__name__} config")
         self.prepared_dir = local_view(prepared_dir)
         self.hf_dir = hf_dir
+        self.token_ranges = self.allowed_token_ranges()
         train = self.cfg.train
         constant = self.cfg.algorithm.constant_norm or float(self.cfg.episode_tokens)
         init_process_group()
@@ -399,7 +414,8 @@ class GRPOWorker:
             self.cfg.model, train.optimizer_engine, hf_dir, run_dir,
             vocab_size=tokenizer_vocab(prepared_dir),
             loss_factory=lambda m: GRPOLoss(m, self.cfg.algorithm, self._temperature, constant,
-                                            self.cfg.model.loss_chunk_tokens))
+                                            self.cfg.model.loss_chunk_tokens,
+                                            self.token_ranges))
         self.rank, self.world = self.engine.rank, self.engine.world
         self.reference: GRPOLoss | None = None
         if self.cfg.algorithm.reference == "copy":
@@ -416,6 +432,10 @@ class GRPOWorker:
         self._rollout_released = False
         self.peak_flops, _ = device_peak_flops(self.engine.device)
 
+    def allowed_token_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The ids the engine may sample (GRPO: all of them)."""
+        return ()
+
     @property
     def _temperature(self) -> float:
         return self.cfg.sampling.temperature if self.cfg.sampling.temperature > 0 else 1.0
@@ -431,7 +451,7 @@ class GRPOWorker:
             replace(self.cfg.model, lora=None), self.engine.cfg.parallel, self.hf_dir,
             self.engine.device,
             lambda m: GRPOLoss(m, algorithm, self._temperature, None,
-                               self.cfg.model.loss_chunk_tokens),
+                               self.cfg.model.loss_chunk_tokens, self.token_ranges),
             vocab_size=self.engine.vocab_size, frozen=True)
         return root
 
@@ -524,8 +544,9 @@ class GRPOWorker:
         trainer = self.engine.score(batch)
         out = {"trainer": trainer[0].float().cpu().tolist()}
         if self.rollout is not None:
+            ranges = {"allowed_token_ranges": self.token_ranges} if self.token_ranges else {}
             out["engine"] = self.rollout.logprobs([sequence], [prompt_len],
-                                                  temperature=self._temperature)[0]
+                                                  temperature=self._temperature, **ranges)[0]
         return out
 
     # ------------------------------------------------------------------ update
