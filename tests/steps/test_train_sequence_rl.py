@@ -149,6 +149,8 @@ def test_golden_losses_and_sigkill_resume_with_an_engine_of_ones_own(tmp_path):
     train_sequence_rl.run(small, overrides={"run.dir": str(ref_dir)}, show_progress=False)
     ref = metrics(ref_dir)
     assert sorted(ref) == list(range(1, GOLDEN_STEPS + 1))
+    # between ATEN_CPU_CAPABILITY default / avx2 / avx512 x 1 / 2 threads the losses moved by
+    # up to 1.9e-7, the gradient norms (about 2) by up to 2.7e-5 (tests/golden/README.md)
     check_golden("sequence_rl", [ref[s]["loss"] for s in sorted(ref)])
     check_golden("sequence_rl_grad_norm", [ref[s]["grad_norm"] for s in sorted(ref)],
                  atol=1e-4)
