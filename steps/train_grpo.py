@@ -221,6 +221,7 @@ class GRPOController(Controller):
         return ctl
 
     def before_training(self) -> dict[str, Any]:
+        self.reward.open()                       # model-based rewards load (or fail) now
         return {}
 
     def resume(self) -> int:
@@ -254,6 +255,7 @@ class GRPOController(Controller):
     def close(self) -> None:
         self.pipeline.close()
         self.rollouts.close()
+        self.reward.close()                      # model-based rewards: their models, actors
 
     def produce(self, step: int) -> GroupBatch:
         """The rollout batch of `step`: prompts -> rollouts -> rewards; with dynamic sampling,

@@ -51,7 +51,7 @@ from posttrain.rl.engine import Rollout, SamplingConfig
 from posttrain.rl.environment import EnvironmentConfig
 from posttrain.rl.factory import RolloutEngineConfig, build_rollout_engine
 from posttrain.rl.weight_sync import SyncPlan, WeightReceiver, WeightSender
-from posttrain.rl.rewards import RewardConfig
+from posttrain.rl.rewards import RewardConfig, actor_placed
 from posttrain.models.args import DTYPES
 from posttrain.train.engine import (Engine, EngineConfig, ModelConfig, all_reduce_max,
                                     build_sharded)
@@ -205,6 +205,11 @@ class GRPOConfig:
         if self.rollout.placement == "separate" and self.run.launcher != "ray":
             raise ValueError("rollout.placement: separate runs the engines as Ray actors; set "
                              "run.launcher: ray")
+        for name in actor_placed(self.rewards.functions):
+            if self.run.launcher != "ray":
+                raise ValueError(f"rewards.functions[{name}].params.placement: actor runs the "
+                                 "model on a Ray actor; set run.launcher: ray, or placement: "
+                                 "local")
 
     @property
     def episode_tokens(self) -> int:
