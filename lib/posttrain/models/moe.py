@@ -307,8 +307,9 @@ class MoEBlock(nn.Module):
                                swiglu_limit=args.swiglu_limit, swiglu_alpha=args.swiglu_alpha)
         self.router_logits_NE: torch.Tensor | None = None
         self.expert_NK: torch.Tensor | None = None
-        # routing replay (`routing_replay.set_routing_replay`): expert ids [N, k] to use instead of the top-k,
-        # -1 rows keep their own; and the last forward's (replayed, mismatched) selections
+        # routing replay (`routing_replay.set_routing_replay`): expert ids [N, k] to use
+        # instead of the top-k, -1 rows keep their own; and the last forward's (replayed,
+        # mismatched) selections
         self.replay_NK: torch.Tensor | None = None
         self.replay_counts: torch.Tensor | None = None
         # tensors held in fp32 whatever the model's dtype (`Transformer.fp32_names`)

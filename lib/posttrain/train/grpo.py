@@ -45,6 +45,8 @@ from posttrain.distributed.sync_group import GroupAddress
 from posttrain.errors import ConfigError
 from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.losses.grpo import grpo_loss
+from posttrain.models.routing_replay import (moe_blocks, routing_replay_counts,
+                                             set_routing_replay)
 from posttrain.models.transformer import Transformer
 from posttrain.ops.cross_entropy import chunked_logprobs
 from posttrain.rl.dynamic import DynamicSamplingConfig, OverlongConfig
@@ -314,7 +316,6 @@ class GRPOLoss(nn.Module):
         """Route this call's forwards (and their recomputation in the backward) through the
         recorded experts `routing` [1, L, L_moe, k] of the batch, or the model's own (None)."""
         if routing is not None or self._replaying:
-            from posttrain.models.routing_replay import set_routing_replay
             set_routing_replay(self.model, routing)
             self._replaying = routing is not None
 
@@ -393,7 +394,6 @@ class GRPOLoss(nn.Module):
             if entropy_sum is not None:
                 stats["entropy"] = entropy_sum
             if routing is not None:
-                from posttrain.models.routing_replay import routing_replay_counts
                 replayed, mismatched = routing_replay_counts(self.model).tolist()
                 stats["routing_replayed"] = torch.tensor(float(replayed))
                 stats["routing_mismatched"] = torch.tensor(float(mismatched))
@@ -425,12 +425,10 @@ class GRPOWorker:
             loss_factory=lambda m: GRPOLoss(m, self.cfg.algorithm, self._temperature, constant,
                                             self.cfg.model.loss_chunk_tokens))
         self.rank, self.world = self.engine.rank, self.engine.world
-        if self.cfg.algorithm.routing_replay:
-            from posttrain.models.routing_replay import moe_blocks
-            if not moe_blocks(self.engine.model):
-                raise ConfigError("algorithm.routing_replay replays the experts of a "
-                                  "mixture-of-experts model; this model has no native MoE "
-                                  "layers: set routing_replay: false")
+        if self.cfg.algorithm.routing_replay and not moe_blocks(self.engine.model):
+            raise ConfigError("algorithm.routing_replay replays the experts of a "
+                              "mixture-of-experts model; this model has no native MoE "
+                              "layers: set routing_replay: false")
         self.reference: GRPOLoss | None = None
         if self.cfg.algorithm.reference == "copy":
             self.reference = self._frozen_copy().eval()
