@@ -50,6 +50,8 @@ class SamplingConfig:
     seed: seeds the engine's sampler; the same prompts, config and weights give the same rollouts.
     allowed_token_ranges: ``(lo, hi)`` windows of the ids that may be sampled, ascending and
     disjoint (module docstring); empty: every id of the vocabulary. Stop ids must be among them.
+    record_routing: an MoE model's engine returns each rollout's expert choices
+    (`Rollout.routing`, for routing replay: `posttrain.models.routing_replay`).
     """
 
     temperature: float = 1.0
@@ -59,6 +61,7 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
     allowed_token_ranges: tuple[tuple[int, int], ...] = ()
+    record_routing: bool = False
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -89,12 +92,17 @@ class SamplingConfig:
 
 @dataclass
 class Rollout:
-    """One sampled completion. `logprobs[i]` scores `completion_ids[i]` (module docstring)."""
+    """One sampled completion. `logprobs[i]` scores `completion_ids[i]` (module docstring).
+
+    `routing` (with `SamplingConfig.record_routing`): the experts each position of prompt +
+    completion went through, [T, L_moe, top_k] int16 over the model's MoE layers in order; -1
+    rows for positions the engine never ran (the last completion token). None otherwise."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    routing: torch.Tensor | None = None
 
 
 @runtime_checkable
