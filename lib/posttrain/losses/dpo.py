@@ -15,6 +15,9 @@ and the per-pair losses (beta > 0, eps = label_smoothing):
     hinge    max(0, 1 - beta h)                                     SLiC, Zhao et al. 2023
 
 with s the logistic sigmoid. The implicit rewards are r = beta (log pi - log ref) per response.
+The reference-free pair losses are in `posttrain.losses.simpo` and `posttrain.losses.orpo`, the
+loss on unpaired completions in `posttrain.losses.kto`; they share this module's log-probs
+(`packed_sequence_logps`: every packed sequence's, which `dpo_pair_logps` pairs up).
 
 Packed pairs (`dpo_pair_logps`). The chosen and rejected responses of a pair are two separate
 *sequences* (documents) somewhere in the batch, packed or padded, written by the data layer with
