@@ -194,8 +194,11 @@ class Recipe:
     name: ClassVar[str]
     config_cls: ClassVar[type]
     transformers_fallback: ClassVar[bool] = True   # runs on models without a native definition
-    unit_field: ClassVar[str] = "num_loss_tokens"   # the batch count the loss is a mean over
-    unit_name: ClassVar[str] = "tokens"             # how metrics name that unit
+    # the batch count the loss is a mean over, and how metrics name that unit; a recipe whose
+    # unit depends on its config sets them per instance (the preference recipe: pairs, or
+    # KTO's completions)
+    unit_field: str = "num_loss_tokens"
+    unit_name: str = "tokens"
 
     def __init__(self, worker: "RecipeWorker"):
         self.worker = worker
