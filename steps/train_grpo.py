@@ -16,6 +16,8 @@ One step, as `GRPOController.step` reads:
                  group-normalized (Dr. GRPO: centered only), RLOO's leave-one-out, or
                  REINFORCE++'s group-centered and batch-normalized
     update    -> packed micro-batches, `mini_batches` optimizer steps on the FSDP2 trainers
+                 (with `algorithm.routing_replay`, an MoE policy's forwards route every token
+                 through the experts the engine recorded for it)
     sync      -> the trainers' new weights into the engines (gathered per bucket and broadcast
                  in the engine's dtype; LoRA: adapters only), then the sync check: the
                  engine's and the trainer's log-probs of a fixed sequence must agree
@@ -221,6 +223,7 @@ class GRPOController(Controller):
         return ctl
 
     def before_training(self) -> dict[str, Any]:
+        self.reward.open()                       # model-based rewards load (or fail) now
         return {}
 
     def resume(self) -> int:
@@ -254,6 +257,7 @@ class GRPOController(Controller):
     def close(self) -> None:
         self.pipeline.close()
         self.rollouts.close()
+        self.reward.close()                      # model-based rewards: their models, actors
 
     def produce(self, step: int) -> GroupBatch:
         """The rollout batch of `step`: prompts -> rollouts -> rewards; with dynamic sampling,
@@ -266,8 +270,8 @@ class GRPOController(Controller):
 
         def generate(prompts: list[PromptRow], round_index: int) -> list[list[Episode]]:
             t0 = time.perf_counter()
-            sampling = cfg.sampling.sampling(self.stop_ids, seed=round_seed(step_seed,
-                                                                            round_index))
+            sampling = replace(cfg.sampling.sampling(self.stop_ids, seed=round_seed(
+                step_seed, round_index)), record_routing=cfg.algorithm.routing_replay)
             out = self.episodes.run(prompts, n, self.rollouts.generate, sampling)
             times["generate"] += time.perf_counter() - t0
             return out
@@ -296,7 +300,8 @@ class GRPOController(Controller):
         advantages = estimate_advantages(rewards_G_N, cfg.algorithm.advantage,
                                          normalize_std=cfg.algorithm.normalize_std)
         # update (importance-corrected by the engine's log-probs, however stale)
-        samples = [Sample(r.prompt_ids, r.completion_ids, r.logprobs, float(a), r.loss_mask)
+        samples = [Sample(r.prompt_ids, r.completion_ids, r.logprobs, float(a), r.loss_mask,
+                          r.routing)
                    for r, a in zip(rollouts, advantages.flatten().tolist())]
         mini_batches = [pack_micro_batches(mb, max_tokens=cfg.train.max_tokens_per_micro_batch,
                                            num_ranks=self.num_ranks, pack=self.packs_documents,

@@ -36,6 +36,8 @@ class SamplingConfig:
     max_new_tokens: completion tokens per sample, at most. stop_token_ids: a sampled id in this
     set ends its sample (the stop token is kept in `completion_ids`, with its log-prob).
     seed: seeds the engine's sampler; the same prompts, config and weights give the same rollouts.
+    record_routing: an MoE model's engine returns each rollout's expert choices
+    (`Rollout.routing`, for routing replay: `posttrain.models.routing_replay`).
     """
 
     temperature: float = 1.0
@@ -44,6 +46,7 @@ class SamplingConfig:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    record_routing: bool = False
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -66,12 +69,17 @@ class SamplingConfig:
 
 @dataclass
 class Rollout:
-    """One sampled completion. `logprobs[i]` scores `completion_ids[i]` (module docstring)."""
+    """One sampled completion. `logprobs[i]` scores `completion_ids[i]` (module docstring).
+
+    `routing` (with `SamplingConfig.record_routing`): the experts each position of prompt +
+    completion went through, [T, L_moe, top_k] int16 over the model's MoE layers in order; -1
+    rows for positions the engine never ran (the last completion token). None otherwise."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    routing: torch.Tensor | None = None
 
 
 @runtime_checkable

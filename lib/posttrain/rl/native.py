@@ -12,6 +12,10 @@ How a `generate` call runs (see `posttrain.models.kv_cache` for the cache layout
    (convention in `posttrain.rl.engine`).
 3. A row that samples a stop token or reaches `max_new_tokens` is finished and dropped from the
    batch and the cache, so later steps only pay for live rows.
+4. With `SamplingConfig.record_routing` (an MoE model), after the prefill and every decode step
+   the experts each MoE block chose for the tokens it ran are kept (`_RoutingRecorder`), and
+   each rollout gets its record [prompt + completion, L_moe, k] (`Rollout.routing`;
+   `posttrain.models.routing_replay`). Off, nothing is read.
 
 The cache is the model's kind: the native static cache (`posttrain.models.kv_cache`) for a
 `Transformer`, transformers' own cache behind the same interface (`fallback.HFKVCache`) for an
@@ -37,6 +41,7 @@ import torch.nn.functional as F
 
 from posttrain.models.fallback import HFCausalLM, HFKVCache, forward_with_hf_cache
 from posttrain.models.kv_cache import KVCache, forward_with_cache
+from posttrain.models.routing_replay import moe_blocks, recorded_routing
 from posttrain.models.transformer import LMHead, Transformer
 from posttrain.ops.cross_entropy import IGNORE_INDEX, chunked_logprobs
 from posttrain.ops.vocab import mask_padded_logits, sample_next_token
@@ -137,6 +142,7 @@ class NativeEngine:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
         self._check_resident()
         self._check_prompts(prompts, sampling.max_new_tokens)
+        self._check_recording(sampling)
         generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         per_chunk = max(1, self.max_batch_sequences // n)
         results: list[list[Rollout]] = []
@@ -156,6 +162,8 @@ class NativeEngine:
         pad_B = torch.tensor([prompt_len - len(p) for p in prompts], device=device)
         cache = self._cache.allocate(self.model, pad_B, prompt_len + max_new)
         hidden_BH = self._forward(self.model, ids_BP, cache)[:, -1]
+        recorder = (_RoutingRecorder(self.model, pad_B, n, max_new) if sampling.record_routing
+                    else None)
 
         rows_B = torch.arange(len(prompts), device=device).repeat_interleave(n)
         cache, hidden_BH = cache.select(rows_B), hidden_BH.index_select(0, rows_B)
@@ -165,7 +173,7 @@ class NativeEngine:
         finish: list[str] = ["length"] * len(live)
         stops = set(sampling.stop_token_ids)
         lp_temperature = sampling.logprob_temperature
-        for _ in range(max_new):
+        for step in range(max_new):
             logits_BV = self._next_token_logits(hidden_BH)
             next_B = sample_next_token(logits_BV, sampling.temperature, sampling.top_p,
                                        sampling.top_k, generator,
@@ -187,9 +195,19 @@ class NativeEngine:
                 cache, next_B = cache.select(keep_B), next_B.index_select(0, keep_B)
                 live = [live[r] for r in keep]
             hidden_BH = self._forward(self.model, next_B[:, None], cache)[:, -1]
+            if recorder is not None:
+                recorder.decoded(live, step)
+        routing = (recorder.rollouts([len(t) for t in tokens]) if recorder is not None
+                   else [None] * len(tokens))
         return [[Rollout(list(prompts[i]), tokens[i * n + j], logps[i * n + j],
-                         finish[i * n + j])  # type: ignore[arg-type]
+                         finish[i * n + j], routing[i * n + j])  # type: ignore[arg-type]
                  for j in range(n)] for i in range(len(prompts))]
+
+    def _check_recording(self, sampling: SamplingConfig) -> None:
+        if sampling.record_routing and (isinstance(self.model, HFCausalLM)
+                                        or not moe_blocks(self.model)):
+            raise ValueError("record_routing (algorithm.routing_replay) needs a native "
+                             "mixture-of-experts model; this engine's model has no MoE layers")
 
     def _next_token_logits(self, hidden_BH: torch.Tensor) -> torch.Tensor:
         """fp32 logits [B, V] (padded columns -inf or cut), computed as `chunked_logprobs`
@@ -286,3 +304,34 @@ class NativeEngine:
                 -1, targets_BT.clamp_min(0)[..., None]).squeeze(-1)
         return [logp_BT[b, plen - 1:len(seq) - 1].tolist()
                 for b, (seq, plen) in enumerate(zip(sequences, prompt_lens))]
+
+
+class _RoutingRecorder:
+    """The experts chosen in one chunk's prefill and decode steps, kept on the device until the
+    rollouts are made (step 4 of the module docstring)."""
+
+    def __init__(self, model: Transformer, pad_B: torch.Tensor, n: int, max_new: int):
+        self.blocks = moe_blocks(model)
+        B = pad_B.shape[0]
+        prefill = recorded_routing(self.blocks)                       # [B * P, L, k]
+        self.prefill_BPLK = prefill.view(B, -1, *prefill.shape[1:])
+        self.pad, self.n = pad_B.tolist(), n
+        # [rows, step, L, k]: the experts of completion token `step` of each row, when fed
+        self.decode = prefill.new_full((B * n, max(max_new - 1, 0), *prefill.shape[1:]), -1)
+
+    def decoded(self, live: list[int], step: int) -> None:
+        """The decode forward of `step` ran the live rows `live` (output indices) over their
+        completion token `step`."""
+        rows = torch.tensor(live, device=self.decode.device)
+        self.decode[rows, step] = recorded_routing(self.blocks)
+
+    def rollouts(self, completion_lens: list[int]) -> list[torch.Tensor]:
+        """Per output row: [prompt + completion, L, k] int16 on the CPU, -1 on the last token
+        (sampled, never run)."""
+        prefill, decode = self.prefill_BPLK.cpu(), self.decode.cpu()
+        out = []
+        for row, c in enumerate(completion_lens):
+            b = row // self.n
+            last = prefill.new_full((1, *prefill.shape[2:]), -1)
+            out.append(torch.cat([prefill[b, self.pad[b]:], decode[row, :c - 1], last]))
+        return out

@@ -196,6 +196,9 @@ class VLLMEngine:
         """
         if n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+        if sampling.record_routing:
+            raise ValueError("record_routing (algorithm.routing_replay) is not wired to vLLM's "
+                             "routed-experts output; use rollout.kind: native")
         self._check_prompts(prompts, sampling.max_new_tokens)
         from vllm import SamplingParams
 

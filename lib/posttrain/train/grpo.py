@@ -42,8 +42,11 @@ from posttrain.config.recipes import DataConfig
 from posttrain.data.prepared import local_view
 from posttrain.distributed.env import init_process_group
 from posttrain.distributed.sync_group import GroupAddress
+from posttrain.errors import ConfigError
 from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.losses.grpo import grpo_loss
+from posttrain.models.routing_replay import (moe_blocks, routing_replay_counts,
+                                             set_routing_replay)
 from posttrain.models.transformer import Transformer
 from posttrain.ops.cross_entropy import chunked_logprobs
 from posttrain.rl.dynamic import DynamicSamplingConfig, OverlongConfig
@@ -51,7 +54,7 @@ from posttrain.rl.engine import Rollout, SamplingConfig
 from posttrain.rl.environment import EnvironmentConfig
 from posttrain.rl.factory import RolloutEngineConfig, build_rollout_engine
 from posttrain.rl.weight_sync import SyncPlan, WeightReceiver, WeightSender
-from posttrain.rl.rewards import RewardConfig
+from posttrain.rl.rewards import RewardConfig, actor_placed
 from posttrain.models.args import DTYPES
 from posttrain.train.engine import (Engine, EngineConfig, ModelConfig, all_reduce_max,
                                     build_sharded)
@@ -115,6 +118,9 @@ class AlgorithmConfig:
     is_cap: float | None = 2.0                 # truncated IS engine -> trainer; None: off
     use_engine_logprobs: bool = True           # False: no importance correction at all
     log_entropy: bool = True
+    # MoE: the engine records each token's experts and every trainer forward replays them
+    # (R3; posttrain.models.routing_replay)
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         if self.kl_coef > 0 and self.reference == "none":
@@ -202,9 +208,18 @@ class GRPOConfig:
             raise ValueError("algorithm.ratio: sequence (GSPO) averages each response's token "
                              "log-ratios, which context parallelism splits over ranks; use "
                              "train.parallel.cp: 1 or algorithm.ratio: token")
+        if self.algorithm.routing_replay and self.rollout.kind != "native":
+            raise ValueError("algorithm.routing_replay records the experts in the native "
+                             f"rollout engine; rollout.kind: {self.rollout.kind} does not return "
+                             "them here: set rollout.kind: native or routing_replay: false")
         if self.rollout.placement == "separate" and self.run.launcher != "ray":
             raise ValueError("rollout.placement: separate runs the engines as Ray actors; set "
                              "run.launcher: ray")
+        for name in actor_placed(self.rewards.functions):
+            if self.run.launcher != "ray":
+                raise ValueError(f"rewards.functions[{name}].params.placement: actor runs the "
+                                 "model on a Ray actor; set run.launcher: ray, or placement: "
+                                 "local")
 
     @property
     def episode_tokens(self) -> int:
@@ -290,8 +305,9 @@ class GRPOLoss(nn.Module):
 
     input_keys = ("input_ids", "position_ids", "document_lengths", "targets", "token_index",
                   "mask", "advantages", "engine_logp", "old_logp", "ref_logp",
-                  "global_tokens", "global_sequences", "live")
-    row_keys = ("input_ids", "position_ids", "targets")      # cut by context parallelism
+                  "global_tokens", "global_sequences", "live", "routing")
+    # cut by context parallelism
+    row_keys = ("input_ids", "position_ids", "targets", "routing")
 
     def __init__(self, model: Transformer, algo: AlgorithmConfig, temperature: float,
                  constant_norm: float | None, chunk_tokens: int = 1024):
@@ -299,6 +315,14 @@ class GRPOLoss(nn.Module):
         self.model, self.algo = model, algo
         self.temperature, self.constant_norm = temperature, constant_norm
         self.chunk_tokens = chunk_tokens
+        self._replaying = False
+
+    def replay(self, routing: torch.Tensor | None) -> None:
+        """Route this call's forwards (and their recomputation in the backward) through the
+        recorded experts `routing` [1, L, L_moe, k] of the batch, or the model's own (None)."""
+        if routing is not None or self._replaying:
+            set_routing_replay(self.model, routing)
+            self._replaying = routing is not None
 
     def sequence_logprobs(self, input_ids, position_ids, document_lengths, targets,
                           token_index, mask, with_entropy: bool = False
@@ -342,8 +366,9 @@ class GRPOLoss(nn.Module):
 
     def forward(self, input_ids, position_ids, document_lengths, targets, token_index, mask,
                 advantages, engine_logp, old_logp=None, ref_logp=None, global_tokens=None,
-                global_sequences=None, live=True, *, score_only: bool = False):
+                global_sequences=None, live=True, routing=None, *, score_only: bool = False):
         seq_args = (input_ids, position_ids, document_lengths, targets, token_index, mask)
+        self.replay(routing)         # every pass: old policy, reference, update (None: own)
         if score_only:
             return self.sequence_logprobs(*seq_args)[0].detach()
         algo = self.algo
@@ -373,6 +398,10 @@ class GRPOLoss(nn.Module):
             stats["logprob_gap"] = (old - engine_logp).abs().where(mask, 0.0).sum()
             if entropy_sum is not None:
                 stats["entropy"] = entropy_sum
+            if routing is not None:
+                replayed, mismatched = routing_replay_counts(self.model).tolist()
+                stats["routing_replayed"] = torch.tensor(float(replayed))
+                stats["routing_mismatched"] = torch.tensor(float(mismatched))
         if not live:                       # a dummy micro-batch: collectives, no contribution
             return loss * 0.0, {k: torch.zeros_like(v) for k, v in stats.items()}
         return loss, stats
@@ -401,6 +430,10 @@ class GRPOWorker:
             loss_factory=lambda m: GRPOLoss(m, self.cfg.algorithm, self._temperature, constant,
                                             self.cfg.model.loss_chunk_tokens))
         self.rank, self.world = self.engine.rank, self.engine.world
+        if self.cfg.algorithm.routing_replay and not moe_blocks(self.engine.model):
+            raise ConfigError("algorithm.routing_replay replays the experts of a "
+                              "mixture-of-experts model; this model has no native MoE "
+                              "layers: set routing_replay: false")
         self.reference: GRPOLoss | None = None
         if self.cfg.algorithm.reference == "copy":
             self.reference = self._frozen_copy().eval()
@@ -547,6 +580,7 @@ class GRPOWorker:
                     b["ref_logp"] = self.engine.score(b, self.reference)
         logprobs_s = time.perf_counter() - t0
         totals: dict[str, float] = {}
+        routing = [0.0, 0.0]                  # replayed, mismatched token selections
         losses, grad_norms = [], []
         for batches in mine:
             m = self.engine.train_step(batches, 1)
@@ -555,9 +589,16 @@ class GRPOWorker:
             for k in _TOKEN_STATS:
                 if k in m:
                     totals[k] = totals.get(k, 0.0) + m[k]
+            if "routing_replayed" in m:       # sums over the data-parallel ranks
+                routing[0] += m["routing_replayed"]
+                routing[1] += m["routing_mismatched"]
             lr = m["lr"]
         tokens = sum(mbs[0]["global_tokens"] for mbs in mini_batches)
         out = {k: v / max(tokens, 1) for k, v in totals.items()}
+        if routing[0]:
+            # the share of (token, MoE layer) selections where the trainer's own top-k differs
+            # from the engine's recorded one, over the update's forwards
+            out["routing/mismatch_rate"] = routing[1] / routing[0]
         seconds = time.perf_counter() - t0
         out.update({"loss": sum(losses) / len(losses), "grad_norm": max(grad_norms), "lr": lr,
                     "optimizer_step": self.engine.step,
