@@ -52,6 +52,7 @@ from posttrain.rl.environment import EnvironmentConfig
 from posttrain.rl.factory import RolloutEngineConfig, build_rollout_engine
 from posttrain.rl.weight_sync import SyncPlan, WeightReceiver, WeightSender
 from posttrain.rl.rewards import RewardConfig
+from posttrain.train.critic import Critic, CriticConfig
 from posttrain.models.args import DTYPES
 from posttrain.train.engine import (Engine, EngineConfig, ModelConfig, all_reduce_max,
                                     build_sharded)
@@ -81,9 +82,8 @@ class GRPOTrainConfig:
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:
             raise ValueError("train.prompts_per_step must be at least 1")
-        if self.samples_per_prompt < 2:
-            raise ValueError("train.samples_per_prompt must be at least 2 (group-relative "
-                             "advantages compare samples of one prompt)")
+        if self.samples_per_prompt < 1:
+            raise ValueError("train.samples_per_prompt must be at least 1")
         if self.mini_batches < 1 or self.prompts_per_step % self.mini_batches:
             raise ValueError(f"train.mini_batches={self.mini_batches} must divide "
                              f"train.prompts_per_step={self.prompts_per_step}")
@@ -102,8 +102,9 @@ class AlgorithmConfig:
     """The policy loss and the advantages; formulas in `posttrain.losses.grpo`."""
 
     # group_norm: GRPO (Dr. GRPO with normalize_std false); rloo: leave-one-out baseline;
-    # reinforce_pp: REINFORCE++ (group baseline, normalized over the step's batch)
-    advantage: Literal["group_norm", "rloo", "reinforce_pp"] = "group_norm"
+    # reinforce_pp: REINFORCE++ (group baseline, normalized over the step's batch);
+    # gae: PPO, per token from a learned critic (the `critic:` section, posttrain.train.critic)
+    advantage: Literal["group_norm", "rloo", "reinforce_pp", "gae"] = "group_norm"
     normalize_std: bool = True                 # group_norm only; False: Dr. GRPO advantages
     ratio: Literal["token", "sequence"] = "token"   # sequence: GSPO (one ratio per response)
     clip_low: float = 0.2
@@ -180,8 +181,10 @@ class GRPOConfig:
     run: RunConfig = RunConfig(dir="runs/grpo")
     eval: GRPOEvalConfig = GRPOEvalConfig()
     export: ExportConfig = ExportConfig()
+    critic: CriticConfig | None = None         # PPO: with algorithm.advantage: gae
 
     def __post_init__(self) -> None:
+        self._check_advantage()
         if self.data.format != "prompt":
             raise ValueError(f"GRPO trains on prompt data (data.format: prompt), not "
                              f"{self.data.format!r}")
@@ -205,6 +208,30 @@ class GRPOConfig:
         if self.rollout.placement == "separate" and self.run.launcher != "ray":
             raise ValueError("rollout.placement: separate runs the engines as Ray actors; set "
                              "run.launcher: ray")
+
+    def _check_advantage(self) -> None:
+        """The advantage estimator against the sampling and the critic: group estimators
+        compare samples of a prompt, GAE needs a critic and nothing else."""
+        gae = self.algorithm.advantage == "gae"
+        if gae and self.critic is None:
+            raise ValueError("algorithm.advantage: gae (PPO) learns a value function: add a "
+                             "critic: section (posttrain.train.critic.CriticConfig; {} takes "
+                             "its defaults)")
+        if not gae and self.critic is not None:
+            raise ValueError(f"critic: is PPO's value model, used with algorithm.advantage: "
+                             f"gae only (got {self.algorithm.advantage!r}); remove critic: or "
+                             "set algorithm.advantage: gae")
+        if not gae and self.train.samples_per_prompt < 2:
+            raise ValueError(f"train.samples_per_prompt must be at least 2 with "
+                             f"algorithm.advantage: {self.algorithm.advantage} (group-relative "
+                             "advantages compare samples of one prompt); gae allows 1")
+        if gae and self.train.engine.parallel.cp > 1:
+            raise ValueError("critic: (algorithm.advantage: gae) does not support context "
+                             "parallelism yet; set train.parallel.cp: 1")
+        if gae and self.dynamic_sampling is not None and self.train.samples_per_prompt < 2:
+            raise ValueError("dynamic_sampling drops prompts whose samples all score the same, "
+                             "which is every prompt with train.samples_per_prompt: 1; remove "
+                             "dynamic_sampling or sample at least 2 per prompt")
 
     @property
     def episode_tokens(self) -> int:
@@ -401,6 +428,12 @@ class GRPOWorker:
             loss_factory=lambda m: GRPOLoss(m, self.cfg.algorithm, self._temperature, constant,
                                             self.cfg.model.loss_chunk_tokens))
         self.rank, self.world = self.engine.rank, self.engine.world
+        self.critic: Critic | None = None
+        if self.cfg.critic is not None:           # PPO (posttrain.train.critic)
+            self.critic = Critic(self.cfg.critic, self.cfg.model, train.optimizer_engine, hf_dir,
+                                 run_dir, vocab_size=self.engine.vocab_size,
+                                 aggregation=self.cfg.algorithm.aggregation,
+                                 constant_norm=constant)
         self.reference: GRPOLoss | None = None
         if self.cfg.algorithm.reference == "copy":
             self.reference = self._frozen_copy().eval()
@@ -456,9 +489,13 @@ class GRPOWorker:
     def resume(self) -> dict | None:
         """Load the newest valid checkpoint; returns the controller's state saved with it."""
         extra = self.engine.load_checkpoint()
+        if extra is not None and self.critic is not None:
+            self.critic.load(self.engine.step)       # the same step (Critic's docstring)
         return None if extra is None else extra["controller"]
 
     def save_checkpoint(self, controller_state: dict) -> str:
+        if self.critic is not None:                   # first: a kill in between is safe
+            self.critic.save(self.engine.step)
         return self.engine.save_checkpoint({"controller": controller_state})
 
     # ------------------------------------------------------------------ weights
@@ -531,7 +568,9 @@ class GRPOWorker:
     # ------------------------------------------------------------------ update
     def train_rollouts(self, mini_batches: list[list[dict]]) -> dict[str, float]:
         """The policy update of one GRPO step: for each mini-batch (a list of micro-batches,
-        this data-parallel rank taking r, r + D, ...) one optimizer step. Old-policy log-probs
+        this data-parallel rank taking r, r + D, ...) one optimizer step; with a critic (PPO)
+        its values and the per-token advantages first, its update after
+        (`posttrain.train.critic`). Old-policy log-probs
         are computed first for the mini-batches after the first (the first is scored by the
         policy that has not moved yet, so its own log-probs, detached, are the old ones),
         reference log-probs when configured. A colocated engine's memory is released first
@@ -539,6 +578,8 @@ class GRPOWorker:
         self.release_rollout()
         mine = [self.engine.dp.share(mb) for mb in mini_batches]
         t0 = time.perf_counter()
+        # PPO: the critic's values, per-token advantages and returns, before any update
+        critic = self.critic.prepare(mine) if self.critic is not None else {}
         for i, batches in enumerate(mine):
             for b in batches:
                 if i > 0:
@@ -556,9 +597,12 @@ class GRPOWorker:
                 if k in m:
                     totals[k] = totals.get(k, 0.0) + m[k]
             lr = m["lr"]
+        if self.critic is not None:
+            critic.update(self.critic.update(mine))
         tokens = sum(mbs[0]["global_tokens"] for mbs in mini_batches)
         out = {k: v / max(tokens, 1) for k, v in totals.items()}
         seconds = time.perf_counter() - t0
+        out.update(critic)
         out.update({"loss": sum(losses) / len(losses), "grad_norm": max(grad_norms), "lr": lr,
                     "optimizer_step": self.engine.step,
                     "time/logprobs_s": all_reduce_max(logprobs_s),
@@ -578,7 +622,8 @@ class GRPOWorker:
         """Model FLOPs of one GRPO update over all ranks: per live micro-batch the policy's
         forward and backward (the LM head over the completion tokens), and a forward for the
         old-policy log-probs (mini-batches after the first) and for the reference (when
-        configured). Dummy micro-batches are not model work."""
+        configured); with a critic its scoring forward and its forward and backward. Dummy
+        micro-batches are not model work."""
         from posttrain.train.recipe import policy_flops
         model, lora = self.engine.model, self.cfg.model.lora
         reference = self.cfg.algorithm.reference != "none"     # the base model, no adapters
@@ -592,6 +637,8 @@ class GRPOWorker:
                 total += policy_flops(model, view, lora=lora, training=False)
             if reference:
                 total += policy_flops(model, view, training=False)
+            if self.critic is not None:
+                total += self.critic.flops(view)
         return total
 
     def export(self, out_dir: str) -> str | None:
