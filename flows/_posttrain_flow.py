@@ -580,6 +580,35 @@ def resolve_checkpoint(what: str, run_pathspec: str, directory: str) -> tuple[st
     return run.data.hf_uri, run.pathspec
 
 
+def start_model(config: Any, run_pathspec: str, flow_name: str, flow_file: str
+                ) -> tuple[str | None, str]:
+    """A flow's start step that trains on from another flow's export: (parent run pathspec or
+    None, the checkpoint URI): the export of the finished run `run_pathspec` when given, else
+    the config's `model.hf_dir`, which must then exist (else the run stops here, naming the
+    flow that makes it)."""
+    from metaflow import Run
+    from metaflow.exception import MetaflowException
+    if run_pathspec:
+        parent = Run(run_pathspec)
+        if not parent.successful:
+            raise MetaflowException(f"{run_pathspec} did not finish successfully")
+        return parent.pathspec, parent.data.hf_uri
+    hf_dir = config.model.hf_dir
+    if not (is_remote(hf_dir) or (Path(hf_dir) / "config.json").is_file()):
+        raise MetaflowException(
+            f"model.hf_dir: {hf_dir}/config.json not found, nothing was run. Start from a "
+            f"finished {flow_name} run (`python {flow_file} run`) with its pathspec as "
+            f"--{flow_name.removesuffix('Flow').lower()}-run {flow_name}/<run id>")
+    return None, hf_dir
+
+
+def with_model(config: Any, hf_uri: str) -> dict:
+    """`config` as a plain dict whose model is a local copy of `hf_uri` (for a step that reads
+    the model's files, e.g. the event vocabulary beside it)."""
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return {**cfg, "model": {**cfg["model"], "hf_dir": fetch(hf_uri)}}
+
+
 def find_base_model(model: Any, sft_schema: str) -> tuple[str | None, str, dict | None]:
     """A flow's start step, when no run was given: where its config's `model.hf_dir` is.
 

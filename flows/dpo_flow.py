@@ -62,7 +62,8 @@ class DPOFlow(FlowSpec):
         self.base_uri = result["base_model_uri"]
         self.checkpoint_uri = result["checkpoint_uri"]
         self.train_result = train_summary(result, "final_accuracy", "mean_pairs_per_s",
-                                          "reference_pairs")
+                                          "reference_pairs", "mean_completions_per_s",
+                                          "reference_completions")     # the last two: KTO
         self.next(self.join)
 
     @step

@@ -7,6 +7,7 @@
     posttrain train-reward --config configs/reward/tiny.yaml
     posttrain train-grpo --config configs/grpo/tiny.yaml
     posttrain train-sequence --config configs/sequence/tiny.yaml
+    posttrain train-sequence-rl --config configs/sequence_rl/tiny.yaml
     posttrain verify-model --hf-dir path/to/model
     posttrain plan --config configs/sft/qwen3_0p6b_lora_1gpu.yaml --gpu h100-80g [--json]
     posttrain evaluate --suite configs/eval/tiny.yaml --model DIR --baseline DIR
@@ -62,6 +63,11 @@ def _train_sequence(args: argparse.Namespace) -> int:
     return train_sequence.main(args)
 
 
+def _train_sequence_rl(args: argparse.Namespace) -> int:
+    from steps import train_sequence_rl
+    return train_sequence_rl.main(args)
+
+
 def _plan(args: argparse.Namespace) -> int:
     from steps import plan
     return plan.main(args)
@@ -95,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                              ("train-reward", _train_reward, "a Bradley-Terry reward model"),
                              ("train-grpo", _train_grpo, "on-policy RL (GRPO) with rollouts"),
                              ("train-sequence", _train_sequence,
-                              "pretraining from scratch on event sequences, with heads")):
+                              "pretraining from scratch on event sequences, with heads"),
+                             ("train-sequence-rl", _train_sequence_rl,
+                              "RL (GRPO) on a sequence model: histories in, items out")):
         r = sub.add_parser(name, help=f"{text} on Ray trainer workers")
         add_arguments(r)
         r.set_defaults(func=func)

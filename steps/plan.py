@@ -22,7 +22,8 @@ RECIPES = {"sft": "posttrain.train.sft.SFTConfig", "dpo": "posttrain.train.dpo.D
            "reward": "posttrain.train.reward.RewardConfig",
            "distill": "posttrain.train.distill.DistillConfig",
            "sequence": "posttrain.train.sequence.SequenceConfig",
-           "grpo": "posttrain.train.grpo.GRPOConfig"}
+           "grpo": "posttrain.train.grpo.GRPOConfig",
+           "sequence_rl": "posttrain.train.sequence_rl.SequenceRLConfig"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

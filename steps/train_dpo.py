@@ -1,4 +1,5 @@
-"""Train with DPO: Ray trainer actors (FSDP2 over gloo/NCCL) driven step by step from here.
+"""Train with DPO (or SimPO, ORPO, KTO): Ray trainer actors (FSDP2 over gloo/NCCL) driven step
+by step from here.
 
     prepare (if needed) -> base HF checkpoint (random tiny, or model.hf_dir: an SFT export) ->
     workers -> reference log-probs of every pair, once (precomputed mode) -> resume from the
@@ -6,11 +7,14 @@
     accuracy / rewards / margins / log-probs, checkpoint every K steps -> held-out DPO metrics
     -> export a Hugging Face checkpoint
 
-The driver is the one of every recipe (`steps.common.run_recipe`); the recipe (loss root,
-reference modes) is `posttrain.train.dpo.DPO`. A killed run continues from its last complete
+`loss.loss_type` picks the loss: DPO and its variants, SimPO and ORPO (reference-free: no
+reference pass), or KTO on unpaired completions labelled desirable or undesirable
+(``data.format: unpaired``; its unit is the completion). The driver is the one of every recipe
+(`steps.common.run_recipe`); the recipe (loss roots, reference modes) is
+`posttrain.train.dpo.DPO`. A killed run continues from its last complete
 checkpoint when started again with the same run directory and ends with the same weights.
 
-    posttrain train-dpo --config configs/dpo/tiny.yaml
+    posttrain train-dpo --config configs/dpo/tiny.yaml          # simpo_tiny, orpo_tiny, kto_tiny
     python -m steps.train_dpo --config configs/dpo/tiny.yaml --launcher inline --num-workers 1
 """
 

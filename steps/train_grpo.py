@@ -18,6 +18,8 @@ One step, as `GRPOController.step` reads:
                  token, by the trainer ranks' critic from each sample's reward
                  (`posttrain.train.critic`), which is updated in the same step
     update    -> packed micro-batches, `mini_batches` optimizer steps on the FSDP2 trainers
+                 (with `algorithm.routing_replay`, an MoE policy's forwards route every token
+                 through the experts the engine recorded for it)
     sync      -> the trainers' new weights into the engines (gathered per bucket and broadcast
                  in the engine's dtype; LoRA: adapters only), then the sync check: the
                  engine's and the trainer's log-probs of a fixed sequence must agree
@@ -191,11 +193,7 @@ class GRPOController(Controller):
         self.records: dict[str, list[dict]] = {}
         self.stream = PromptStream(train_rows, seed=cfg.train.engine.seed)
         self.eval_rows = eval_rows
-        self.reward = combine(cfg.rewards.functions)
-        self.stop_ids = stop_token_ids(tokenizer, cfg.sampling.stop_tokens)
-        chat = ChatTokenizer(replace(cfg.tokenizer, added_tokens=(), semantic_ids=None),
-                             tokenizer=tokenizer)       # the prepared one has them already
-        self.episodes = EpisodeRunner(cfg.environment, chat, self.stop_ids)
+        self.reward, self.stop_ids, self.episodes = self.generation(tokenizer)
         first = train_rows[0].prompt_ids
         # any fixed token sequence will do; a prompt followed by itself stays in-distribution
         self.probe_sequence, self.probe_prompt_len = first + first, len(first)
@@ -207,6 +205,16 @@ class GRPOController(Controller):
         self.pipeline = RolloutPipeline(self.produce, lambda: self.policy_version,
                                         cfg.rollout.max_staleness,
                                         end=cfg.train.engine.max_steps)
+
+    def generation(self, tokenizer: Any) -> tuple[Any, tuple[int, ...], Any]:
+        """The run's reward (`CombinedReward`), stop ids and episode runner (`EpisodeRunner`'s
+        `run`): here chat episodes in the tokenizer's ids (sequence RL: item completions)."""
+        cfg = self.cfg
+        stop_ids = stop_token_ids(tokenizer, cfg.sampling.stop_tokens)
+        chat = ChatTokenizer(replace(cfg.tokenizer, added_tokens=(), semantic_ids=None),
+                             tokenizer=tokenizer)       # the prepared one has them already
+        return (combine(cfg.rewards.functions), stop_ids,
+                EpisodeRunner(cfg.environment, chat, stop_ids))
 
     @classmethod
     def for_run(cls, cfg: GRPOConfig, group: Any, context: dict[str, Any]) -> "GRPOController":
@@ -224,6 +232,7 @@ class GRPOController(Controller):
         return ctl
 
     def before_training(self) -> dict[str, Any]:
+        self.reward.open()                       # model-based rewards load (or fail) now
         return {}
 
     def resume(self) -> int:
@@ -257,6 +266,7 @@ class GRPOController(Controller):
     def close(self) -> None:
         self.pipeline.close()
         self.rollouts.close()
+        self.reward.close()                      # model-based rewards: their models, actors
 
     def produce(self, step: int) -> GroupBatch:
         """The rollout batch of `step`: prompts -> rollouts -> rewards; with dynamic sampling,
@@ -269,8 +279,8 @@ class GRPOController(Controller):
 
         def generate(prompts: list[PromptRow], round_index: int) -> list[list[Episode]]:
             t0 = time.perf_counter()
-            sampling = cfg.sampling.sampling(self.stop_ids, seed=round_seed(step_seed,
-                                                                            round_index))
+            sampling = replace(cfg.sampling.sampling(self.stop_ids, seed=round_seed(
+                step_seed, round_index)), record_routing=cfg.algorithm.routing_replay)
             out = self.episodes.run(prompts, n, self.rollouts.generate, sampling)
             times["generate"] += time.perf_counter() - t0
             return out
@@ -303,7 +313,7 @@ class GRPOController(Controller):
                                              normalize_std=cfg.algorithm.normalize_std)
         # update (importance-corrected by the engine's log-probs, however stale)
         samples = [Sample(r.prompt_ids, r.completion_ids, r.logprobs, float(a), r.loss_mask,
-                          reward=reward)
+                          r.routing, reward=reward)
                    for r, a, reward in zip(rollouts, advantages.flatten().tolist(),
                                            rewards_G_N.flatten().tolist())]
         mini_batches = [pack_micro_batches(mb, max_tokens=cfg.train.max_tokens_per_micro_batch,
@@ -339,12 +349,16 @@ class GRPOController(Controller):
             "time/sync_s": t_synced - t_updated - ahead_wait,
             "time/step_s": t_synced - t_start,
         }
-        if not cfg.environment.single_turn:
-            metrics.update(episode_metrics(rollouts))
+        metrics.update(self.rollout_metrics(rollouts))
         metrics.update(self._sandbox_metrics())
         if cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
             metrics.update(self._evaluate()[0])
         return metrics
+
+    def rollout_metrics(self, rollouts: list[Any]) -> dict[str, float]:
+        """What the step's episodes did besides their length (multi-turn: turns, environment
+        tokens; `episode_metrics`)."""
+        return {} if self.cfg.environment.single_turn else episode_metrics(rollouts)
 
     def _sandbox_metrics(self) -> dict[str, float]:
         """Sandboxed code runs since the last step, by isolation mechanism (none: no keys)."""
@@ -397,8 +411,12 @@ class GRPOController(Controller):
 
         return reward_eval(generate, self.eval_rows, self.reward,
                            accuracy_reward=self.cfg.eval.accuracy_reward,
-                           num_records=self.cfg.eval.num_records,
-                           environment=not self.cfg.environment.single_turn)
+                           num_records=self.cfg.eval.num_records, **self.eval_scoring())
+
+    def eval_scoring(self) -> dict[str, Any]:
+        """How `reward_eval` scores the held-out episodes: with the environment's reward when
+        it is multi-turn (sequence RL: its own `score`)."""
+        return {"environment": not self.cfg.environment.single_turn}
 
     def save_checkpoint(self, step: int) -> None:
         """The prompt stream's position and the rollout batches made ahead of `step` (their

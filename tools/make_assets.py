@@ -9,6 +9,8 @@ parameters can learn it in minutes on a CPU and its loss visibly falls:
   echo/rewrite tasks, arithmetic with a worked answer, counting); lengths skewed, mostly short.
 - ``assets/data/preference``: the same kinds of prompts with a systematically better ``chosen``
   (correct, polite, exact) and worse ``rejected`` (wrong, rude, garbled) answer, for DPO.
+- ``assets/data/unpaired``: the preference pairs split into labelled completions for KTO
+  (``{"prompt", "completion", "label"}``: chosen -> true, rejected -> false), shuffled.
 - ``assets/data/arithmetic``: prompt-only RL rows with a verifiable ``answer``.
 - ``assets/data/arithmetic_sft``: the same problems as chats whose answer ends "The answer is N."
 - ``assets/data/tool_arithmetic`` (prompt rows) and ``tool_arithmetic_sft`` (chats): problems
@@ -284,7 +286,23 @@ def make_datasets(data_dir: Path) -> list[str]:
         write_jsonl(snap / "train.jsonl", [worked_row(*p) for p in train[:rows]])
         write_jsonl(snap / "eval.jsonl", [worked_row(*p) for p in evals])
     make_tool_datasets(data_dir)
+    make_unpaired(data_dir, *splits["preference"])
     return corpus
+
+
+UNPAIRED_SEED = SEED + 31
+
+
+def make_unpaired(data_dir: Path, train: list[dict], evals: list[dict]) -> None:
+    """KTO's unpaired rows from the preference pairs (added later, outside the tokenizer's
+    corpus): each pair gives its chosen completion labelled true and its rejected one labelled
+    false; the rows of each split are shuffled, so the two halves of a pair seldom meet."""
+    rng = random.Random(UNPAIRED_SEED)
+    for split, pairs in (("train", train), ("eval", evals)):
+        rows = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+                for p in pairs for side in ("chosen", "rejected")]
+        rng.shuffle(rows)
+        write_jsonl(data_dir / "unpaired" / f"{split}.jsonl", rows)
 
 
 # --- the tool-use task (added later, with its own seed, outside the tokenizer's corpus) -----------

@@ -81,6 +81,13 @@ def run_and_kill(module: str, config: Path, run_dir: Path, step: int,
             shutil.rmtree(d)
 
 
+def step_metrics(run_dir: Path) -> dict[int, dict]:
+    """The training steps' rows of a run's metrics.jsonl, by step."""
+    import json
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
 def safetensors(hf_dir: Path) -> dict[str, bytes]:
     files = {p.name: p.read_bytes() for p in sorted(hf_dir.glob("*.safetensors"))}
     assert files, f"no safetensors in {hf_dir}"

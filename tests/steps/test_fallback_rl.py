@@ -354,7 +354,14 @@ def test_reward_model_on_a_transformers_body(reward_run):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         score = load_reward_model(str(out))
-    mean = sum(score(r["prompt"], r["chosen"][0]["content"]) for r in rows) / len(rows)
+        singles = [score(r["prompt"], r["chosen"][0]["content"]) for r in rows]
+        # GRPO's batched scorer (right-padded forwards through transformers) agrees
+        from posttrain.rl.model_rewards import RewardModelScorer
+        batched = RewardModelScorer(str(out), batch_size=8).score(
+            [r["prompt"] for r in rows], [r["chosen"][0]["content"] for r in rows])
+    worst = max(abs(a - b) for a, b in zip(batched, singles))
+    assert worst <= 1e-5 * max(1.0, *map(abs, singles))
+    mean = sum(singles) / len(rows)
     print(f"reward model: loss {losses[0]:.4f} -> {losses[-1]:.4f}; held-out accuracy "
           f"{ev['eval_accuracy']:.3f}; mean chosen reward {ev['eval_rewards_chosen']:.6f} "
           f"(callable {mean:.6f})")

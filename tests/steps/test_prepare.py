@@ -48,12 +48,19 @@ BAD_LINES = [
 
 PAIR = {"prompt": "What is 2 + 3?", "chosen": "5", "rejected": "6"}
 PROMPT = {"prompt": "What is 2 + 3?", "answer": "5"}
+UNPAIRED = {"prompt": "What is 2 + 3?", "completion": "5", "label": True}
 
 # (format, a good row, raw bad line, expected reason, expected field) for the odd rows of the
-# preference and prompt formats; prompt rows are prepared with required_columns: [answer].
+# preference, unpaired and prompt formats; prompt rows are prepared with required_columns:
+# [answer].
 ODD_LINES = [
     ("preference", PAIR, json.dumps({**PAIR, "rejected": "5"}).encode(), "identical_pair",
      "rejected"),
+    ("unpaired", UNPAIRED, json.dumps({"prompt": "q", "completion": "5"}).encode(),
+     "missing_field", "label"),
+    ("unpaired", UNPAIRED, json.dumps({**UNPAIRED, "label": 1}).encode(), "wrong_type", "label"),
+    ("unpaired", UNPAIRED, json.dumps({**UNPAIRED, "label": "false"}).encode(), "wrong_type",
+     "label"),
     ("prompt", PROMPT, json.dumps({"prompt": "What is 2 + 3?", "id": 7}).encode(),
      "missing_field", "answer"),
     ("prompt", PROMPT, b'{"prompt": "What is 2 + 3?", "answer": NaN}', "non_finite", "answer"),
@@ -164,6 +171,23 @@ def test_identical_pairs_are_kept_when_allowed(tmp_path):
                            show_progress=False)
     t = manifest["totals"]
     assert (t["rows_read"], t["rows_written"], t["rows_rejected"]) == (2, 2, 0)
+
+
+def test_unpaired_rows_tokenize_as_the_sides_of_a_pair(tmp_path):
+    """KTO's rows: each completion gets the ids and loss mask of the same response in a
+    preference pair, and its label as the shard's desirable column."""
+    rows = [{"prompt": PAIR["prompt"], "completion": PAIR[side], "label": side == "chosen"}
+            for side in ("chosen", "rejected")]
+    _write_jsonl(tmp_path / "train.jsonl", [json.dumps(r).encode() for r in rows])
+    unpaired = _read_rows(prepare.run(_odd_config(tmp_path, "unpaired"), show_progress=False))
+    (tmp_path / "pairs").mkdir()
+    _write_jsonl(tmp_path / "pairs" / "train.jsonl", [json.dumps(PAIR).encode()])
+    (pair,) = _read_rows(prepare.run(_odd_config(tmp_path / "pairs", "preference"),
+                                     show_progress=False))
+    for row, side in zip(unpaired, ("chosen", "rejected")):
+        assert row["input_ids"] == pair[f"{side}_input_ids"]
+        assert row["loss_mask"] == pair[f"{side}_loss_mask"] and sum(row["loss_mask"]) > 0
+        assert row["desirable"] is (side == "chosen")
 
 
 def test_grpo_launch_prepares_only_rows_with_the_rewards_columns(tmp_path, monkeypatch):

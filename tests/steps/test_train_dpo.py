@@ -212,7 +212,7 @@ def test_lora_reference_is_the_base_model_with_adapters_disabled(tiny):
     ({"train.loader.format": "sequence"}, "train.loader.format: preference"),
     ({"reference": {"kind": "lora_base"}}, "lora_base needs model.lora"),
     ({"train.loader.packing.max_tokens_per_pack": 128}, "must hold a whole pair"),
-    ({"loss.loss_type": "ipo", "loss.label_smoothing": 0.1}, "sigmoid and robust"),
+    ({"loss.loss_type": "ipo", "loss.label_smoothing": 0.1}, "sigmoid, robust and simpo"),
     ({"train.dpo": {"beta": 0.1}}, "moved: DPO's loss settings are the top-level `loss:`"),
 ])
 def test_bad_configs_name_the_key(tiny, change, message):

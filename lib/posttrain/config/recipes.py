@@ -29,6 +29,8 @@ class ColumnNames:
     prompt: str = "prompt"
     chosen: str = "chosen"
     rejected: str = "rejected"
+    completion: str = "completion"          # format: unpaired
+    label: str = "label"                    # format: unpaired; true = desirable
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class DataConfig:
         c = self.columns
         return FormatConfig(format=self.format, messages_field=c.messages, prompt_field=c.prompt,
                             chosen_field=c.chosen, rejected_field=c.rejected,
+                            completion_field=c.completion, label_field=c.label,
                             roles=tuple(self.roles),
                             required_columns=tuple(self.required_columns),
                             allow_identical_pairs=self.allow_identical_pairs)

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from posttrain.data.formats import (ChatRecord, FormatName, PreferenceRecord, PromptRecord,
-                                    Record, SequenceRecord)
+                                    Record, SequenceRecord, UnpairedRecord)
 from posttrain.data.tokenizer import ChatTokenizer, Encoded
 from posttrain.errors import DataError
 
@@ -45,6 +45,9 @@ SCHEMAS: dict[str, pa.Schema] = {
                              ("rejected_input_ids", _IDS), ("rejected_loss_mask", _MASK),
                              ("prompt_length", pa.int32()), ("num_tokens", pa.int32()),
                              ("num_loss_tokens", pa.int32())]),
+    # one completion, its loss mask on the response, and its label (true: desirable)
+    "unpaired": pa.schema([("input_ids", _IDS), ("loss_mask", _MASK), ("num_tokens", pa.int32()),
+                           ("num_loss_tokens", pa.int32()), ("desirable", pa.bool_())]),
     "prompt": pa.schema([("prompt_ids", _IDS), ("num_tokens", pa.int32()),
                          ("num_loss_tokens", pa.int32()), ("prompt_messages", pa.string()),
                          ("extras", pa.string())]),
@@ -102,6 +105,12 @@ class RecordEncoder:
             return self._single(enc, file, line, field="tokens" if record.tokens else "text")
         if isinstance(record, PreferenceRecord):
             return self._preference(record, file, line)
+        if isinstance(record, UnpairedRecord):
+            enc = self.tok.encode_completion(record.prompt, record.completion, source=file,
+                                             line=line)
+            row = self._single(enc, file, line, field="completion")
+            row.columns["desirable"] = record.desirable
+            return row
         if isinstance(record, PromptRecord):
             return self._prompt(record, file, line)
         raise AssertionError(f"unknown record {type(record).__name__}")

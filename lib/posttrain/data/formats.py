@@ -1,6 +1,6 @@
 """Row formats: validate raw rows into typed records, naming the field that is wrong.
 
-Four formats cover the recipes:
+Five formats cover the recipes:
 
 * ``chat``: ``{"messages": [{"role": ..., "content": ...}, ...]}`` for SFT. An assistant
   message may carry ``"train": false`` to keep it out of the loss, and ``reasoning_content``
@@ -9,6 +9,10 @@ Four formats cover the recipes:
   models; the prompt is shared, each response is a string or a list of assistant messages. A
   pair whose chosen equals its rejected teaches nothing and is refused (``identical_pair``)
   unless `FormatConfig.allow_identical_pairs`.
+* ``unpaired``: ``{"prompt": ..., "completion": ..., "label": true | false}`` for KTO: one
+  response (a string or a list of assistant messages) labelled desirable (true) or undesirable
+  (false). The label must be a JSON boolean: a missing one is ``missing_field``, anything else
+  (1, "yes", null) ``wrong_type``.
 * ``prompt``: ``{"prompt": ..., <extra columns>}`` for RL; the extra columns (e.g. ``answer``)
   travel with the prompt to the reward functions. A row without one of
   `FormatConfig.required_columns` (the columns the rewards read) is refused, and so is a NaN or
@@ -28,7 +32,7 @@ from typing import Any, Literal
 
 from posttrain.errors import DataError
 
-FormatName = Literal["chat", "preference", "prompt", "sequence"]
+FormatName = Literal["chat", "preference", "unpaired", "prompt", "sequence"]
 DEFAULT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -41,6 +45,8 @@ class FormatConfig:
     prompt_field: str = "prompt"
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
+    completion_field: str = "completion"
+    label_field: str = "label"
     roles: tuple[str, ...] = DEFAULT_ROLES
     required_columns: tuple[str, ...] = ()   # prompt rows: extra columns each row must have
     allow_identical_pairs: bool = False      # preference rows: keep chosen == rejected
@@ -59,6 +65,13 @@ class PreferenceRecord:
 
 
 @dataclass
+class UnpairedRecord:
+    prompt: list[dict[str, Any]]
+    completion: list[dict[str, Any]]
+    desirable: bool
+
+
+@dataclass
 class PromptRecord:
     prompt: list[dict[str, Any]]
     extras: dict[str, Any] = field(default_factory=dict)
@@ -70,7 +83,7 @@ class SequenceRecord:
     text: str | None = None
 
 
-Record = ChatRecord | PreferenceRecord | PromptRecord | SequenceRecord
+Record = ChatRecord | PreferenceRecord | UnpairedRecord | PromptRecord | SequenceRecord
 
 
 class _Where:
@@ -106,6 +119,17 @@ def parse_row(row: dict[str, Any], cfg: FormatConfig, *, file: str | None = None
                               "no preference to learn (data.allow_identical_pairs: true keeps "
                               "such pairs)", "identical_pair")
         return PreferenceRecord(prompt, chosen, rejected)
+    if cfg.format == "unpaired":
+        prompt = _messages(_require(row, cfg.prompt_field, where), cfg.prompt_field,
+                           cfg.roles, where, string_role="user")
+        completion = _response(_require(row, cfg.completion_field, where),
+                               cfg.completion_field, cfg, where)
+        label = _require(row, cfg.label_field, where)
+        if not isinstance(label, bool):
+            raise where.error(cfg.label_field, f"must be true (desirable) or false "
+                              f"(undesirable), got {label!r} ({type(label).__name__})",
+                              "wrong_type")
+        return UnpairedRecord(prompt, completion, label)
     if cfg.format == "prompt":
         prompt = _messages(_require(row, cfg.prompt_field, where), cfg.prompt_field,
                            cfg.roles, where, string_role="user")

@@ -20,6 +20,13 @@ keeps together, and every batch also holds
 
 In padded mode a batch holds ``rows_per_batch`` pairs, each side in its own row (2 x rows).
 
+Unpaired mode (``format: unpaired``, shards of single completions with a ``desirable`` column,
+for KTO): each completion is one `Sample` whose label rides along as a per-token side column
+(so the shuffle buffer and the packer keep it with its tokens and in their states), and every
+batch holds ``sequence_ids`` [B, T], ``desirable`` [S] bool (the label of each sequence, in
+`sequence_ids` order), ``completion_keys`` (per sequence, its shard row's `pair_key`) and
+``num_completions``.
+
 Label columns: sequence shards may hold per-token columns named ``label_<name>`` (the labels of
 extra output heads, written by `posttrain.data.events`); each travels with its tokens as a side
 column of the packer (`posttrain.data.packing`) and reaches the batch as a [B, T] tensor of that
@@ -56,12 +63,15 @@ from posttrain.data.stream import StatefulIterable
 from posttrain.errors import ConfigError, DataError
 from posttrain.losses.dpo import sequence_ids
 
+DESIRABLE = "desirable"       # the label of an unpaired completion: a side column, then [S]
+
 
 @dataclass(frozen=True)
 class LoaderConfig:
     packing: PackingConfig = PackingConfig()
     mode: Literal["packed", "padded"] = "packed"
-    format: Literal["sequence", "preference"] = "sequence"   # which shard columns to read
+    # which shard columns to read: tokens (sequence), pairs (preference), labelled completions
+    format: Literal["sequence", "preference", "unpaired"] = "sequence"
     rows_per_batch: int = 1
     shuffle_buffer_samples: int = 0       # 0 keeps the shard order
     seed: int = 0
@@ -88,11 +98,12 @@ class ShardSamples(StatefulIterable[Sample]):
 
     def __init__(self, files: list[str], *, shard_index: int = 0, num_shards: int = 1,
                  epochs: int = 1, storage_options: dict | None = None,
-                 preference: bool = False, source_index: int = 0):
+                 preference: bool = False, source_index: int = 0, unpaired: bool = False):
         if not files:
             raise DataError("no tokenized shards to read")
         self.files = files
         self.preference, self.source_index = preference, source_index
+        self.unpaired = unpaired
         self._file_index = {f: i for i, f in enumerate(files)}
         self.shard_index, self.num_shards = shard_index, num_shards
         self.epochs = epochs
@@ -113,6 +124,9 @@ class ShardSamples(StatefulIterable[Sample]):
                 if self.preference:
                     yield self._pair(data, raw.file, raw.line)
                     continue
+                if self.unpaired:
+                    yield self._completion(data, raw.file, raw.line)
+                    continue
                 yield Sample(np.asarray(data["input_ids"], np.int32),
                              np.asarray(data["loss_mask"], np.uint8),
                              extras=label_columns(data))
@@ -131,6 +145,16 @@ class ShardSamples(StatefulIterable[Sample]):
         return Sample(np.concatenate([chosen, rejected]), mask,
                       sample_id=pair_key(self.source_index, self._file_index[file], row),
                       segment_lengths=(len(chosen), len(rejected)))
+
+    def _completion(self, data: dict, file: str, row: int) -> Sample:
+        if "desirable" not in data:
+            raise DataError("loader format 'unpaired' needs shards with a desirable column; "
+                            "prepare the data with data.format: unpaired", file=file,
+                            line=row, field="desirable")
+        ids = np.asarray(data["input_ids"], np.int32)
+        return Sample(ids, np.asarray(data["loss_mask"], np.uint8),
+                      sample_id=pair_key(self.source_index, self._file_index[file], row),
+                      extras={DESIRABLE: np.full(len(ids), int(data["desirable"]), np.int64)})
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self._epoch, "rows": self._rows.state_dict()}
@@ -245,7 +269,7 @@ class TrainLoader(StatefulIterable[dict]):
             shard = ShardSamples(
                 files, shard_index=shard_index, num_shards=num_shards, epochs=cfg.epochs,
                 storage_options=storage_options, preference=cfg.format == "preference",
-                source_index=i)
+                source_index=i, unpaired=cfg.format == "unpaired")
             self._shards.append(shard)
             s: StatefulIterable[Sample] = shard
             if cfg.shuffle_buffer_samples:
@@ -282,6 +306,8 @@ class TrainLoader(StatefulIterable[dict]):
         batch = collate(rows)
         if self.cfg.format == "preference":
             batch.update(pair_fields(rows, batch))
+        elif self.cfg.format == "unpaired":
+            batch.update(completion_fields(rows, batch))
         return batch
 
     @property
@@ -405,6 +431,22 @@ def pair_fields(rows: list, batch: dict) -> dict[str, Any]:
     return {"sequence_ids": sequence_ids(batch["document_lengths"], batch["row_num_pad"]),
             "pair_index": torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2),
             "pair_keys": keys, "num_pairs": len(pairs)}
+
+
+def completion_fields(rows: list, batch: dict) -> dict[str, Any]:
+    """``sequence_ids``, ``desirable`` [S], ``completion_keys``, ``num_completions`` of
+    collated completion rows (sequences numbered as `pair_fields` numbers them); replaces the
+    per-token label column with the per-sequence one."""
+    keys, labels = [], []
+    for r in rows:
+        start = 0
+        for sid, length in zip(r.sample_ids, r.document_lengths):
+            keys.append(sid)
+            labels.append(bool(r.extras[DESIRABLE][start]))
+            start += length
+    return {"sequence_ids": sequence_ids(batch["document_lengths"], batch["row_num_pad"]),
+            DESIRABLE: torch.tensor(labels, dtype=torch.bool), "completion_keys": keys,
+            "num_completions": len(keys)}
 
 
 def _mix_seed(seed: int, shard_index: int, source_index: int) -> int:

@@ -305,17 +305,23 @@ class ChatTokenizer:
                           rejected: Sequence[Message], *, source: str | None = None,
                           line: int | None = None) -> tuple[Encoded, Encoded]:
         """(prompt + chosen, prompt + rejected), each masked to its response's assistant turns."""
-        pairs = []
-        for name, response in (("chosen", chosen), ("rejected", rejected)):
-            if not response or any(m.get("role") != "assistant" for m in response
-                                   if isinstance(m, dict)):
-                raise DataError(f"'{name}' must be a non-empty list of assistant messages",
-                                file=source, line=line, field=name, reason="invalid_response")
-            messages = [*prompt, *response]
-            self._check_messages(messages, source, line)
-            trained = {i for i in range(len(prompt), len(messages)) if _is_trained(messages[i])}
-            pairs.append(self._encode(messages, trained, source, line))
-        return pairs[0], pairs[1]
+        return (self.encode_completion(prompt, chosen, source=source, line=line, name="chosen"),
+                self.encode_completion(prompt, rejected, source=source, line=line,
+                                       name="rejected"))
+
+    def encode_completion(self, prompt: Sequence[Message], completion: Sequence[Message], *,
+                          source: str | None = None, line: int | None = None,
+                          name: str = "completion") -> Encoded:
+        """prompt + completion, masked to the completion's assistant turns (one side of a
+        preference pair, or an unpaired completion); `name` is the field errors name."""
+        if not completion or any(m.get("role") != "assistant" for m in completion
+                                 if isinstance(m, dict)):
+            raise DataError(f"'{name}' must be a non-empty list of assistant messages",
+                            file=source, line=line, field=name, reason="invalid_response")
+        messages = [*prompt, *completion]
+        self._check_messages(messages, source, line)
+        trained = {i for i in range(len(prompt), len(messages)) if _is_trained(messages[i])}
+        return self._encode(messages, trained, source, line)
 
     def _encode(self, messages: Sequence[Message], trained: set[int], source: str | None,
                 line: int | None) -> Encoded:

@@ -15,28 +15,31 @@ from typing import Any, Callable
 
 from posttrain.rl.episodes import Episode, episode_metrics, score_episodes
 from posttrain.rl.prompts import PromptRow
-from posttrain.rl.rewards import CombinedReward
+from posttrain.rl.rewards import CombinedReward, RewardOutput
 
 __all__ = ["reward_eval"]
 
 
 def reward_eval(generate: Callable[[list[PromptRow]], list[list[Episode]]], rows: list[PromptRow],
                 reward: CombinedReward, *, accuracy_reward: str | None, num_records: int = 16,
-                prefix: str = "eval", environment: bool = False
+                prefix: str = "eval", environment: bool = False,
+                score: Callable[[list[PromptRow], list[list[Episode]]], RewardOutput] | None = None
                 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """(metrics, records): the mean total reward, each function's mean, accuracy, response
     lengths, over all episodes (`generate` plays k per prompt row, `posttrain.rl.episodes`);
     with `environment` (a multi-turn environment) its reward is a component and its turn
     metrics are reported. Records hold the first episode of the first `num_records` rows with
     its scores (and its conversation when multi-turn), and that row's accuracy over all k
-    episodes (`accuracy`), for paired comparisons of two models per prompt."""
+    episodes (`accuracy`), for paired comparisons of two models per prompt. `score(rows,
+    groups)` replaces `score_episodes` (sequence RL: rewards over items)."""
     groups = generate(rows)
     if len(groups) != len(rows) or len({len(g) for g in groups}) != 1:
         raise RuntimeError(f"the engine returned {len(groups)} groups of completions for "
                            f"{len(rows)} prompts (k per prompt expected)")
     k = len(groups[0])
     episodes = [e for g in groups for e in g]
-    out = score_episodes(reward, rows, groups, environment=environment)
+    out = (score(rows, groups) if score is not None
+           else score_episodes(reward, rows, groups, environment=environment))
     n = len(episodes)
     metrics = {f"{prefix}/reward_mean": sum(out.total) / n, f"{prefix}/num_prompts": len(rows),
                f"{prefix}/samples_per_prompt": k,

@@ -64,7 +64,7 @@ from posttrain.models.transformer import Transformer
 from posttrain.rl.engine import SamplingConfig, stop_token_ids
 from posttrain.rl.environment import EnvironmentConfig
 from posttrain.rl.factory import RolloutEngineConfig, load_engine
-from posttrain.rl.rewards import (RewardFailures, RewardOutput, RewardSpec, combine,
+from posttrain.rl.rewards import (RewardFailures, RewardOutput, RewardSpec, combine, in_process,
                                   parse_number, required_columns)
 
 __all__ = ["GenerationSettings", "GraderConfig", "SuiteConfig", "SuiteResult", "TaskConfig",
@@ -539,7 +539,8 @@ def _answer_pass(task: TaskConfig, engine: Any, tokenizer: ChatTokenizer,
     if task.kind == "generation":
         reward, accuracy, names = _Grading(task), "correct", ["correct"]
     else:
-        reward, accuracy = combine(task.rewards), task.accuracy_reward
+        # in this process: an evaluation has no Ray run for a reward model's actor
+        reward, accuracy = combine(in_process(task.rewards)), task.accuracy_reward
         names = ["reward", *(r.name for r in task.rewards)]
         if not environment.single_turn:
             names.append("environment")

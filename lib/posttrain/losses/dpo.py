@@ -15,6 +15,9 @@ and the per-pair losses (beta > 0, eps = label_smoothing):
     hinge    max(0, 1 - beta h)                                     SLiC, Zhao et al. 2023
 
 with s the logistic sigmoid. The implicit rewards are r = beta (log pi - log ref) per response.
+The reference-free pair losses are in `posttrain.losses.simpo` and `posttrain.losses.orpo`, the
+loss on unpaired completions in `posttrain.losses.kto`; they share this module's log-probs
+(`packed_sequence_logps`: every packed sequence's, which `dpo_pair_logps` pairs up).
 
 Packed pairs (`dpo_pair_logps`). The chosen and rejected responses of a pair are two separate
 *sequences* (documents) somewhere in the batch, packed or padded, written by the data layer with
@@ -41,7 +44,8 @@ import torch.nn.functional as F
 
 from posttrain.ops.cross_entropy import IGNORE_INDEX, chunked_logprobs
 
-__all__ = ["dpo_loss", "dpo_pair_logps", "sequence_ids", "sequence_logps"]
+__all__ = ["dpo_loss", "dpo_pair_logps", "packed_sequence_logps", "sequence_ids",
+           "sequence_logps", "mean_or_zero", "reduce_losses", "reward_metrics", "wide"]
 
 LossType = Literal["sigmoid", "ipo", "hinge", "robust"]
 
@@ -58,7 +62,7 @@ def sequence_logps(token_logp_BT: torch.Tensor, loss_mask_BT: torch.Tensor, *,
                          f"{tuple(loss_mask_BT.shape)} must have the same shape")
     mask_BT = loss_mask_BT.bool()
     # where, not multiply: a masked position may hold -inf or NaN (e.g. an unmasked pad logit).
-    logp_B = _wide(token_logp_BT).where(mask_BT, 0.0).sum(-1)
+    logp_B = wide(token_logp_BT).where(mask_BT, 0.0).sum(-1)
     if reduction == "mean":
         return logp_B / mask_BT.sum(-1).clamp(min=1)
     if reduction != "sum":
@@ -114,8 +118,8 @@ def dpo_loss(policy_chosen_B: torch.Tensor, policy_rejected_B: torch.Tensor,
         raise ValueError(f"label_smoothing must be in [0, 0.5) for 'robust' (it divides by "
                          f"1 - 2 eps), got {eps}")
 
-    chosen_ratio_B = _wide(policy_chosen_B) - _wide(ref_chosen_B).detach()
-    rejected_ratio_B = _wide(policy_rejected_B) - _wide(ref_rejected_B).detach()
+    chosen_ratio_B = wide(policy_chosen_B) - wide(ref_chosen_B).detach()
+    rejected_ratio_B = wide(policy_rejected_B) - wide(ref_rejected_B).detach()
     h_B = chosen_ratio_B - rejected_ratio_B
     if loss_type == "sigmoid":
         losses_B = -(1 - eps) * F.logsigmoid(beta * h_B) - eps * F.logsigmoid(-beta * h_B)
@@ -129,22 +133,8 @@ def dpo_loss(policy_chosen_B: torch.Tensor, policy_rejected_B: torch.Tensor,
     else:
         raise ValueError(f"loss_type must be one of 'sigmoid', 'ipo', 'hinge', 'robust'; "
                          f"got {loss_type!r}")
-    if reduction == "mean":
-        loss = losses_B.mean() if losses_B.numel() else losses_B.sum()
-    elif reduction == "sum":
-        loss = losses_B.sum()
-    else:
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-
-    with torch.no_grad():
-        rewards_chosen_B = beta * chosen_ratio_B
-        rewards_rejected_B = beta * rejected_ratio_B
-        margins_B = rewards_chosen_B - rewards_rejected_B
-        metrics = {"rewards_chosen": _mean(rewards_chosen_B),
-                   "rewards_rejected": _mean(rewards_rejected_B),
-                   "margins": _mean(margins_B),
-                   "accuracy": _mean((margins_B > 0).float())}
-    return loss, metrics
+    return reduce_losses(losses_B, reduction), reward_metrics(beta * chosen_ratio_B,
+                                                             beta * rejected_ratio_B)
 
 
 def dpo_pair_logps(hidden_BTH: torch.Tensor, head_weight_VH: torch.Tensor,
@@ -161,19 +151,47 @@ def dpo_pair_logps(hidden_BTH: torch.Tensor, head_weight_VH: torch.Tensor,
         labels_BT: shifted targets, -100 where no response token is predicted.
         pair_index_P2: (s_chosen, s_rejected) per pair; see the module docstring.
         sequence_ids_BT: sequence index per position, -1 outside any sequence.
-        reduction: "sum" of the response tokens' log-probs, or their per-token "mean" (for IPO).
+        reduction: "sum" of the response tokens' log-probs, or their per-token "mean" (for IPO,
+            and the length-normalised losses SimPO and ORPO).
 
     Run it under `torch.no_grad()` with the reference model's hidden states for ref log-probs.
     Raises ValueError if a paired sequence has no response token (truncated away?), if a
     labelled position belongs to no sequence, or if `pair_index_P2` names an unknown sequence.
     Returns two fp32 [P] tensors, differentiable in `hidden_BTH` and `head_weight_VH`.
     """
-    if sequence_ids_BT.shape != labels_BT.shape:
-        raise ValueError(f"sequence_ids_BT {tuple(sequence_ids_BT.shape)} must have the shape of "
-                         f"labels_BT {tuple(labels_BT.shape)}")
     if pair_index_P2.dim() != 2 or pair_index_P2.shape[1] != 2:
         raise ValueError(f"pair_index_P2 must be [P, 2] (chosen, rejected sequence index), got "
                          f"{tuple(pair_index_P2.shape)}")
+    logp_S, count_S = packed_sequence_logps(
+        hidden_BTH, head_weight_VH, labels_BT, sequence_ids_BT, real_vocab_size=real_vocab_size,
+        chunk_tokens=chunk_tokens, softcap=softcap, temperature=temperature, reduction=reduction)
+    num_seq = logp_S.shape[0]
+    pairs = pair_index_P2.long().to(logp_S.device)
+    if pairs.numel() and (int(pairs.min()) < 0 or int(pairs.max()) >= num_seq):
+        raise ValueError(f"pair_index_P2 must hold sequence indices in [0, {num_seq}), found "
+                         f"[{int(pairs.min())}, {int(pairs.max())}]")
+    empty = (count_S.index_select(0, pairs.reshape(-1)) == 0).nonzero()
+    if empty.numel():
+        bad = pairs.reshape(-1)[empty.squeeze(1)][:5].tolist()
+        raise ValueError(f"paired sequences {bad} have no response token (labels all -100); "
+                         f"drop the pair or keep more of the response when truncating")
+    return logp_S.index_select(0, pairs[:, 0]), logp_S.index_select(0, pairs[:, 1])
+
+
+def packed_sequence_logps(hidden_BTH: torch.Tensor, head_weight_VH: torch.Tensor,
+                          labels_BT: torch.Tensor, sequence_ids_BT: torch.Tensor, *,
+                          real_vocab_size: int | None = None, chunk_tokens: int = 1024,
+                          softcap: float | None = None, temperature: float = 1.0,
+                          reduction: Literal["sum", "mean"] = "sum",
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp_S, count_S): each packed sequence's response log-prob, summed (or the per-token
+    "mean") over its labelled positions, and its number of response tokens, for the sequences
+    0 .. S-1 that `sequence_ids_BT` numbers (S = its largest id + 1). A sequence without a
+    response token gets log-prob 0 and count 0. Raises ValueError if a labelled position
+    belongs to no sequence (id -1)."""
+    if sequence_ids_BT.shape != labels_BT.shape:
+        raise ValueError(f"sequence_ids_BT {tuple(sequence_ids_BT.shape)} must have the shape of "
+                         f"labels_BT {tuple(labels_BT.shape)}")
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
     token_logp_BT = chunked_logprobs(hidden_BTH, head_weight_VH, labels_BT,
@@ -185,24 +203,15 @@ def dpo_pair_logps(hidden_BTH: torch.Tensor, head_weight_VH: torch.Tensor,
         raise ValueError("labels_BT has targets at positions whose sequence_ids_BT is -1; pad "
                          "positions must carry label -100")
     num_seq = max(int(seq_N.max()) + 1 if seq_N.numel() else 0, 0)
-    pairs = pair_index_P2.long().to(seq_N.device)
-    if pairs.numel() and (int(pairs.min()) < 0 or int(pairs.max()) >= num_seq):
-        raise ValueError(f"pair_index_P2 must hold sequence indices in [0, {num_seq}), found "
-                         f"[{int(pairs.min())}, {int(pairs.max())}]")
     kept = labelled_N.nonzero().squeeze(1)
     seq_K = seq_N.index_select(0, kept)
     logp_S = token_logp_BT.new_zeros(num_seq).index_add(
         0, seq_K, token_logp_BT.reshape(-1).index_select(0, kept))
     count_S = torch.zeros(num_seq, dtype=torch.int64, device=seq_N.device).index_add_(
         0, seq_K, torch.ones_like(seq_K))
-    empty = (count_S.index_select(0, pairs.reshape(-1)) == 0).nonzero()
-    if empty.numel():
-        bad = pairs.reshape(-1)[empty.squeeze(1)][:5].tolist()
-        raise ValueError(f"paired sequences {bad} have no response token (labels all -100); "
-                         f"drop the pair or keep more of the response when truncating")
     if reduction == "mean":
         logp_S = logp_S / count_S.clamp(min=1)
-    return logp_S.index_select(0, pairs[:, 0]), logp_S.index_select(0, pairs[:, 1])
+    return logp_S, count_S
 
 
 def sequence_ids(document_lengths: list[list[int]], row_num_pad: list[int],
@@ -221,10 +230,31 @@ def sequence_ids(document_lengths: list[list[int]], row_num_pad: list[int],
     return torch.stack(rows).to(device)
 
 
-def _wide(x: torch.Tensor) -> torch.Tensor:
+def reduce_losses(losses_B: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The mean (0 when there are none) or the sum of per-pair (per-completion) losses."""
+    if reduction == "mean":
+        return losses_B.mean() if losses_B.numel() else losses_B.sum()
+    if reduction != "sum":
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    return losses_B.sum()
+
+
+@torch.no_grad()
+def reward_metrics(rewards_chosen_B: torch.Tensor, rewards_rejected_B: torch.Tensor
+                   ) -> dict[str, torch.Tensor]:
+    """Detached means over pairs: ``rewards_chosen``, ``rewards_rejected``, ``margins`` (their
+    difference) and ``accuracy`` (the fraction with margin > 0; a tie counts as wrong)."""
+    margins_B = rewards_chosen_B - rewards_rejected_B
+    return {"rewards_chosen": mean_or_zero(rewards_chosen_B),
+            "rewards_rejected": mean_or_zero(rewards_rejected_B),
+            "margins": mean_or_zero(margins_B),
+            "accuracy": mean_or_zero((margins_B > 0).float())}
+
+
+def wide(x: torch.Tensor) -> torch.Tensor:
     """At least fp32 (bf16 log-probs are too coarse to subtract); fp64 stays fp64."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _mean(x: torch.Tensor) -> torch.Tensor:
+def mean_or_zero(x: torch.Tensor) -> torch.Tensor:
     return x.mean() if x.numel() else x.new_zeros(())

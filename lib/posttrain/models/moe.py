@@ -52,6 +52,10 @@ projection so that the backward writes each expert's gradient into one stacked b
 the same numbers within 1e-5 (`tests/lib/models/test_moe.py`); `Experts.impl` forces one. Each
 projection goes through `Experts.project`, the hook stacked LoRA adapters override.
 
+Routing replay (`models/routing_replay.py`): with `replay_NK` set, a block uses those recorded
+expert ids instead of its own top-k and weighs them from its own router logits (`gate_weights`,
+as `route` weighs its own choice), counting the selections where its own choice differs.
+
 Every MoE block keeps its last router logits (`router_logits_NE`, with their graph), from which
 `load_balancing_loss` computes the Switch-Transformer auxiliary loss exactly as transformers'
 `load_balancing_loss_func` does (GPT-OSS's too: it also pools softmax(logits) over all experts,
@@ -303,6 +307,11 @@ class MoEBlock(nn.Module):
                                swiglu_limit=args.swiglu_limit, swiglu_alpha=args.swiglu_alpha)
         self.router_logits_NE: torch.Tensor | None = None
         self.expert_NK: torch.Tensor | None = None
+        # routing replay (`routing_replay.set_routing_replay`): expert ids [N, k] to use
+        # instead of the top-k, -1 rows keep their own; and the last forward's (replayed,
+        # mismatched) selections
+        self.replay_NK: torch.Tensor | None = None
+        self.replay_counts: torch.Tensor | None = None
         # tensors held in fp32 whatever the model's dtype (`Transformer.fp32_names`)
         self.keep_fp32: tuple[str, ...] = ()
         if self.routing == "sigmoid_group_topk":
@@ -367,11 +376,46 @@ class MoEBlock(nn.Module):
             weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-20)
         return logits, expert, weight * self.routed_scaling_factor
 
+    def gate_weights(self, logits: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """The weights [N, k] of the experts `expert` [N, k] from the router logits [N, E],
+        as `route` weighs the experts it chooses (module docstring, routing replay)."""
+        if self.routing == "sigmoid_group_topk":
+            weight = torch.sigmoid(logits).gather(1, expert)
+            if self.norm_topk_prob:
+                weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-20)
+            return weight * self.routed_scaling_factor
+        if self.routing == "topk_softmax":
+            top = logits.gather(1, expert)
+            return torch.softmax(top, dim=-1, dtype=top.dtype)
+        weight = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(1, expert)
+        if self.norm_topk_prob:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        if self.expert_scale is not None:
+            return weight * self.expert_scale[expert]
+        return weight.to(logits.dtype)
+
+    def replayed(self, logits: torch.Tensor, own_NK: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(experts, weights) with the recorded `replay_NK` in place of the own choice
+        `own_NK` where recorded; counts the selections replayed and mismatched."""
+        replay = self.replay_NK
+        if replay.shape != own_NK.shape:
+            raise ValueError(f"routing replay: {tuple(replay.shape)} recorded expert ids for "
+                             f"{tuple(own_NK.shape)} (tokens x top-k) in this MoE layer")
+        replay = replay.to(own_NK.device, own_NK.dtype)
+        recorded = replay[:, 0] >= 0
+        expert = torch.where(recorded[:, None], replay, own_NK)
+        differs = (own_NK.sort(dim=-1).values != expert.sort(dim=-1).values).any(dim=-1)
+        self.replay_counts = torch.stack([recorded.sum(), differs.sum()]).detach()
+        return expert, self.gate_weights(logits, expert)
+
     def forward(self, x: torch.Tensor, expert_x: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., H] -> [..., H]. `expert_x`: what the experts read when it is not what the
         router reads (Gemma 4); the shared expert reads x."""
         x_NH = x.reshape(-1, x.shape[-1])
         logits, expert, weight = self.route(x_NH)
+        if self.replay_NK is not None:
+            expert, weight = self.replayed(logits, expert)
         self.router_logits_NE = logits
         self.expert_NK = expert.detach()
         experts_in = x_NH if expert_x is None else expert_x.reshape(-1, x.shape[-1])

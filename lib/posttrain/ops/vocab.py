@@ -3,13 +3,19 @@
 Embedding and LM-head rows are padded to a multiple of 64 (or more) for fast matmuls and even
 sharding; ids >= real_vocab_size do not exist in the tokenizer. Their logits must be -inf before
 any softmax, log-prob or sample, so that they carry no probability and no gradient.
+
+Allowed ids: a sampler may also be restricted to windows ``[lo, hi)`` of the vocabulary (the
+items of an event vocabulary, `posttrain.train.sequence_rl`). `restrict_head` gives the head's
+rows for them, so that the sampler's and the trainer's log-probs are both renormalised over the
+same ids.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["mask_padded_logits", "sample_next_token"]
+__all__ = ["check_token_ranges", "mask_padded_logits", "renumber_tokens", "restrict_head",
+           "sample_next_token", "token_range_ids"]
 
 
 def mask_padded_logits(logits: torch.Tensor, real_vocab_size: int | None) -> torch.Tensor:
@@ -80,3 +86,72 @@ def _draw(probs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Te
                       device=cdf_BV.device) * cdf_BV[:, -1:]
     ids_B = torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(-1)
     return ids_B.clamp_max(cdf_BV.shape[-1] - 1)
+
+
+# --------------------------------------------------------------------------- allowed ids
+
+TokenRanges = tuple[tuple[int, int], ...]
+
+
+def check_token_ranges(ranges: object, vocab_size: int | None = None, *,
+                       key: str = "allowed_token_ranges") -> TokenRanges:
+    """`ranges` as a tuple of ``(lo, hi)`` windows of allowed ids (``lo <= id < hi``), checked:
+    integers, ``0 <= lo < hi`` (``<= vocab_size`` when given), ascending and disjoint. An empty
+    tuple allows every id. A ValueError names `key`."""
+    out = []
+    for r in ranges or ():            # type: ignore[union-attr]
+        if (not isinstance(r, (tuple, list)) or len(r) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
+            raise ValueError(f"{key}: each range is [lo, hi), two integers; got {r!r}")
+        lo, hi = int(r[0]), int(r[1])
+        if not 0 <= lo < hi or (vocab_size is not None and hi > vocab_size):
+            limit = "" if vocab_size is None else f" <= {vocab_size} (the vocabulary size)"
+            raise ValueError(f"{key}: range [{lo}, {hi}) must have 0 <= lo < hi{limit}")
+        if out and lo < out[-1][1]:
+            raise ValueError(f"{key}: ranges must be ascending and disjoint; [{lo}, {hi}) "
+                             f"starts inside or before [{out[-1][0]}, {out[-1][1]})")
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def token_range_ids(ranges: TokenRanges, device: torch.device | str | None = None
+                    ) -> torch.Tensor:
+    """The allowed ids of `ranges`, ascending (int64 [A])."""
+    return torch.cat([torch.arange(lo, hi, device=device) for lo, hi in ranges])
+
+
+def renumber_tokens(tokens: torch.Tensor, ranges: TokenRanges, vocab_size: int, *,
+                    ignore_index: int = -100) -> torch.Tensor:
+    """`tokens` renumbered to their position among the allowed ids of `ranges` (what column
+    of a restricted head scores them), `ignore_index` kept. A token outside the ranges is a
+    ValueError: it cannot have been sampled."""
+    ids_A = token_range_ids(ranges, tokens.device)
+    position_V = torch.full((vocab_size,), -1, dtype=torch.long, device=tokens.device)
+    position_V[ids_A] = torch.arange(ids_A.numel(), device=tokens.device)
+    kept = tokens != ignore_index
+    if bool(((tokens < 0) | (tokens >= vocab_size))[kept].any()):
+        raise ValueError(f"tokens outside [0, {vocab_size}) besides the ignore index")
+    renumbered = torch.where(kept, position_V[tokens.clamp(0, vocab_size - 1)], tokens)
+    outside = kept & (renumbered < 0)
+    if bool(outside.any()):
+        raise ValueError(f"tokens {tokens[outside][:5].tolist()} are outside the allowed ids "
+                         f"{[list(r) for r in ranges]}: they cannot have been sampled")
+    return renumbered
+
+
+def restrict_head(weight_VH: torch.Tensor, bias_V: torch.Tensor | None, tokens: torch.Tensor,
+                  ranges: TokenRanges, *, ignore_index: int = -100
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """An LM head restricted to the allowed ids of `ranges`: its rows for them (differentiable:
+    the gradient flows back to those rows of `weight_VH`), and `tokens` renumbered to their
+    position among them (`renumber_tokens`). A log-softmax over the restricted head is the
+    model's distribution renormalised over the allowed ids A,
+
+        log p_A(y) = z_y - log sum_{v in A} exp(z_v)
+
+    which is what a sampler that may only draw ids of A samples from (`sample_next_token` over
+    the same rows)."""
+    ids_A = token_range_ids(ranges, weight_VH.device)
+    tokens = renumber_tokens(tokens, ranges, weight_VH.shape[0], ignore_index=ignore_index)
+    return (weight_VH.index_select(0, ids_A),
+            None if bias_V is None else bias_V.index_select(0, ids_A), tokens)

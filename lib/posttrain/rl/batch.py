@@ -11,7 +11,10 @@ Each micro-batch carries what the loss needs in two layouts:
 
 - row layout [1, L] for the model: ``input_ids``, ``position_ids``, ``document_lengths`` and
   ``targets`` (the next token at every position that predicts a completion token, else
-  IGNORE_INDEX), so the chunked log-prob only projects completion positions;
+  IGNORE_INDEX), so the chunked log-prob only projects completion positions; with routing
+  replay ``routing`` [1, L, L_moe, k] int16, the experts the engine chose at each position
+  (-1 on the padding document and on samples without a record: the model routes them itself),
+  else None;
 - sequence layout [S, T] for `posttrain.losses.grpo.grpo_loss`: ``token_index[s, t]`` is the
   row position whose log-prob scores completion token t of sequence s, ``mask[s, t]`` marks
   the completion tokens that carry loss, ``advantages[s]``, ``engine_logp[s, t]`` (the
@@ -55,6 +58,7 @@ class Sample:
     engine_logprobs: list[float]
     advantage: float
     loss_mask: list[int] | None = None     # per completion token; None: all trained
+    routing: torch.Tensor | None = None    # [len, L_moe, k]: the engine's experts (replay)
     reward: float = 0.0                    # the sequence's scalar reward
 
     def __len__(self) -> int:
@@ -90,6 +94,9 @@ def pack_micro_batches(samples: list[Sample], *, max_tokens: int, num_ranks: int
         if s.loss_mask is not None and len(s.loss_mask) != len(s.completion_ids):
             raise ValueError(f"sample {i}: a loss mask of {len(s.loss_mask)} for "
                              f"{len(s.completion_ids)} completion tokens")
+        if s.routing is not None and (s.routing.dim() != 3 or s.routing.shape[0] != len(s)):
+            raise ValueError(f"sample {i}: a routing record of shape {tuple(s.routing.shape)} "
+                             f"for {len(s)} tokens; expected [{len(s)}, MoE layers, top_k]")
         if len(s) > max_tokens:
             raise ValueError(f"sample {i} has {len(s)} tokens (prompt {len(s.prompt_ids)} + "
                              f"completion {len(s.completion_ids)}), more than "
@@ -151,6 +158,7 @@ def _micro_batch(samples: list[Sample], global_tokens: int, global_sequences: in
         "position_ids": torch.tensor([position_ids], dtype=torch.long),
         "document_lengths": [lengths],
         "targets": torch.tensor([targets], dtype=torch.long),
+        "routing": _routing_row(samples, offset + fill),
         "token_index": token_index, "mask": mask,
         "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float64),
@@ -158,6 +166,24 @@ def _micro_batch(samples: list[Sample], global_tokens: int, global_sequences: in
         "global_tokens": global_tokens, "global_sequences": global_sequences,
         "num_tokens": offset, "live": True,
     }
+
+
+def _routing_row(samples: list[Sample], row_len: int) -> torch.Tensor | None:
+    """The samples' routing records end to end, [1, row_len, L, k] int16, -1 where none."""
+    records = [s.routing for s in samples if s.routing is not None]
+    if not records:
+        return None
+    shape = records[0].shape[1:]
+    if any(r.shape[1:] != shape for r in records):
+        raise ValueError(f"routing records of different shapes in one batch: "
+                         f"{sorted({tuple(r.shape[1:]) for r in records})} (MoE layers, top_k)")
+    row = torch.full((1, row_len, *shape), -1, dtype=torch.int16)
+    offset = 0
+    for s in samples:
+        if s.routing is not None:
+            row[0, offset:offset + len(s)] = s.routing
+        offset += len(s)
+    return row
 
 
 def _trained(sample: Sample) -> int:

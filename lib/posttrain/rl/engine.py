@@ -13,6 +13,16 @@ T is the sampling temperature; T == 0 (greedy) is scored at T = 1. top-k / top-p
 *not* applied: the log-prob is the one a trainer gets from `chunked_logprobs(..., temperature=T)`,
 which is what the GRPO importance ratio needs. This is vLLM's log-prob of the sampled token with
 the temperature applied and no truncation.
+
+Allowed ids (`SamplingConfig.allowed_token_ranges`, ``[lo, hi)`` windows; empty: every id). An
+engine given them never samples another id, and its log-probs are renormalised over them:
+
+    logp_t = z_t[y_t] / T - log sum_{v allowed} exp(z_t[v] / T)
+
+the same in `Rollout.logprobs` and in `RolloutEngine.logprobs(..., allowed_token_ranges=...)`,
+and the same as a trainer's log-probs over the restricted head (`posttrain.ops.vocab.
+restrict_head`), so the importance ratio compares like with like. Sequence RL uses them to keep
+completions to the items of an event vocabulary (`posttrain.train.sequence_rl`).
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
+
+from posttrain.ops.vocab import check_token_ranges
 
 __all__ = ["FinishReason", "Rollout", "RolloutEngine", "SamplingConfig", "stop_token_ids"]
 
@@ -36,6 +48,10 @@ class SamplingConfig:
     max_new_tokens: completion tokens per sample, at most. stop_token_ids: a sampled id in this
     set ends its sample (the stop token is kept in `completion_ids`, with its log-prob).
     seed: seeds the engine's sampler; the same prompts, config and weights give the same rollouts.
+    allowed_token_ranges: ``(lo, hi)`` windows of the ids that may be sampled, ascending and
+    disjoint (module docstring); empty: every id of the vocabulary. Stop ids must be among them.
+    record_routing: an MoE model's engine returns each rollout's expert choices
+    (`Rollout.routing`, for routing replay: `posttrain.models.routing_replay`).
     """
 
     temperature: float = 1.0
@@ -44,6 +60,8 @@ class SamplingConfig:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    allowed_token_ranges: tuple[tuple[int, int], ...] = ()
+    record_routing: bool = False
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -57,6 +75,14 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, "
                              f"got {self.max_new_tokens}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        ranges = check_token_ranges(self.allowed_token_ranges,
+                                    key="SamplingConfig.allowed_token_ranges")
+        object.__setattr__(self, "allowed_token_ranges", ranges)
+        outside = [t for t in self.stop_token_ids
+                   if ranges and not any(lo <= t < hi for lo, hi in ranges)]
+        if outside:
+            raise ValueError(f"SamplingConfig.stop_token_ids {outside} are not among the allowed "
+                             f"ids {[list(r) for r in ranges]}: they could never be sampled")
 
     @property
     def logprob_temperature(self) -> float:
@@ -66,12 +92,17 @@ class SamplingConfig:
 
 @dataclass
 class Rollout:
-    """One sampled completion. `logprobs[i]` scores `completion_ids[i]` (module docstring)."""
+    """One sampled completion. `logprobs[i]` scores `completion_ids[i]` (module docstring).
+
+    `routing` (with `SamplingConfig.record_routing`): the experts each position of prompt +
+    completion went through, [T, L_moe, top_k] int16 over the model's MoE layers in order; -1
+    rows for positions the engine never ran (the last completion token). None otherwise."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    routing: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -82,6 +113,33 @@ class RolloutEngine(Protocol):
     shape; a tied head has no entry), the `dtype` its weights are held in, and whether
     `update_weights` takes any subset of the parameters (`partial_updates`) or needs all of
     them in one call.
+
+    Your own engine: ``rollout.kind: "package.module:Class"`` names a class implementing this
+    protocol, which `posttrain.rl.factory` builds wherever it would build the native engine (on
+    every trainer rank when colocated, in each engine actor when separate) as
+
+        Class(args=args, hf_dir=hf_dir, device=device, dtype=dtype, seed=seed,
+              **rollout.options)
+
+    `args` are the `ModelArgs` of the model the trainer holds (None: a transformers model
+    without a native definition), `hf_dir` the starting checkpoint (for an engine that loads it
+    itself: the trainer's weights arrive by `update_weights` before the first generation
+    anyway), `dtype` the weights' dtype, `seed` the run's. What the loop relies on:
+
+    - `generate`: n rollouts per prompt in order; at most `max_new_tokens` completion ids,
+      ending at the first stop id (kept, finish reason ``stop``) or at the budget
+      (``length``); only ids of `allowed_token_ranges` when given; log-probs by the module's
+      convention (temperature applied, no top-k/top-p truncation, renormalised over the
+      allowed ids); the same rollouts for the same prompts, sampling (its seed included), n
+      and weights, or a resumed run is not bit-identical to an uninterrupted one;
+    - `update_weights`: tensors named and shaped as `parameter_shapes` says (any subset when
+      `partial_updates`, else all in one call);
+    - `logprobs`: the numbers generation gives for the same tokens (the weight-sync check
+      compares them with the trainer's after every update, `sync_check.tolerance`);
+    - `release_memory` may keep everything and return False.
+
+    `posttrain.rl.native.NativeEngine` is the reference implementation;
+    `tests/steps/test_train_sequence_rl.py` trains with an engine of its own that wraps it.
     """
 
     parameter_shapes: dict[str, tuple[int, ...]]
@@ -98,8 +156,12 @@ class RolloutEngine(Protocol):
         ...
 
     def logprobs(self, sequences: list[list[int]], prompt_lens: list[int], *,
-                 temperature: float = 1.0) -> list[list[float]]:
-        """Teacher-forced log-probs of sequences[i][prompt_lens[i]:], one per token."""
+                 temperature: float = 1.0, allowed_token_ranges: tuple = ()
+                 ) -> list[list[float]]:
+        """Teacher-forced log-probs of sequences[i][prompt_lens[i]:], one per token; with
+        `allowed_token_ranges`, renormalised over those ids (module docstring). A caller
+        passes the keyword only when it is not empty, so an engine for text alone may leave it
+        out."""
         ...
 
     def release_memory(self) -> bool:

@@ -35,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+import torch
+
 from posttrain.data.tokenizer import ChatTokenizer
 from posttrain.errors import ConfigError
 from posttrain.rl.engine import Rollout, SamplingConfig
@@ -56,6 +58,17 @@ def turn_seed(seed: int, turn: int) -> int:
     return (seed + turn * _TURN_SEED_STRIDE) % (2 ** 63)
 
 
+def _merge_routing(before: torch.Tensor | None, turn: torch.Tensor) -> torch.Tensor:
+    """An episode's routing record (`Rollout.routing`) after a turn whose call ran the whole
+    episode so far: a position keeps the record of the first call that ran it (the one whose
+    sampled tokens read it first); the turn's record adds the rest (the previous turn's last
+    token, the environment's reply, the new turn)."""
+    if before is None:
+        return turn
+    kept = before[:, :1, :1] >= 0
+    return torch.cat([torch.where(kept, before, turn[:len(before)]), turn[len(before):]])
+
+
 def _group_seed(seed: int, group: int) -> int:
     return (seed * 1_000_003 + group) % (2 ** 63)
 
@@ -66,8 +79,9 @@ class Episode(Rollout):
     model's turns and the environment's replies); `loss_mask` is 1 on the sampled tokens,
     `logprobs` the engine's there and 0 elsewhere. `messages` is the conversation as text,
     `answer` the last turn's text (what the reward functions score), `env_reward` the sum of
-    the environment's rewards, `metrics` the sums of its step metrics. All fields are plain
-    data, so ``Episode(**dataclasses.asdict(e))`` round-trips."""
+    the environment's rewards, `metrics` the sums of its step metrics; `routing` (routing
+    replay) the experts of every position, merged over the turns (`_merge_routing`). All fields
+    are plain data or a tensor, so ``Episode(**dataclasses.asdict(e))`` round-trips."""
 
     loss_mask: list[int] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
@@ -187,6 +201,9 @@ class EpisodeRunner:
         ep.completion_ids += ids
         ep.logprobs += list(rollout.logprobs[:room])
         ep.loss_mask += [1] * len(ids)
+        if rollout.routing is not None:
+            ep.routing = _merge_routing(
+                ep.routing, rollout.routing[:len(ep.prompt_ids) + len(ep.completion_ids)])
         ends_turn = finish == "stop" and ids[-1] == self.end_of_turn
         decode = self.tokenizer.hf.decode
         text = self.tokenizer.remove_special_tokens(

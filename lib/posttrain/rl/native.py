@@ -9,9 +9,15 @@ How a `generate` call runs (see `posttrain.models.kv_cache` for the cache layout
 2. Each step computes fp32 logits over the real vocabulary for the last token of every live row,
    draws the next token with `posttrain.ops.vocab.sample_next_token` (greedy, temperature, top-k,
    top-p) from one `torch.Generator` seeded by `SamplingConfig.seed`, and records its log-prob
-   (convention in `posttrain.rl.engine`).
+   (convention in `posttrain.rl.engine`). With `allowed_token_ranges` the logits are those of
+   the allowed ids only (the head's rows for them, `posttrain.ops.vocab.restrict_head`), so
+   nothing else is drawn and the log-prob is renormalised over them, as a trainer computes it.
 3. A row that samples a stop token or reaches `max_new_tokens` is finished and dropped from the
    batch and the cache, so later steps only pay for live rows.
+4. With `SamplingConfig.record_routing` (an MoE model), after the prefill and every decode step
+   the experts each MoE block chose for the tokens it ran are kept (`_RoutingRecorder`), and
+   each rollout gets its record [prompt + completion, L_moe, k] (`Rollout.routing`;
+   `posttrain.models.routing_replay`). Off, nothing is read.
 
 The cache is the model's kind: the native static cache (`posttrain.models.kv_cache`) for a
 `Transformer`, transformers' own cache behind the same interface (`fallback.HFKVCache`) for an
@@ -37,9 +43,11 @@ import torch.nn.functional as F
 
 from posttrain.models.fallback import HFCausalLM, HFKVCache, forward_with_hf_cache
 from posttrain.models.kv_cache import KVCache, forward_with_cache
+from posttrain.models.routing_replay import moe_blocks, recorded_routing
 from posttrain.models.transformer import LMHead, Transformer
 from posttrain.ops.cross_entropy import IGNORE_INDEX, chunked_logprobs
-from posttrain.ops.vocab import mask_padded_logits, sample_next_token
+from posttrain.ops.vocab import (check_token_ranges, mask_padded_logits, renumber_tokens,
+                                 restrict_head, sample_next_token, token_range_ids)
 from posttrain.rl.engine import Rollout, SamplingConfig
 
 __all__ = ["NativeEngine"]
@@ -137,6 +145,9 @@ class NativeEngine:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
         self._check_resident()
         self._check_prompts(prompts, sampling.max_new_tokens)
+        check_token_ranges(sampling.allowed_token_ranges, self.vocab_size,
+                           key="sampling.allowed_token_ranges")
+        self._check_recording(sampling)
         generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         per_chunk = max(1, self.max_batch_sequences // n)
         results: list[list[Rollout]] = []
@@ -156,6 +167,8 @@ class NativeEngine:
         pad_B = torch.tensor([prompt_len - len(p) for p in prompts], device=device)
         cache = self._cache.allocate(self.model, pad_B, prompt_len + max_new)
         hidden_BH = self._forward(self.model, ids_BP, cache)[:, -1]
+        recorder = (_RoutingRecorder(self.model, pad_B, n, max_new) if sampling.record_routing
+                    else None)
 
         rows_B = torch.arange(len(prompts), device=device).repeat_interleave(n)
         cache, hidden_BH = cache.select(rows_B), hidden_BH.index_select(0, rows_B)
@@ -165,13 +178,19 @@ class NativeEngine:
         finish: list[str] = ["length"] * len(live)
         stops = set(sampling.stop_token_ids)
         lp_temperature = sampling.logprob_temperature
-        for _ in range(max_new):
-            logits_BV = self._next_token_logits(hidden_BH)
+        # the allowed ids (None: all): column j of the logits is id allowed_A[j]
+        allowed_A = (token_range_ids(sampling.allowed_token_ranges, device)
+                     if sampling.allowed_token_ranges else None)
+        for step in range(max_new):
+            logits_BV = self._next_token_logits(hidden_BH, allowed_A)
             next_B = sample_next_token(logits_BV, sampling.temperature, sampling.top_p,
                                        sampling.top_k, generator,
-                                       real_vocab_size=self.vocab_size)
+                                       real_vocab_size=None if allowed_A is not None
+                                       else self.vocab_size)
             logp_B = torch.log_softmax(logits_BV / lp_temperature, dim=-1).gather(
                 -1, next_B[:, None]).squeeze(-1)
+            if allowed_A is not None:
+                next_B = allowed_A[next_B]
             keep = []
             for r, (out, token, logp) in enumerate(zip(live, next_B.tolist(), logp_B.tolist())):
                 tokens[out].append(token)
@@ -187,23 +206,37 @@ class NativeEngine:
                 cache, next_B = cache.select(keep_B), next_B.index_select(0, keep_B)
                 live = [live[r] for r in keep]
             hidden_BH = self._forward(self.model, next_B[:, None], cache)[:, -1]
+            if recorder is not None:
+                recorder.decoded(live, step)
+        routing = (recorder.rollouts([len(t) for t in tokens]) if recorder is not None
+                   else [None] * len(tokens))
         return [[Rollout(list(prompts[i]), tokens[i * n + j], logps[i * n + j],
-                         finish[i * n + j])  # type: ignore[arg-type]
+                         finish[i * n + j], routing[i * n + j])  # type: ignore[arg-type]
                  for j in range(n)] for i in range(len(prompts))]
 
-    def _next_token_logits(self, hidden_BH: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [B, V] (padded columns -inf or cut), computed as `chunked_logprobs`
-        computes them (projection in the model dtype, soft-cap in fp32), so the sampler's
-        log-probs and a trainer's agree."""
+    def _check_recording(self, sampling: SamplingConfig) -> None:
+        if sampling.record_routing and (isinstance(self.model, HFCausalLM)
+                                        or not moe_blocks(self.model)):
+            raise ValueError("record_routing (algorithm.routing_replay) needs a native "
+                             "mixture-of-experts model; this engine's model has no MoE layers")
+
+    def _next_token_logits(self, hidden_BH: torch.Tensor,
+                            allowed_A: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [B, V] (padded columns -inf or cut), or [B, A] of the ids `allowed_A`,
+        computed as `chunked_logprobs` computes them (projection in the model dtype, soft-cap in
+        fp32), so the sampler's log-probs and a trainer's agree."""
         head, real = self.model.head, self.vocab_size
         if self._lm_head:
             bias = getattr(head, "bias", None)
-            logits_BV = F.linear(hidden_BH, head.weight[:real],
-                                 None if bias is None else bias[:real]).float()
+            weight = head.weight[:real] if allowed_A is None else head.weight[allowed_A]
+            if bias is not None:
+                bias = bias[:real] if allowed_A is None else bias[allowed_A]
+            logits_BV = F.linear(hidden_BH, weight, bias).float()
             if head.softcap is not None:
                 logits_BV = torch.tanh(logits_BV / head.softcap) * head.softcap
             return logits_BV
-        return mask_padded_logits(self.model.logits(hidden_BH).float(), real)
+        logits_BV = mask_padded_logits(self.model.logits(hidden_BH).float(), real)
+        return logits_BV if allowed_A is None else logits_BV[:, allowed_A]
 
     def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         vocab = self.vocab_size
@@ -246,9 +279,13 @@ class NativeEngine:
 
     @torch.inference_mode()
     def logprobs(self, sequences: list[list[int]], prompt_lens: list[int], *,
-                 temperature: float = 1.0) -> list[list[float]]:
-        """Teacher-forced log p(sequences[i][t]) for t >= prompt_lens[i], at `temperature`
-        (the convention of `posttrain.rl.engine`); one full forward per batch of sequences."""
+                 temperature: float = 1.0, allowed_token_ranges: tuple = ()
+                 ) -> list[list[float]]:
+        """Teacher-forced log p(sequences[i][t]) for t >= prompt_lens[i], at `temperature`,
+        renormalised over `allowed_token_ranges` when given (the convention of
+        `posttrain.rl.engine`); one full forward per batch of sequences."""
+        ranges = check_token_ranges(allowed_token_ranges, self.vocab_size,
+                                    key="allowed_token_ranges")
         if len(sequences) != len(prompt_lens):
             raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens")
         self._check_resident()
@@ -260,11 +297,11 @@ class NativeEngine:
         for start in range(0, len(sequences), self.max_batch_sequences):
             stop = start + self.max_batch_sequences
             out += self._score_batch(sequences[start:stop], prompt_lens[start:stop],
-                                     temperature)
+                                     temperature, ranges)
         return out
 
     def _score_batch(self, sequences: list[list[int]], prompt_lens: list[int],
-                     temperature: float) -> list[list[float]]:
+                     temperature: float, ranges: tuple = ()) -> list[list[float]]:
         device, longest = self.device, max(len(s) for s in sequences)
         # right padding: causal attention keeps it out of every real position
         ids_BT = torch.zeros(len(sequences), longest, dtype=torch.long, device=device)
@@ -275,14 +312,51 @@ class NativeEngine:
         hidden_BTH = self.model(ids_BT)
         head = self.model.head
         if self._lm_head:
-            logp_BT = chunked_logprobs(hidden_BTH, head.weight, targets_BT,
-                                       real_vocab_size=self.vocab_size, softcap=head.softcap,
-                                       bias=getattr(head, "bias", None),
+            weight, bias, real = head.weight, getattr(head, "bias", None), self.vocab_size
+            if ranges:
+                weight, bias, targets_BT = restrict_head(weight, bias, targets_BT, ranges)
+                real = weight.shape[0]
+            logp_BT = chunked_logprobs(hidden_BTH, weight, targets_BT, real_vocab_size=real,
+                                       softcap=head.softcap, bias=bias,
                                        temperature=temperature)
         else:
             logits = mask_padded_logits(self.model.logits(hidden_BTH).float(),
                                         self.vocab_size) / temperature
+            if ranges:
+                logits = logits[..., token_range_ids(ranges, device)]
+                targets_BT = renumber_tokens(targets_BT, ranges, self.vocab_size)
             logp_BT = torch.log_softmax(logits, dim=-1).gather(
                 -1, targets_BT.clamp_min(0)[..., None]).squeeze(-1)
         return [logp_BT[b, plen - 1:len(seq) - 1].tolist()
                 for b, (seq, plen) in enumerate(zip(sequences, prompt_lens))]
+
+
+class _RoutingRecorder:
+    """The experts chosen in one chunk's prefill and decode steps, kept on the device until the
+    rollouts are made (step 4 of the module docstring)."""
+
+    def __init__(self, model: Transformer, pad_B: torch.Tensor, n: int, max_new: int):
+        self.blocks = moe_blocks(model)
+        B = pad_B.shape[0]
+        prefill = recorded_routing(self.blocks)                       # [B * P, L, k]
+        self.prefill_BPLK = prefill.view(B, -1, *prefill.shape[1:])
+        self.pad, self.n = pad_B.tolist(), n
+        # [rows, step, L, k]: the experts of completion token `step` of each row, when fed
+        self.decode = prefill.new_full((B * n, max(max_new - 1, 0), *prefill.shape[1:]), -1)
+
+    def decoded(self, live: list[int], step: int) -> None:
+        """The decode forward of `step` ran the live rows `live` (output indices) over their
+        completion token `step`."""
+        rows = torch.tensor(live, device=self.decode.device)
+        self.decode[rows, step] = recorded_routing(self.blocks)
+
+    def rollouts(self, completion_lens: list[int]) -> list[torch.Tensor]:
+        """Per output row: [prompt + completion, L, k] int16 on the CPU, -1 on the last token
+        (sampled, never run)."""
+        prefill, decode = self.prefill_BPLK.cpu(), self.decode.cpu()
+        out = []
+        for row, c in enumerate(completion_lens):
+            b = row // self.n
+            last = prefill.new_full((1, *prefill.shape[2:]), -1)
+            out.append(torch.cat([prefill[b, self.pad[b]:], decode[row, :c - 1], last]))
+        return out

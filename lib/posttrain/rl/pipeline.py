@@ -18,16 +18,21 @@ which is fixed by the order above, so a run is reproducible for a given k.
 Resume. A checkpoint taken after step s holds the trainer's weights of version s+1, but batches
 s+1 .. s+k were (or are being) produced with older weights that no longer exist anywhere. So
 `state()` waits for the batches in flight and returns them, serialised (token ids, log-probs,
-rewards: JSON, no pickle); `restore()` puts them back. A restarted run then trains on exactly
+rewards, and with routing replay each rollout's recorded experts as base64 int16: JSON, no
+pickle); `restore()` puts them back. A restarted run then trains on exactly
 the batches an uninterrupted run would have, neither losing nor repeating any.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
+
+import numpy as np
+import torch
 
 from posttrain.rl.dynamic import GroupBatch
 from posttrain.rl.episodes import Episode
@@ -115,7 +120,7 @@ class RolloutPipeline:
 def batch_to_json(batch: GroupBatch) -> dict[str, Any]:
     """A produced batch as JSON-able data (floats round-trip exactly through JSON)."""
     return {"prompts": [dataclasses.asdict(p) for p in batch.prompts],
-            "groups": [[dataclasses.asdict(r) for r in g] for g in batch.groups],
+            "groups": [[_episode_to_json(r) for r in g] for g in batch.groups],
             "scored": {"total": batch.scored.total, "components": batch.scored.components,
                        "failures": {k: dataclasses.asdict(v)
                                     for k, v in batch.scored.failures.items()}},
@@ -126,9 +131,28 @@ def batch_from_json(data: dict[str, Any]) -> GroupBatch:
     scored = data["scored"]
     return GroupBatch(
         prompts=[PromptRow(**p) for p in data["prompts"]],
-        groups=[[Episode(**r) for r in g] for g in data["groups"]],
+        groups=[[_episode_from_json(r) for r in g] for g in data["groups"]],
         scored=RewardOutput(total=list(scored["total"]),
                             components={k: list(v) for k, v in scored["components"].items()},
                             failures={k: RewardFailures(**v)
                                       for k, v in scored["failures"].items()}),
         metrics=dict(data["metrics"]))
+
+
+def _episode_to_json(episode: Episode) -> dict[str, Any]:
+    """The episode's fields; its routing record ([T, L, k] int16) as base64 bytes + shape."""
+    routing = episode.routing
+    out = dataclasses.asdict(dataclasses.replace(episode, routing=None))
+    if routing is not None:
+        data = routing.to(torch.int16).contiguous().numpy().astype("<i2").tobytes()
+        out["routing"] = {"shape": list(routing.shape),
+                          "int16_base64": base64.b64encode(data).decode("ascii")}
+    return out
+
+
+def _episode_from_json(data: dict[str, Any]) -> Episode:
+    routing = data.get("routing")
+    if routing is not None:
+        raw = np.frombuffer(base64.b64decode(routing["int16_base64"]), dtype="<i2")
+        routing = torch.from_numpy(raw.astype(np.int16)).view(routing["shape"])
+    return Episode(**{**data, "routing": routing})

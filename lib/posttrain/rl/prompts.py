@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from posttrain.data.loader import sources_from_manifest
 from posttrain.errors import DataError
 
-__all__ = ["PromptRow", "PromptStream", "prompt_columns", "read_prompt_rows"]
+__all__ = ["PromptRow", "PromptStream", "prompt_columns", "read_prompt_rows", "shard_tables"]
 
 
 @dataclass(frozen=True)
@@ -41,23 +43,28 @@ def prompt_columns(rows: list[PromptRow]) -> dict[str, list[Any]]:
     return {k: [r.extras.get(k) for r in rows] for k in names}
 
 
-def read_prompt_rows(prepared_dir: str, split: str = "train") -> list[PromptRow]:
-    """All prompt rows of `split`, sources in manifest order, rows in shard order."""
-    rows: list[PromptRow] = []
+def shard_tables(prepared_dir: str, split: str) -> Iterator[tuple[str, str, pa.Table]]:
+    """(source name, shard URI, table) of every shard of `split`, sources in manifest order."""
     for name, uris in sources_from_manifest(prepared_dir, split).items():
         for uri in uris:
             fs, path = fsspec.core.url_to_fs(uri)
             with fs.open(path, "rb") as f:
-                table = pq.read_table(f)
-            missing = {"prompt_ids", "prompt_messages", "extras"} - set(table.column_names)
-            if missing:
-                raise DataError(f"source {name!r}: shard has no columns {sorted(missing)}; "
-                                "GRPO needs data prepared with format: prompt", file=uri)
-            cols = table.to_pydict()
-            for ids, messages, extras in zip(cols["prompt_ids"], cols["prompt_messages"],
-                                             cols["extras"]):
-                rows.append(PromptRow(list(ids), json.loads(messages),
-                                      json.loads(extras) if extras else {}))
+                yield name, uri, pq.read_table(f)
+
+
+def read_prompt_rows(prepared_dir: str, split: str = "train") -> list[PromptRow]:
+    """All prompt rows of `split`, sources in manifest order, rows in shard order."""
+    rows: list[PromptRow] = []
+    for name, uri, table in shard_tables(prepared_dir, split):
+        missing = {"prompt_ids", "prompt_messages", "extras"} - set(table.column_names)
+        if missing:
+            raise DataError(f"source {name!r}: shard has no columns {sorted(missing)}; "
+                            "GRPO needs data prepared with format: prompt", file=uri)
+        cols = table.to_pydict()
+        for ids, messages, extras in zip(cols["prompt_ids"], cols["prompt_messages"],
+                                         cols["extras"]):
+            rows.append(PromptRow(list(ids), json.loads(messages),
+                                  json.loads(extras) if extras else {}))
     if not rows:
         raise DataError(f"the '{split}' split of {prepared_dir} has no prompt rows")
     return rows

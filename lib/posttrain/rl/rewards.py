@@ -20,6 +20,15 @@ r_k``, plus each function's unweighted values for metrics. A function that raise
 the wrong number of values, or a non-finite one) never stops the run: the batch is retried one
 sample at a time so that only the failing samples get 0, and the failures are counted per
 function with the first error message (`RewardOutput.failures`, ``reward/<name>/failures``).
+A batched function that knows which samples it could not score (a judge's unparseable answer)
+returns a `SampleFailure` in their places instead: 0 and counted, without the retry.
+
+Model-based rewards (`posttrain.rl.model_rewards`): ``reward_model`` scores with the reward
+recipe's export, ``llm_judge`` asks a model through a rollout engine with a rubric. They hold a
+model, in this process or on a Ray actor of their own (``params.placement``), loaded by
+`CombinedReward.open` when the run starts (a function registered with ``open=``: a missing
+model fails the run there, rather than scoring 0 at every step) and released by
+`CombinedReward.close` (``close=``).
 
 A function of your own needs no registration: name it by ``package.module:attribute``
 (``{name: "my_rewards:brevity", weight: 0.5, params: {...}}``); it is imported when the config is
@@ -32,21 +41,22 @@ than scoring 0 on every rollout: ``register(name, columns=...)``, or for your ow
 params that returns one (`column_param`: the column its ``column`` param names).
 
 Unknown names and unknown or missing params are ConfigErrors at config time; built-ins that can
-check their param values (a regex compiles, a reward-model dir exists) do so then too.
+check their param values (a regex compiles) do so then too; what exists only where the run
+runs (a model directory) is checked by `CombinedReward.open`.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
 import math
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 from posttrain.config.loader import import_attribute
@@ -64,36 +74,47 @@ class _Entry:
     fn: RewardFn
     validate: Callable[..., None] | None
     columns: Columns = ()
+    open: Callable[..., None] | None = None
+    close: Callable[..., None] | None = None
 
 
 _REGISTRY: dict[str, _Entry] = {}
+# built-ins registered by a module of their own, imported when first named
+_BUILTIN_MODULES = {"reward_model": "posttrain.rl.model_rewards",
+                    "llm_judge": "posttrain.rl.model_rewards"}
 
 
 def register(name: str, *, validate: Callable[..., None] | None = None,
-             columns: Columns = ()) -> Callable[[RewardFn], RewardFn]:
+             columns: Columns = (), open: Callable[..., None] | None = None,
+             close: Callable[..., None] | None = None) -> Callable[[RewardFn], RewardFn]:
     """Register a batched reward function under `name`.
 
     `validate(**params)`, if given, checks the param values at config time and raises
     ValueError with a message naming the param. `columns` are the dataset columns it reads, or
     ``columns(**params)`` returns them (params with the function's defaults filled in).
+    `open(**params)`, if given, loads what the function needs for these params (a model, a Ray
+    actor) and raises if it cannot; `CombinedReward.open` calls it when a run starts.
+    `close(**params)` releases it; `CombinedReward.close` calls it at the end of the run.
     """
     def decorator(fn: RewardFn) -> RewardFn:
         if name in _REGISTRY:
             raise ValueError(f"a reward function named {name!r} is already registered "
                              f"({_REGISTRY[name].fn.__module__}.{_REGISTRY[name].fn.__qualname__})")
-        _REGISTRY[name] = _Entry(fn, validate, columns)
+        _REGISTRY[name] = _Entry(fn, validate, columns, open, close)
         return fn
     return decorator
 
 
 def registered_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted({*_REGISTRY, *_BUILTIN_MODULES})
 
 
 def get_reward(name: str) -> RewardFn:
     """The registered function `name`, or the one ``module:attribute`` names (imported and
     registered under that name on first use); ConfigError listing the registered ones
     otherwise."""
+    if name not in _REGISTRY and name in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[name])
     if name not in _REGISTRY and ":" in name:
         fn = import_attribute(name, "rewards.functions")
         if not callable(fn) or not _takes_batch(fn):
@@ -188,6 +209,23 @@ def required_columns(specs: Sequence[RewardSpec]) -> tuple[str, ...]:
     return tuple(sorted({c for spec in specs for c in spec.required_columns}))
 
 
+def actor_placed(specs: Sequence[RewardSpec]) -> list[str]:
+    """The functions of `specs` that run on a Ray actor of their own (``placement: actor``)."""
+    return [s.name for s in specs if s.params.get("placement") == "actor"]
+
+
+def in_process(specs: Sequence[RewardSpec]) -> tuple[RewardSpec, ...]:
+    """`specs` with every ``placement: actor`` made ``local`` (and its actor resources
+    dropped): for scoring outside a Ray run, e.g. the evaluate step."""
+    moved = actor_placed(specs)
+    if moved:
+        log.info("rewards %s: scored in this process (placement: local), not on an actor",
+                 moved)
+    return tuple(replace(s, params={k: v for k, v in s.params.items()
+                                    if k not in ("num_cpus", "num_gpus")} | {"placement": "local"})
+                 if s.name in moved else s for s in specs)
+
+
 def _param_defaults(fn: RewardFn) -> dict[str, Any]:
     return {p.name: p.default for p in list(inspect.signature(fn).parameters.values())[3:]
             if p.default is not p.empty}
@@ -209,6 +247,14 @@ def _check_params(name: str, fn: RewardFn, params: dict[str, Any]) -> None:
 
 
 # --- combination ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SampleFailure:
+    """What a batched reward returns for a sample it could not score: the sample gets 0 and
+    counts as a failure of the function, the others keep their values."""
+
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -264,6 +310,24 @@ class CombinedReward:
             total = [t + spec.weight * v for t, v in zip(total, values)]
         return RewardOutput(total=total, components=components, failures=failures)
 
+    def open(self) -> None:
+        """Load what the functions need (`register`'s ``open``: models, Ray actors) now, so that
+        a missing one fails the run at its start; an error here is raised, not counted."""
+        for spec in self.specs:
+            hook = _REGISTRY[spec.name].open
+            if hook is not None:
+                hook(**spec.params)
+
+    def close(self) -> None:
+        """Release what the functions opened (`register`'s ``close``: models, Ray actors)."""
+        for spec in self.specs:
+            close = _REGISTRY[spec.name].close
+            if close is not None:
+                try:
+                    close(**spec.params)
+                except Exception as e:  # noqa: BLE001 - the run is over; say so, go on
+                    log.warning("closing reward %r failed: %s", spec.name, _describe(e))
+
 
 def combine(specs: Sequence[RewardSpec]) -> CombinedReward:
     return CombinedReward(specs)
@@ -274,32 +338,37 @@ def _call_safely(fn: RewardFn, params: dict[str, Any], completions: list[str],
                  ) -> tuple[list[float], RewardFailures]:
     n = len(completions)
     try:
-        return _checked(fn(completions, prompts, columns, **params), n), RewardFailures()
+        return _settled(_checked(fn(completions, prompts, columns, **params), n))
     except Exception as e:  # noqa: BLE001 - a reward bug must not end the run; it is reported
         if n == 1:
             return [0.0], RewardFailures(1, _describe(e))
     # Isolate the failing samples so that one malformed completion does not zero the batch.
-    values, count, first = [], 0, None
+    values: list[float | SampleFailure] = []
     for i in range(n):
         try:
             row = {k: [col[i]] for k, col in columns.items()}
             values.append(_checked(fn([completions[i]], [prompts[i]], row, **params), 1)[0])
         except Exception as e:  # noqa: BLE001
-            values.append(0.0)
-            count += 1
-            first = first or _describe(e)
-    return values, RewardFailures(count, first)
+            values.append(SampleFailure(_describe(e)))
+    return _settled(values)
 
 
-def _checked(values: Any, n: int) -> list[float]:
+def _checked(values: Any, n: int) -> list[float | SampleFailure]:
     values = list(values)
     if len(values) != n:
         raise ValueError(f"returned {len(values)} values for {n} completions")
-    out = [float(v) for v in values]
-    bad = [v for v in out if not math.isfinite(v)]
+    out = [v if isinstance(v, SampleFailure) else float(v) for v in values]
+    bad = [v for v in out if not isinstance(v, SampleFailure) and not math.isfinite(v)]
     if bad:
         raise ValueError(f"returned non-finite values {bad[:3]}")
     return out
+
+
+def _settled(values: list[float | SampleFailure]) -> tuple[list[float], RewardFailures]:
+    """0 in place of each `SampleFailure`, and their count with the first one's reason."""
+    failed = [v.reason for v in values if isinstance(v, SampleFailure)]
+    return ([0.0 if isinstance(v, SampleFailure) else v for v in values],
+            RewardFailures(len(failed), failed[0] if failed else None))
 
 
 def _describe(e: Exception) -> str:
@@ -449,29 +518,6 @@ def length_penalty(completions: list[str], prompts: list[list[dict]],
         penalty = penalty_per_unit * max(0, length - target_length)
         out.append(-(min(penalty, max_penalty) if max_penalty is not None else penalty))
     return out
-
-
-@functools.cache
-def _reward_model(model_dir: str, device: str) -> Callable[[list[dict], str], float]:
-    from posttrain.train import reward as reward_lib
-    return reward_lib.load_reward_model(model_dir, device=device)
-
-
-def _validate_reward_model(*, dir: str, device: str = "cpu") -> None:
-    del device
-    if not (Path(dir) / "reward_head.json").is_file():
-        raise ValueError(f"params.dir {dir!r} is not an exported reward model (no "
-                         "reward_head.json); point it at the reward recipe's export dir")
-
-
-@register("reward_model", validate=_validate_reward_model)
-def reward_model(completions: list[str], prompts: list[list[dict]],
-                 columns: dict[str, list[Any]], *, dir: str, device: str = "cpu"
-                 ) -> list[float]:
-    """The scalar score of the reward model exported at `dir` (loaded once per process)."""
-    del columns
-    score = _reward_model(str(dir), device)
-    return [score(p, c) for p, c in zip(prompts, completions)]
 
 
 _CODE_BLOCK_RE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)

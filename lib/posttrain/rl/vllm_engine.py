@@ -196,7 +196,11 @@ class VLLMEngine:
         """
         if n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+        if sampling.record_routing:
+            raise ValueError("record_routing (algorithm.routing_replay) is not wired to vLLM's "
+                             "routed-experts output; use rollout.kind: native")
         self._check_prompts(prompts, sampling.max_new_tokens)
+        _refuse_allowed_ranges(sampling.allowed_token_ranges)
         from vllm import SamplingParams
 
         rng = random.Random(sampling.seed)
@@ -288,9 +292,11 @@ class VLLMEngine:
             self._asleep = False
 
     def logprobs(self, sequences: list[list[int]], prompt_lens: list[int], *,
-                 temperature: float = 1.0) -> list[list[float]]:
+                 temperature: float = 1.0, allowed_token_ranges: tuple = ()
+                 ) -> list[list[float]]:
         """Teacher-forced log p(sequences[i][t]) for t >= prompt_lens[i], at `temperature`
         (the convention of `posttrain.rl.engine`), from vLLM's prompt log-probs."""
+        _refuse_allowed_ranges(allowed_token_ranges)
         if len(sequences) != len(prompt_lens):
             raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens")
         for i, (seq, plen) in enumerate(zip(sequences, prompt_lens)):
@@ -319,6 +325,14 @@ class VLLMEngine:
                 self.llm.collective_rpc("posttrain_set_logit_scale", args=(previous[0],))
         return [_token_logprobs(out.prompt_logprobs[plen:], seq[plen:])
                 for out, seq, plen in zip(outputs, sequences, prompt_lens)]
+
+
+def _refuse_allowed_ranges(ranges: tuple) -> None:
+    """Allowed ids need log-probs renormalised over them, which vLLM's sampler does not return
+    (its log-probs are of the unrestricted distribution): not supported here yet."""
+    if ranges:
+        raise ValueError("the vLLM engine does not support allowed_token_ranges (log-probs "
+                         "renormalised over allowed ids); use rollout.kind: native")
 
 
 def _sleep_mode_supported() -> bool:

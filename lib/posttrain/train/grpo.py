@@ -42,16 +42,20 @@ from posttrain.config.recipes import DataConfig
 from posttrain.data.prepared import local_view
 from posttrain.distributed.env import init_process_group
 from posttrain.distributed.sync_group import GroupAddress
+from posttrain.errors import ConfigError
 from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.losses.grpo import grpo_loss
+from posttrain.models.routing_replay import (moe_blocks, routing_replay_counts,
+                                             set_routing_replay)
 from posttrain.models.transformer import Transformer
 from posttrain.ops.cross_entropy import chunked_logprobs
+from posttrain.ops.vocab import restrict_head
 from posttrain.rl.dynamic import DynamicSamplingConfig, OverlongConfig
 from posttrain.rl.engine import Rollout, SamplingConfig
 from posttrain.rl.environment import EnvironmentConfig
 from posttrain.rl.factory import RolloutEngineConfig, build_rollout_engine
 from posttrain.rl.weight_sync import SyncPlan, WeightReceiver, WeightSender
-from posttrain.rl.rewards import RewardConfig
+from posttrain.rl.rewards import RewardConfig, actor_placed
 from posttrain.train.critic import Critic, CriticConfig
 from posttrain.models.args import DTYPES
 from posttrain.train.engine import (Engine, EngineConfig, ModelConfig, all_reduce_max,
@@ -116,6 +120,9 @@ class AlgorithmConfig:
     is_cap: float | None = 2.0                 # truncated IS engine -> trainer; None: off
     use_engine_logprobs: bool = True           # False: no importance correction at all
     log_entropy: bool = True
+    # MoE: the engine records each token's experts and every trainer forward replays them
+    # (R3; posttrain.models.routing_replay)
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         if self.kl_coef > 0 and self.reference == "none":
@@ -184,7 +191,7 @@ class GRPOConfig:
     critic: CriticConfig | None = None         # PPO: with algorithm.advantage: gae
 
     def __post_init__(self) -> None:
-        self._check_advantage()
+        check_advantage(self)
         if self.data.format != "prompt":
             raise ValueError(f"GRPO trains on prompt data (data.format: prompt), not "
                              f"{self.data.format!r}")
@@ -205,33 +212,18 @@ class GRPOConfig:
             raise ValueError("algorithm.ratio: sequence (GSPO) averages each response's token "
                              "log-ratios, which context parallelism splits over ranks; use "
                              "train.parallel.cp: 1 or algorithm.ratio: token")
+        if self.algorithm.routing_replay and self.rollout.kind != "native":
+            raise ValueError("algorithm.routing_replay records the experts in the native "
+                             f"rollout engine; rollout.kind: {self.rollout.kind} does not return "
+                             "them here: set rollout.kind: native or routing_replay: false")
         if self.rollout.placement == "separate" and self.run.launcher != "ray":
             raise ValueError("rollout.placement: separate runs the engines as Ray actors; set "
                              "run.launcher: ray")
-
-    def _check_advantage(self) -> None:
-        """The advantage estimator against the sampling and the critic: group estimators
-        compare samples of a prompt, GAE needs a critic and nothing else."""
-        gae = self.algorithm.advantage == "gae"
-        if gae and self.critic is None:
-            raise ValueError("algorithm.advantage: gae (PPO) learns a value function: add a "
-                             "critic: section (posttrain.train.critic.CriticConfig; {} takes "
-                             "its defaults)")
-        if not gae and self.critic is not None:
-            raise ValueError(f"critic: is PPO's value model, used with algorithm.advantage: "
-                             f"gae only (got {self.algorithm.advantage!r}); remove critic: or "
-                             "set algorithm.advantage: gae")
-        if not gae and self.train.samples_per_prompt < 2:
-            raise ValueError(f"train.samples_per_prompt must be at least 2 with "
-                             f"algorithm.advantage: {self.algorithm.advantage} (group-relative "
-                             "advantages compare samples of one prompt); gae allows 1")
-        if gae and self.train.engine.parallel.cp > 1:
-            raise ValueError("critic: (algorithm.advantage: gae) does not support context "
-                             "parallelism yet; set train.parallel.cp: 1")
-        if gae and self.dynamic_sampling is not None and self.train.samples_per_prompt < 2:
-            raise ValueError("dynamic_sampling drops prompts whose samples all score the same, "
-                             "which is every prompt with train.samples_per_prompt: 1; remove "
-                             "dynamic_sampling or sample at least 2 per prompt")
+        for name in actor_placed(self.rewards.functions):
+            if self.run.launcher != "ray":
+                raise ValueError(f"rewards.functions[{name}].params.placement: actor runs the "
+                                 "model on a Ray actor; set run.launcher: ray, or placement: "
+                                 "local")
 
     @property
     def episode_tokens(self) -> int:
@@ -239,6 +231,32 @@ class GRPOConfig:
         environment's replies with a multi-turn environment); DAPO's overlong shaping and the
         ``constant`` aggregation count against it."""
         return self.environment.token_budget(self.sampling.max_new_tokens)
+
+
+def check_advantage(cfg: Any) -> None:
+    """The advantage estimator of a GRPO-style config (`GRPOConfig`, sequence RL's) against
+    its sampling and its critic: group estimators compare samples of a prompt, GAE needs a
+    critic (`posttrain.train.critic`) and nothing else."""
+    gae, critic = cfg.algorithm.advantage == "gae", getattr(cfg, "critic", None)
+    if gae and critic is None:
+        raise ValueError("algorithm.advantage: gae (PPO) learns a value function: add a "
+                         "critic: section (posttrain.train.critic.CriticConfig; {} takes "
+                         "its defaults)")
+    if not gae and critic is not None:
+        raise ValueError(f"critic: is PPO's value model, used with algorithm.advantage: "
+                         f"gae only (got {cfg.algorithm.advantage!r}); remove critic: or "
+                         "set algorithm.advantage: gae")
+    if not gae and cfg.train.samples_per_prompt < 2:
+        raise ValueError(f"train.samples_per_prompt must be at least 2 with "
+                         f"algorithm.advantage: {cfg.algorithm.advantage} (group-relative "
+                         "advantages compare samples of one prompt); gae allows 1")
+    if gae and cfg.train.engine.parallel.cp > 1:
+        raise ValueError("critic: (algorithm.advantage: gae) does not support context "
+                         "parallelism yet; set train.parallel.cp: 1")
+    if gae and cfg.dynamic_sampling is not None and cfg.train.samples_per_prompt < 2:
+        raise ValueError("dynamic_sampling drops prompts whose samples all score the same, "
+                         "which is every prompt with train.samples_per_prompt: 1; remove "
+                         "dynamic_sampling or sample at least 2 per prompt")
 
 
 class GRPO:
@@ -317,15 +335,28 @@ class GRPOLoss(nn.Module):
 
     input_keys = ("input_ids", "position_ids", "document_lengths", "targets", "token_index",
                   "mask", "advantages", "engine_logp", "old_logp", "ref_logp",
-                  "global_tokens", "global_sequences", "live")
-    row_keys = ("input_ids", "position_ids", "targets")      # cut by context parallelism
+                  "global_tokens", "global_sequences", "live", "routing")
+    # cut by context parallelism
+    row_keys = ("input_ids", "position_ids", "targets", "routing")
 
     def __init__(self, model: Transformer, algo: AlgorithmConfig, temperature: float,
-                 constant_norm: float | None, chunk_tokens: int = 1024):
+                 constant_norm: float | None, chunk_tokens: int = 1024,
+                 allowed_token_ranges: tuple = ()):
         super().__init__()
         self.model, self.algo = model, algo
         self.temperature, self.constant_norm = temperature, constant_norm
         self.chunk_tokens = chunk_tokens
+        # the ids the engine may sample (`SamplingConfig.allowed_token_ranges`; empty: all):
+        # log-probs over the head's rows for them, as the engine computes its own
+        self.allowed_token_ranges = allowed_token_ranges
+        self._replaying = False
+
+    def replay(self, routing: torch.Tensor | None) -> None:
+        """Route this call's forwards (and their recomputation in the backward) through the
+        recorded experts `routing` [1, L, L_moe, k] of the batch, or the model's own (None)."""
+        if routing is not None or self._replaying:
+            set_routing_replay(self.model, routing)
+            self._replaying = routing is not None
 
     def sequence_logprobs(self, input_ids, position_ids, document_lengths, targets,
                           token_index, mask, with_entropy: bool = False
@@ -335,10 +366,14 @@ class GRPOLoss(nn.Module):
         chunked logits, else None)."""
         hidden = self.model(input_ids, position_ids, document_lengths)
         head = self.model.head
-        out = chunked_logprobs(hidden, head.weight, targets, real_vocab_size=head.real_vocab_size,
+        weight, bias, real = head.weight, getattr(head, "bias", None), head.real_vocab_size
+        if self.allowed_token_ranges:
+            weight, bias, targets = restrict_head(weight, bias, targets,
+                                                  self.allowed_token_ranges)
+            real = weight.shape[0]
+        out = chunked_logprobs(hidden, weight, targets, real_vocab_size=real,
                                chunk_tokens=self.chunk_tokens,
-                               softcap=getattr(head, "softcap", None),
-                               bias=getattr(head, "bias", None),
+                               softcap=getattr(head, "softcap", None), bias=bias,
                                temperature=self.temperature, return_entropy=with_entropy)
         logp, entropy = out if with_entropy else (out, None)
         logp_flat = self._whole_row(logp.reshape(-1))
@@ -369,8 +404,9 @@ class GRPOLoss(nn.Module):
 
     def forward(self, input_ids, position_ids, document_lengths, targets, token_index, mask,
                 advantages, engine_logp, old_logp=None, ref_logp=None, global_tokens=None,
-                global_sequences=None, live=True, *, score_only: bool = False):
+                global_sequences=None, live=True, routing=None, *, score_only: bool = False):
         seq_args = (input_ids, position_ids, document_lengths, targets, token_index, mask)
+        self.replay(routing)         # every pass: old policy, reference, update (None: own)
         if score_only:
             return self.sequence_logprobs(*seq_args)[0].detach()
         algo = self.algo
@@ -400,6 +436,10 @@ class GRPOLoss(nn.Module):
             stats["logprob_gap"] = (old - engine_logp).abs().where(mask, 0.0).sum()
             if entropy_sum is not None:
                 stats["entropy"] = entropy_sum
+            if routing is not None:
+                replayed, mismatched = routing_replay_counts(self.model).tolist()
+                stats["routing_replayed"] = torch.tensor(float(replayed))
+                stats["routing_mismatched"] = torch.tensor(float(mismatched))
         if not live:                       # a dummy micro-batch: collectives, no contribution
             return loss * 0.0, {k: torch.zeros_like(v) for k, v in stats.items()}
         return loss, stats
@@ -410,14 +450,20 @@ class GRPOLoss(nn.Module):
 
 class GRPOWorker:
     """One trainer rank (module docstring). Methods are called by the controller on every rank
-    (they are collectives under FSDP) unless noted."""
+    (they are collectives under FSDP) unless noted.
+
+    A recipe on the same rank (sequence RL) sets `config_cls` and `token_ranges`: the ids
+    its engine may sample, which the loss's log-probs are renormalised over (empty: all)."""
+
+    config_cls: type = GRPOConfig
 
     def __init__(self, cfg: dict[str, Any], hf_dir: str, prepared_dir: str, run_dir: str,
                  models: dict[str, str] | None = None):
         """`models`: the driver's other model directories (GRPO has none)."""
-        self.cfg = build(GRPOConfig, cfg, where="grpo config")
+        self.cfg = build(self.config_cls, cfg, where=f"{self.config_cls.__name__} config")
         self.prepared_dir = local_view(prepared_dir)
         self.hf_dir = hf_dir
+        self.token_ranges = self.allowed_token_ranges()
         train = self.cfg.train
         constant = self.cfg.algorithm.constant_norm or float(self.cfg.episode_tokens)
         init_process_group()
@@ -426,10 +472,15 @@ class GRPOWorker:
             self.cfg.model, train.optimizer_engine, hf_dir, run_dir,
             vocab_size=tokenizer_vocab(prepared_dir),
             loss_factory=lambda m: GRPOLoss(m, self.cfg.algorithm, self._temperature, constant,
-                                            self.cfg.model.loss_chunk_tokens))
+                                            self.cfg.model.loss_chunk_tokens,
+                                            self.token_ranges))
         self.rank, self.world = self.engine.rank, self.engine.world
+        if self.cfg.algorithm.routing_replay and not moe_blocks(self.engine.model):
+            raise ConfigError("algorithm.routing_replay replays the experts of a "
+                              "mixture-of-experts model; this model has no native MoE "
+                              "layers: set routing_replay: false")
         self.critic: Critic | None = None
-        if self.cfg.critic is not None:           # PPO (posttrain.train.critic)
+        if getattr(self.cfg, "critic", None) is not None:    # PPO (posttrain.train.critic)
             self.critic = Critic(self.cfg.critic, self.cfg.model, train.optimizer_engine, hf_dir,
                                  run_dir, vocab_size=self.engine.vocab_size,
                                  aggregation=self.cfg.algorithm.aggregation,
@@ -449,6 +500,10 @@ class GRPOWorker:
         self._rollout_released = False
         self.peak_flops, _ = device_peak_flops(self.engine.device)
 
+    def allowed_token_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The ids the engine may sample (GRPO: all of them)."""
+        return ()
+
     @property
     def _temperature(self) -> float:
         return self.cfg.sampling.temperature if self.cfg.sampling.temperature > 0 else 1.0
@@ -464,7 +519,7 @@ class GRPOWorker:
             replace(self.cfg.model, lora=None), self.engine.cfg.parallel, self.hf_dir,
             self.engine.device,
             lambda m: GRPOLoss(m, algorithm, self._temperature, None,
-                               self.cfg.model.loss_chunk_tokens),
+                               self.cfg.model.loss_chunk_tokens, self.token_ranges),
             vocab_size=self.engine.vocab_size, frozen=True)
         return root
 
@@ -561,8 +616,9 @@ class GRPOWorker:
         trainer = self.engine.score(batch)
         out = {"trainer": trainer[0].float().cpu().tolist()}
         if self.rollout is not None:
+            ranges = {"allowed_token_ranges": self.token_ranges} if self.token_ranges else {}
             out["engine"] = self.rollout.logprobs([sequence], [prompt_len],
-                                                  temperature=self._temperature)[0]
+                                                  temperature=self._temperature, **ranges)[0]
         return out
 
     # ------------------------------------------------------------------ update
@@ -588,6 +644,7 @@ class GRPOWorker:
                     b["ref_logp"] = self.engine.score(b, self.reference)
         logprobs_s = time.perf_counter() - t0
         totals: dict[str, float] = {}
+        routing = [0.0, 0.0]                  # replayed, mismatched token selections
         losses, grad_norms = [], []
         for batches in mine:
             m = self.engine.train_step(batches, 1)
@@ -596,11 +653,18 @@ class GRPOWorker:
             for k in _TOKEN_STATS:
                 if k in m:
                     totals[k] = totals.get(k, 0.0) + m[k]
+            if "routing_replayed" in m:       # sums over the data-parallel ranks
+                routing[0] += m["routing_replayed"]
+                routing[1] += m["routing_mismatched"]
             lr = m["lr"]
         if self.critic is not None:
             critic.update(self.critic.update(mine))
         tokens = sum(mbs[0]["global_tokens"] for mbs in mini_batches)
         out = {k: v / max(tokens, 1) for k, v in totals.items()}
+        if routing[0]:
+            # the share of (token, MoE layer) selections where the trainer's own top-k differs
+            # from the engine's recorded one, over the update's forwards
+            out["routing/mismatch_rate"] = routing[1] / routing[0]
         seconds = time.perf_counter() - t0
         out.update(critic)
         out.update({"loss": sum(losses) / len(losses), "grad_norm": max(grad_norms), "lr": lr,

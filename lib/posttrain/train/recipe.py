@@ -194,8 +194,11 @@ class Recipe:
     name: ClassVar[str]
     config_cls: ClassVar[type]
     transformers_fallback: ClassVar[bool] = True   # runs on models without a native definition
-    unit_field: ClassVar[str] = "num_loss_tokens"   # the batch count the loss is a mean over
-    unit_name: ClassVar[str] = "tokens"             # how metrics name that unit
+    # the batch count the loss is a mean over, and how metrics name that unit; a recipe whose
+    # unit depends on its config sets them per instance (the preference recipe: pairs, or
+    # KTO's completions)
+    unit_field: str = "num_loss_tokens"
+    unit_name: str = "tokens"
 
     def __init__(self, worker: "RecipeWorker"):
         self.worker = worker
@@ -229,6 +232,14 @@ class Recipe:
 
     def describe(self) -> dict[str, Any]:
         return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the recipe itself changes during training (JSON; e.g. KTO's reference point),
+        saved in every checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict` on resume."""
 
     def split_batches(self, split: str, limit: int | None = None) -> list[dict]:
         """One pass over a prepared split, in order, no shuffle (at most `limit` batches)."""
@@ -307,19 +318,22 @@ class Recipe:
                 f"MFU {result['mean_mfu']:.1%}"]
 
 
-def eval_suite(cfg: Any, kind: str, options: Any = lambda i: {}, **suite: Any) -> Any:
-    """A suite with one task of `kind` per `data.eval` source of a recipe config (None without
-    held-out sources), rows read and tokenized as prepare did: the config's tokenizer, columns,
-    length limit and bad-row policy; `options(i)` adds task i's own options."""
+def eval_suite(cfg: Any, kind: str, options: Any = lambda i: {}, *,
+               sources: list | None = None, **suite: Any) -> Any:
+    """A suite with one task of `kind` per `data.eval` source of a recipe config (or per one of
+    `sources`; None without any), rows read and tokenized as prepare did: the config's
+    tokenizer, columns, length limit and bad-row policy; `options(i)` adds task i's own
+    options."""
     from posttrain.eval.suites import SuiteConfig, TaskConfig
-    if not cfg.data.eval:
+    sources = cfg.data.eval if sources is None else sources
+    if not sources:
         return None
     tasks = tuple(TaskConfig(name=src.name or f"eval{i}", kind=kind, data=src,
                              max_samples=cfg.eval.max_samples,
                              max_tokens_per_sample=cfg.data.max_tokens_per_sample,
                              columns=cfg.data.columns, on_bad_row=cfg.data.on_bad_row,
                              **options(i))
-                  for i, src in enumerate(cfg.data.eval))
+                  for i, src in enumerate(sources))
     return SuiteConfig(tasks=tasks, tokenizer=cfg.tokenizer, dtype=cfg.model.dtype, **suite)
 
 
@@ -410,6 +424,7 @@ class RecipeWorker:
             self.loader.load_state_dict(extra["loader"])
             self.tokens_seen = int(extra.get("tokens_seen", 0))
             self.units_seen = int(extra.get("units_seen", 0))
+            self.recipe.load_state_dict(extra.get("recipe") or {})
         return self.engine.step
 
     def train_step(self) -> dict[str, Any] | None:
@@ -457,7 +472,8 @@ class RecipeWorker:
             parts = self.engine.dp.gather(loader["streams"])
             loader = {"streams": {s: st for part in parts for s, st in part.items()}}
         return self.engine.save_checkpoint({"loader": loader, "tokens_seen": self.tokens_seen,
-                                            "units_seen": self.units_seen})
+                                            "units_seen": self.units_seen,
+                                            "recipe": self.recipe.state_dict()})
 
     def evaluate(self) -> dict[str, float]:
         """The recipe's held-out metrics: means over the eval units of the loss root's sums."""

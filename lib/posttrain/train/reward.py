@@ -176,9 +176,9 @@ def _write_head(out: Path, head: dict[str, torch.Tensor], hidden_size: int) -> s
     return str(out)
 
 
-def load_reward_model(model_dir: str, *, device: str = "cpu"
-                      ) -> Callable[[list[dict], str], float]:
-    """``score(prompt_messages, completion_text) -> float`` from an exported reward model."""
+def load_reward_parts(model_dir: str, *, device: str = "cpu") -> tuple[nn.Module, Any]:
+    """The exported reward model in `model_dir` in fp32 on `device` (its scalar head as
+    ``model.head``, frozen, eval mode) and its `ChatTokenizer`."""
     from safetensors.torch import load_file
 
     from posttrain.data.tokenizer import ChatTokenizer
@@ -190,16 +190,31 @@ def load_reward_model(model_dir: str, *, device: str = "cpu"
     head = nn.Linear(meta["hidden_size"], 1, bias=meta["bias"])
     head.load_state_dict(load_file(str(Path(model_dir) / meta["weights"])))
     model.head = head.to(device).eval()
-    tok = ChatTokenizer(TokenizerConfig(path=model_dir))
+    model.requires_grad_(False)
+    return model, ChatTokenizer(TokenizerConfig(path=model_dir))
+
+
+def reward_input_ids(tok: Any, prompt_messages: list[dict], completion_text: str) -> list[int]:
+    """The ids a reward model scores: prompt + the completion as one assistant turn, through
+    the completion's last trained token (the head reads the hidden state there)."""
+    messages = [*prompt_messages, {"role": "assistant", "content": completion_text}]
+    enc = tok.encode_chat(messages, train_on="last_assistant")
+    trained = [i for i, m in enumerate(enc.loss_mask) if m]
+    if not trained:
+        raise ValueError("the completion has no token to score")
+    return enc.input_ids[:trained[-1] + 1]
+
+
+def load_reward_model(model_dir: str, *, device: str = "cpu"
+                      ) -> Callable[[list[dict], str], float]:
+    """``score(prompt_messages, completion_text) -> float`` from an exported reward model, one
+    sequence per forward (`posttrain.rl.model_rewards.RewardModelScorer` scores batches)."""
+    model, tok = load_reward_parts(model_dir, device=device)
 
     @torch.no_grad()
     def score(prompt_messages: list[dict], completion_text: str) -> float:
-        messages = [*prompt_messages, {"role": "assistant", "content": completion_text}]
-        enc = tok.encode_chat(messages, train_on="last_assistant")
-        trained = [i for i, m in enumerate(enc.loss_mask) if m]
-        if not trained:
-            raise ValueError("the completion has no token to score")
-        ids = torch.tensor([enc.input_ids[:trained[-1] + 1]], device=device)
+        ids = torch.tensor([reward_input_ids(tok, prompt_messages, completion_text)],
+                           device=device)
         hidden = model(ids)
         return float(model.head(hidden[0, -1]).squeeze())
 

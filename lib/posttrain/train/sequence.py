@@ -283,10 +283,14 @@ def export_sequence_model(state: dict[str, torch.Tensor], args: Any, cfg: Sequen
     out = Path(out_dir)
     save_heads(out, heads, cfg.heads.per_position, args.hidden_size)
     write_weight_index(out, exclude={HEADS_FILE})
-    vocab = EventVocab(cfg.vocab)
+    write_special_ids(out, EventVocab(cfg.vocab))
+    return str(out)
+
+
+def write_special_ids(out: Path, vocab: EventVocab) -> None:
+    """Set the vocabulary's ``pad/bos/eos_token_id`` in the export's ``config.json``."""
     config = json.loads((out / "config.json").read_text())
     for name in ("pad", "bos", "eos"):
         config[f"{name}_token_id"] = vocab.special_id(name)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return str(out)
 

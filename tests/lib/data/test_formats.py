@@ -1,7 +1,7 @@
 import pytest
 
 from posttrain.data.formats import (ChatRecord, FormatConfig, PreferenceRecord, PromptRecord,
-                                    SequenceRecord, parse_row)
+                                    SequenceRecord, UnpairedRecord, parse_row)
 from posttrain.errors import DataError
 
 CHAT = FormatConfig("chat")
@@ -59,6 +59,26 @@ def test_preference_response_must_be_assistant():
     err = _err({"prompt": "q", "chosen": [{"role": "user", "content": "x"}], "rejected": "y"},
                FormatConfig("preference"))
     assert err.field == "chosen[0].role"
+
+
+def test_unpaired_normalizes_strings_and_keeps_the_label():
+    cfg = FormatConfig("unpaired", completion_field="answer", label_field="good")
+    rec = parse_row({"prompt": "2+2?", "answer": "4", "good": False}, cfg)
+    assert rec == UnpairedRecord([{"role": "user", "content": "2+2?"}],
+                                 [{"role": "assistant", "content": "4"}], False)
+
+
+@pytest.mark.parametrize("row, field, reason, says", [
+    ({"prompt": "q", "completion": "a"}, "label", "missing_field", "row has: completion, prompt"),
+    ({"prompt": "q", "completion": "a", "label": 1}, "label", "wrong_type", "got 1 (int)"),
+    ({"prompt": "q", "completion": "a", "label": None}, "label", "wrong_type", "got None"),
+    ({"prompt": "q", "completion": [{"role": "user", "content": "a"}], "label": True},
+     "completion[0].role", "bad_role", "only hold assistant turns"),
+    ({"prompt": "q", "label": True}, "completion", "missing_field", "missing required"),
+])
+def test_unpaired_errors_name_field_and_reason(row, field, reason, says):
+    err = _err(row, FormatConfig("unpaired"))
+    assert (err.field, err.reason) == (field, reason) and says in str(err)
 
 
 def test_prompt_keeps_extra_columns():

@@ -108,19 +108,27 @@ def test_sources_from_manifest_errors(tmp_path):
 
 # --------------------------------------------------------------------------- preference mode
 
+def _prompt(rng):
+    return rng.integers(5, 1000, int(rng.integers(2, 12))).astype(np.int32)
+
+
+def _respond(rng, prompt):
+    """(ids, loss mask) of the prompt and a random response, the mask on the response."""
+    resp = rng.integers(5, 1000, int(rng.integers(1, 20))).astype(np.int32)
+    return (np.concatenate([prompt, resp]),
+            np.r_[np.zeros(len(prompt)), np.ones(len(resp))].astype(np.int8))
+
+
 def _write_pairs(root, n, seed):
     rng = np.random.default_rng(seed)
     writer = ShardWriter(str(root / "pairs"), schema_for("preference"), rows_per_shard=25,
                          rows_per_group=8)
     pairs = []
     for _ in range(n):
-        prompt = rng.integers(5, 1000, int(rng.integers(2, 12))).astype(np.int32)
+        prompt = _prompt(rng)
         cols = {}
         for side in ("chosen", "rejected"):
-            resp = rng.integers(5, 1000, int(rng.integers(1, 20))).astype(np.int32)
-            cols[f"{side}_input_ids"] = np.concatenate([prompt, resp])
-            cols[f"{side}_loss_mask"] = np.r_[np.zeros(len(prompt)),
-                                              np.ones(len(resp))].astype(np.int8)
+            cols[f"{side}_input_ids"], cols[f"{side}_loss_mask"] = _respond(rng, prompt)
         pairs.append(cols)
         sides = ("chosen", "rejected")
         writer.write({**cols, "prompt_length": len(prompt),
@@ -158,20 +166,63 @@ def test_preference_batches_tie_each_pair_together(tmp_path, mode):
         assert any(b["num_pairs"] > b["input_ids"].shape[0] for b in batches)
 
 
-def test_preference_resume_keeps_pair_keys(tmp_path):
-    sources, _ = _write_pairs(tmp_path, 80, seed=5)
+# --------------------------------------------------------------------------- unpaired mode
+
+def _write_completions(root, n, seed):
+    rng = np.random.default_rng(seed)
+    writer = ShardWriter(str(root / "unpaired"), schema_for("unpaired"), rows_per_shard=25,
+                         rows_per_group=8)
+    rows = []
+    for _ in range(n):
+        ids, mask = _respond(rng, _prompt(rng))
+        row = {"input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
+               "num_loss_tokens": int(mask.sum()), "desirable": bool(rng.random() < 0.5)}
+        rows.append(row)
+        writer.write(row)
+    return {"unpaired": [s.uri for s in writer.close()]}, rows
+
+
+def _completions_seen(batch):
+    """(key, tokens, label) of each sequence, via sequence_ids and the per-sequence labels."""
+    ids, seq = batch["input_ids"].reshape(-1), batch["sequence_ids"].reshape(-1)
+    assert batch["desirable"].shape == (batch["num_completions"],)
+    return [(key, tuple(ids[seq == s].tolist()), bool(batch["desirable"][s]))
+            for s, key in enumerate(batch["completion_keys"])]
+
+
+@pytest.mark.parametrize("mode", ["packed", "padded"])
+def test_unpaired_batches_carry_each_completions_label_and_key(tmp_path, mode):
+    sources, rows = _write_completions(tmp_path, 60, seed=6)
     cfg = LoaderConfig(packing=PackingConfig(max_tokens_per_pack=64, buffer_samples=8),
-                       format="preference", rows_per_batch=2, shuffle_buffer_samples=10,
-                       epochs=2)
+                       mode=mode, format="unpaired", rows_per_batch=3, background=False,
+                       shuffle_buffer_samples=10)
+    with TrainLoader(sources, cfg) as loader:
+        batches = list(loader)
+    seen = [c for b in batches for c in _completions_seen(b)]
+    want = {(i // 25 << 32) | (i % 25 + 1): (tuple(r["input_ids"]), r["desirable"])
+            for i, r in enumerate(rows)}
+    assert len(seen) == 60 and {k: (ids, label) for k, ids, label in seen} == want
+    assert {label for _, _, label in seen} == {True, False}
+    if mode == "packed":
+        assert any(b["num_completions"] > b["input_ids"].shape[0] for b in batches)
+
+
+@pytest.mark.parametrize("fmt", ["preference", "unpaired"])
+def test_pair_and_completion_resume_keeps_keys_and_labels(tmp_path, fmt):
+    write, seen = ((_write_pairs, _pairs_seen) if fmt == "preference"
+                   else (_write_completions, _completions_seen))
+    sources, _ = write(tmp_path, 80, seed=5)
+    cfg = LoaderConfig(packing=PackingConfig(max_tokens_per_pack=64, buffer_samples=8),
+                       format=fmt, rows_per_batch=2, shuffle_buffer_samples=10, epochs=2)
     with TrainLoader(sources, cfg) as full:
-        expected = [_pairs_seen(b) for b in full]
+        expected = [seen(b) for b in full]
     with TrainLoader(sources, cfg) as first:
         it = iter(first)
-        got = [_pairs_seen(next(it)) for _ in range(7)]
+        got = [seen(next(it)) for _ in range(7)]
         state = json.loads(json.dumps(first.state_dict()))
     with TrainLoader(sources, cfg) as resumed:
         resumed.load_state_dict(state)
-        got += [_pairs_seen(b) for b in resumed]
+        got += [seen(b) for b in resumed]
     assert got == expected
 
 

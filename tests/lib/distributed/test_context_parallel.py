@@ -11,6 +11,8 @@ boundaries, windows shorter than a document (Gemma 3, GPT-OSS) and sinks (GPT-OS
     fsdp_x_cp     dp_shard=2 x cp=2        FSDP over dp_shard x cp; the two dp ranks see other rows
     cp_x_tp       cp=2 x tp=2              heads split over tp, tokens over cp
     fsdp_x_cp_lora                          LoRA adapters, as fsdp_x_cp
+    replay        as fsdp_x_cp (GPT-OSS), every token routed through recorded random experts
+                  (routing replay: the record is cut over "cp" like the tokens)
 
 What it catches: a mask that ignores documents or windows across the cut (logits differ at the
 first document that spans two chunks), positions not cut like the tokens (RoPE), a K/V gather
@@ -64,9 +66,23 @@ def _model(family: str, lora: bool, device: str = "cpu") -> nn.Module:
     return model
 
 
-def _run(family: str, layout: dict | None, lora: bool) -> dict:
+def _replayed_routing(model: nn.Module) -> torch.Tensor:
+    """Random distinct experts [rows, T, MoE layers, k] for every token (routing replay)."""
+    from posttrain.models.routing_replay import moe_blocks
+    gen = torch.Generator().manual_seed(5)
+    E, k = model.args.num_experts, model.args.num_experts_per_tok
+    picks = [torch.randperm(E, generator=gen)[:k]
+             for _ in range(len(DOCS) * T * len(moe_blocks(model)))]
+    return torch.stack(picks).view(len(DOCS), T, -1, k).to(torch.int16)
+
+
+def _run(family: str, layout: dict | None, lora: bool, replay: bool = False) -> dict:
+    """With `replay`, every token routed through recorded random experts, the record cut over
+    "cp" like the tokens (as the GRPO root's `row_keys` are)."""
+    from posttrain.models.routing_replay import moe_blocks, set_routing_replay
     model = _model(family, lora)
     ids, labels = token_batch(len(DOCS), T, model.args.vocab_size)
+    routing = _replayed_routing(model) if replay else None
     tokens = int((labels >= 0).sum())
     positions = torch.arange(T)
     if layout is None:
@@ -88,7 +104,12 @@ def _run(family: str, layout: dict | None, lora: bool) -> dict:
         shard = CPShard(mesh["cp"].get_local_rank(), cfg.cp, T)
         ids_r, labels_r = shard.local(ids[rows]), shard.local(labels[rows])
         positions = shard.positions()
+        routing = None if routing is None else shard.local(routing[rows])
+    set_routing_replay(model, routing)
     loss, logits = root(ids_r, labels_r, DOCS[rows])
+    if routing is not None:           # each rank's tokens went through their recorded experts
+        chosen = torch.stack([b.expert_NK for b in moe_blocks(model)], dim=1)
+        assert torch.equal(chosen, routing.reshape(chosen.shape).long())
     loss.backward()
     loss = loss.detach()
     if layout is not None:
@@ -109,6 +130,9 @@ def _all_layouts(out_dir: str) -> dict:
         for name, layout in LAYOUTS.items():
             lora = name.endswith("lora")
             results[(family, name)] = compare(refs[lora], _run(family, layout, lora))
+    replay = LAYOUTS["fsdp_x_cp"]
+    results["replay"] = compare(_run("gpt_oss", None, False, replay=True),
+                                _run("gpt_oss", replay, False, replay=True))
     return results
 
 
@@ -121,6 +145,12 @@ def four_rank_results(tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cp_layout_gives_the_single_process_numbers(four_rank_results, family, layout):
     assert_layouts_match(four_rank_results, (family, layout), ATOL)
+
+
+def test_replayed_routing_is_cut_with_the_tokens(four_rank_results):
+    """Routing replay under fsdp_x_cp (GPT-OSS): each rank's tokens go through their recorded
+    experts (asserted on every rank), and the numbers equal the single-process replay's."""
+    assert_layouts_match(four_rank_results, "replay", ATOL)
 
 
 def test_split_is_balanced_and_covers_every_token():

@@ -11,6 +11,8 @@ expert, which its router never picks, none at all (asserted, not assumed).
     ep4          dp_shard=4, ep=4    each rank holds E/4 experts; one group of four
     fsdp_x_ep    dp_shard=4, ep=2    two groups of two; FSDP shards experts over "dp_outer"
     ep2_lora     as fsdp_x_ep, with stacked LoRA adapters on the experts (and on q, v)
+    replay       as fsdp_x_ep (Qwen3-MoE), every token routed through recorded random experts
+                 (routing replay, `posttrain.models.routing_replay`)
 
 What it catches: tokens returned to the wrong rows or regrouped by the wrong expert (logits),
 an all-to-all whose backward does not send gradients back (router and input gradients), the
@@ -126,11 +128,22 @@ def _empty_experts(model: nn.Module) -> dict:
     return {"from_rank": bool((local == 0).any()), "at_all": bool((total == 0).any())}
 
 
-def _run(family: str, layout: dict, lora: bool, sharded: bool) -> dict:
+def _replayed_routing(model: nn.Module) -> torch.Tensor:
+    """Random distinct experts [rows, T, MoE layers, k] for every token (routing replay)."""
+    gen = torch.Generator().manual_seed(5)
+    E, k = model.args.num_experts, model.args.num_experts_per_tok
+    layers = sum(isinstance(m, MoEBlock) for m in model.modules())
+    picks = [torch.randperm(E, generator=gen)[:k] for _ in range(len(DOCS) * T * layers)]
+    return torch.stack(picks).view(len(DOCS), T, layers, k).to(torch.int16)
+
+
+def _run(family: str, layout: dict, lora: bool, sharded: bool, replay: bool = False) -> dict:
     """The layout's run, or (not `sharded`) the single-process run with its expert groups'
-    load-balancing loss."""
+    load-balancing loss; with `replay`, every token routed through recorded random experts."""
+    from posttrain.models.routing_replay import set_routing_replay
     model = _model(family, lora)
     ids, labels = token_batch(len(DOCS), T, model.args.vocab_size)
+    routing = _replayed_routing(model) if replay else None
     tokens = int((labels >= 0).sum())
     groups = WORLD // layout["ep"]
     if not sharded:
@@ -140,7 +153,12 @@ def _run(family: str, layout: dict, lora: bool, sharded: bool) -> dict:
         model, root = _sharded(family, layout, lora, weights, tokens)
         r = dist.get_rank()
         rows = slice(r, r + 1)
+    set_routing_replay(model, None if routing is None else routing[rows])
     loss, logits = root(ids[rows], labels[rows], DOCS[rows])
+    if routing is not None:          # dispatched to their owners: the recorded experts
+        chosen = torch.stack([m.expert_NK for m in model.modules() if isinstance(m, MoEBlock)],
+                             dim=1)
+        assert torch.equal(chosen, routing[rows].reshape(chosen.shape).long())
     loss.backward()
     loss = loss.detach()
     empty = None
@@ -214,6 +232,8 @@ def _all_layouts(out_dir: str) -> dict:
             ref = _run(family, layout, lora, sharded=False)
             got = _run(family, layout, lora, sharded=True)
             results[(family, name)] = {**compare(ref, got), "empty": got["empty"]}
+    results["replay"] = compare(_run("qwen3_moe", LAYOUTS["fsdp_x_ep"], False, False, True),
+                                _run("qwen3_moe", LAYOUTS["fsdp_x_ep"], False, True, True))
     reshard = _reshard(out_dir)
     ref = reshard[2]
     results["reshard"] = {
@@ -238,6 +258,13 @@ def test_ep_layout_gives_the_single_process_numbers(four_rank_results, family, l
     empty = [r[(family, layout)]["empty"] for r in four_rank_results]
     assert any(e["from_rank"] for e in empty), empty
     assert family != "gpt_oss" or all(e["at_all"] for e in empty), empty
+
+
+def test_replayed_routing_dispatches_to_the_recorded_experts(four_rank_results):
+    """Routing replay (`posttrain.models.routing_replay`) under fsdp_x_ep: the recorded experts
+    are the ones dispatched to (asserted on every rank), and logits, loss and gradients equal
+    the single-process replay's."""
+    assert_layouts_match(four_rank_results, "replay", ATOL)
 
 
 def test_checkpoint_reshards_across_ep(four_rank_results):

@@ -10,7 +10,8 @@ import torch
 
 from posttrain.data.packing import Packer, PackingConfig, Sample, collate, pad_rows
 from posttrain.data.stream import ListStream
-from posttrain.losses.dpo import dpo_loss, dpo_pair_logps, sequence_ids, sequence_logps
+from posttrain.losses.dpo import (dpo_loss, dpo_pair_logps, packed_sequence_logps, sequence_ids,
+                                  sequence_logps)
 from posttrain.ops.cross_entropy import naive_logprobs
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)
@@ -186,6 +187,14 @@ def test_pair_logps_equal_each_sequence_alone(mode, reduction):
     want_r = torch.stack([alone(model, samples[2 * p + 1], reduction) for p in range(5)])
     torch.testing.assert_close(chosen, want_c, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rejected, want_r, rtol=1e-5, atol=1e-5)
+    # every sequence, unpaired (KTO's completions): in sequence order, with its token count
+    logp_S, count_S = packed_sequence_logps(hidden, model.head, batch["labels"], seq_BT,
+                                            real_vocab_size=REAL, chunk_tokens=7,
+                                            reduction=reduction)
+    order = [sid for r in rows for sid in r.sample_ids]
+    torch.testing.assert_close(logp_S, torch.stack([alone(model, samples[i], reduction)
+                                                    for i in order]), rtol=1e-5, atol=1e-5)
+    assert count_S.tolist() == [int(samples[i].loss_mask[1:].sum()) for i in order]
     if mode == "padded":  # one sequence per row: the row index is a valid sequence id too
         rows_BT = torch.arange(len(rows))[:, None].expand_as(seq_BT)
         again = dpo_pair_logps(hidden, model.head, batch["labels"], pairs, rows_BT,

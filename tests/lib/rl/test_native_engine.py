@@ -261,6 +261,36 @@ def test_bad_inputs_fail_with_a_message() -> None:
         engine.logprobs([[1, 2]], [0])
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])      # gemma3: soft-cap, tied head
+def test_allowed_token_ranges_restrict_and_renormalise(family: str) -> None:
+    """Only allowed ids are drawn (a stop id among them ends a sample), and the rollout's and
+    the teacher-forced log-probs are log softmax over the allowed ids' logits."""
+    model = tiny_model(family)
+    ranges = ((10, 40), (90, 95))
+    allowed = [i for lo, hi in ranges for i in range(lo, hi)]
+    engine = NativeEngine(model)
+    sampling = SamplingConfig(temperature=1.5, max_new_tokens=10, seed=2, stop_token_ids=(92,),
+                              allowed_token_ranges=ranges)
+    rollouts = [r for s in engine.generate(PROMPTS, sampling, n=4) for r in s]
+    assert {t for r in rollouts for t in r.completion_ids} <= set(allowed)
+    assert all(r.finish_reason == "length" or r.completion_ids[-1] == 92 for r in rollouts)
+    seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
+    lens = [len(r.prompt_ids) for r in rollouts]
+    forced = engine.logprobs(seqs, lens, temperature=1.5, allowed_token_ranges=ranges)
+    for r, seq, plen, lp in zip(rollouts, seqs, lens, forced):
+        with torch.no_grad():
+            z = model.logits(model(torch.tensor([seq])))[0].float() / 1.5
+        naive = [float(z[t - 1, seq[t]] - torch.logsumexp(z[t - 1, allowed], 0))
+                 for t in range(plen, len(seq))]
+        torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(naive), atol=1e-5,
+                                   rtol=0)
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(naive), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="not among the allowed ids"):
+        SamplingConfig(stop_token_ids=(2,), allowed_token_ranges=ranges)
+    with pytest.raises(ValueError, match="<= 100"):
+        engine.generate(PROMPTS, SamplingConfig(allowed_token_ranges=((10, 101),)))
+
+
 # --------------------------------------------------------------------------- throughput
 
 

@@ -97,27 +97,6 @@ def test_length_penalty_in_tokens():
     assert out == [-(n_tokens - 10)]
 
 
-def test_reward_model_wraps_load_reward_model(tmp_path, monkeypatch):
-    from posttrain.train import reward as reward_lib
-    loaded = []
-
-    def fake_load(model_dir, *, device="cpu"):
-        loaded.append((model_dir, device))
-        return lambda prompt, completion: float(len(completion)) + len(prompt)
-
-    monkeypatch.setattr(reward_lib, "load_reward_model", fake_load)
-    rewards._reward_model.cache_clear()
-    (tmp_path / "reward_head.json").write_text("{}")
-    spec = RewardSpec("reward_model", params={"dir": str(tmp_path)})
-    reward = combine([spec])
-    assert reward(["ab", "abcd"], P * 2).components["reward_model"] == [3.0, 5.0]
-    reward(["a"], P)
-    assert loaded == [(str(tmp_path), "cpu")]  # loaded once
-    rewards._reward_model.cache_clear()
-    with pytest.raises(ConfigError, match="reward_head.json"):
-        RewardSpec("reward_model", params={"dir": str(tmp_path / "missing")})
-
-
 def test_python_exec_runs_the_code_in_the_sandbox():
     completions = [
         "Here it is:\n```python\nprint(sum(range(5)))\n```",
@@ -220,6 +199,23 @@ def test_wrong_length_or_nan_counts_as_a_failure(temp_reward):
     assert out.failures["test_short"].count == 0
     assert out.failures["test_nan"].count == 2
     assert "non-finite" in out.failures["test_nan"].first_error
+
+
+def test_sample_failures_score_zero_without_a_retry(temp_reward):
+    """A batched reward marks the samples it could not score; it is called once, not once per
+    sample, and only those samples get 0, counted with the first reason."""
+    calls = []
+
+    def judge(completions, prompts, columns):
+        calls.append(len(completions))
+        return [rewards.SampleFailure(f"no score in {c!r}") if "?" in c else 0.5
+                for c in completions]
+
+    temp_reward("test_judge", judge)
+    out = combine([RewardSpec("test_judge")])(["a", "b?", "c", "d?"], P * 4)
+    assert calls == [4]
+    assert out.components["test_judge"] == [0.5, 0.0, 0.5, 0.0]
+    assert out.failures["test_judge"] == rewards.RewardFailures(2, "no score in 'b?'")
 
 
 def test_missing_column_is_reported_not_raised():

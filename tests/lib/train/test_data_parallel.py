@@ -19,7 +19,9 @@ data-parallel ranks only. Three layouts of the same run, on real gloo process gr
 
 must give the same per-step losses (1e-5, fp32) and the same exported weights (1e-5), for SFT
 (chunked cross-entropy over packed documents) and DPO (packed pairs, precomputed reference),
-on the native Qwen3 and Llama definitions. Before the data rule used the DP rank, the 4-rank
+on the native Qwen3 and Llama definitions; and, on Qwen3 at 1 rank and dp2, for KTO (packed
+unpaired completions, whose reference point z_0 comes from the previous step's log-ratios summed
+over the ranks: `posttrain.losses.kto`). Before the data rule used the DP rank, the 4-rank
 layout fed the two ranks of a TP pair different micro-batches and scaled the gradient by the
 world size (4) instead of the data-parallel size (2).
 
@@ -50,14 +52,15 @@ LAYOUTS = {"1": (1, 1, 1, 1, 1), "dp2": (2, 2, 1, 1, 1), "dp2_tp2": (4, 2, 2, 1,
            "dp2_offload": (2, 2, 1, 1, 1), "ep2": (2, 2, 1, 1, 1)}
 # the recipes a layout runs (default: all); context parallelism is built for SFT
 ONLY = {"hsdp": ("sft",), "cp2": ("sft",), "dp2_cp2": ("sft",), "dp2_offload": ("sft",),
-        "ep2": ("sft",)}
+        "ep2": ("sft",), "dp2_tp2": ("sft", "dpo")}
 OFFLOAD, RESUME_AT = "dp2_offload", 2         # the offload layout: qwen3 only, resumed here
 EP = {"ep2": 2}
 FAMILIES = ("qwen3", "llama")
 MOE = "qwen3_moe"          # SFT at 1 rank and ep2 only
 # the families a layout runs (default: FAMILIES; the 1-rank reference also runs MOE's SFT)
 FAMILIES_OF = {OFFLOAD: ("qwen3",), "ep2": (MOE,), "1": (*FAMILIES, MOE)}
-RECIPES = ("sft", "dpo")
+RECIPES = ("sft", "dpo", "kto")
+RECIPE_FAMILIES = {"kto": ("qwen3",)}       # the recipes that run on some families only
 ATOL = 1e-5
 
 _MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -90,6 +93,17 @@ def _config(recipe: str, family: str, world: int, dp_shard: int, tp: int,
     }
     parallel = {"dp_shard": dp_shard, "tp": tp, "dp_replicate": dp_replicate, "cp": cp,
                 "activation_checkpointing": "none", "offload": offload, "ep": ep}
+    if recipe == "kto":
+        return {**common,
+                "data": {"format": "unpaired", "max_tokens_per_sample": 64, "on_bad_row": "skip",
+                         "train": [{"name": "kto", "path": str(data / "unpaired/train.jsonl")}],
+                         "eval": [{"name": "kto", "path": str(data / "unpaired/eval.jsonl")}]},
+                "train": {"max_steps": STEPS, "tokens_per_step": 512, "parallel": parallel,
+                          "loader": {**_LOADER, "format": "unpaired",
+                                     "packing": {"max_tokens_per_pack": 128,
+                                                 "buffer_samples": 16}},
+                          **_OPTIM, "optimizer": {**_OPTIM["optimizer"], "lr": 3e-3}},
+                "loss": {"beta": 0.1, "loss_type": "kto"}, "reference": {"kind": "precomputed"}}
     if recipe == "sft":
         return {**common,
                 "data": {"format": "chat", "max_tokens_per_sample": 128,
@@ -122,7 +136,7 @@ def _prepare(root: Path) -> dict[tuple[str, str], tuple[str, str]]:
     """(recipe, family) -> (prepared dir, base HF checkpoint), made once in this process from
     the first rows of the bundled chat and preference data (DPO's reference pass reads all)."""
     from steps.common import base_model_dir, ensure_prepared
-    for kind in ("chat", "preference"):
+    for kind in ("chat", "preference", "unpaired"):
         for split, rows in (("train", 96), ("eval", 24)):
             lines = (ROOT / "assets/data" / kind / f"{split}.jsonl").read_text().splitlines()
             (root / "data" / kind).mkdir(parents=True, exist_ok=True)
@@ -130,7 +144,8 @@ def _prepare(root: Path) -> dict[tuple[str, str], tuple[str, str]]:
     out = {}
     for recipe in RECIPES:
         schema = _recipe(recipe).config_cls
-        for family in (*FAMILIES, MOE) if recipe == "sft" else FAMILIES:
+        for family in (*FAMILIES, MOE) if recipe == "sft" else \
+                RECIPE_FAMILIES.get(recipe, FAMILIES):
             cfg = build(schema, _config(recipe, family, 1, 1, 1, root / "data"), where="config")
             prepared = ensure_prepared(cfg, str(root / f"prepared_{recipe}"), show_progress=False)
             out[recipe, family] = prepared, base_model_dir(cfg, prepared, root / f"{recipe}_{family}")
@@ -173,6 +188,7 @@ def _rank(rank: int, world: int, port: int, layout: str, root: str, inputs: dict
             (run_dir / "result.json").write_text(json.dumps(
                 {"losses": [m["loss"] for m in steps],
                  "grad_norms": [m["grad_norm"] for m in steps], "eval": evaluation,
+                 "kl": [m.get("kl") for m in steps],
                  "dp": [worker.engine.dp.rank, worker.engine.dp.size]}))
     dist.destroy_process_group()
 
@@ -212,6 +228,8 @@ def _result(root: Path, layout: str, recipe: str, family: str) -> tuple[dict, di
 def test_layout_trains_like_one_rank(layouts, recipe, family, layout):
     if recipe not in ONLY.get(layout, RECIPES):
         pytest.skip(f"{layout} runs {ONLY[layout]} only")
+    if family not in RECIPE_FAMILIES.get(recipe, (family,)):
+        pytest.skip(f"{recipe} runs on {RECIPE_FAMILIES[recipe]} only")
     ref, ref_w = _result(layouts, "1", recipe, family)
     got, got_w = _result(layouts, layout, recipe, family)
     print(f"{recipe}/{family}/{layout}: losses {got['losses']} (1 rank: {ref['losses']}); "
@@ -219,6 +237,8 @@ def test_layout_trains_like_one_rank(layouts, recipe, family, layout):
     assert len(got["losses"]) == STEPS
     assert got["losses"] == pytest.approx(ref["losses"], abs=ATOL, rel=0)
     assert ref["losses"][0] != ref["losses"][-1]                 # it trained
+    if recipe == "kto":             # the reference point, from every rank's log-ratios
+        assert got["kl"] == pytest.approx(ref["kl"], abs=ATOL, rel=0) and ref["kl"][-1] > 0
     # Adam is blind to a gradient's scale (and clipping hides it too): the norm is not
     assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-4)
     for key, value in ref["eval"].items():

@@ -3,7 +3,8 @@
 One real training step of every recipe, through its `RecipeWorker` on the tiny model, runs
 under `FlopCounterMode`; the recipe's `flops(batch)` must match what was executed within 1%:
 the policy's forward and backward over packed documents, LoRA's adapters (also stacked on MoE
-experts), DPO's in-step reference (lora_base), the online teacher's forward in distillation,
+experts), DPO's and KTO's in-step reference (lora_base) and none for the reference-free SimPO,
+the online teacher's forward in distillation,
 the LM head over the labelled positions only, the sequence recipe's per-position heads over
 theirs.
 
@@ -79,10 +80,10 @@ def _config(kind: str, **extra) -> dict:
                 "data": {"format": "chat", "max_tokens_per_sample": 128,
                          "train": [{"name": "chat", "path": str(data / "chat/train.jsonl")}]},
                 "train": {**_TRAIN, "loader": {"packing": {"max_tokens_per_pack": 256}}}}
-    return {**common, **extra,
-            "data": {"format": "preference", "max_tokens_per_sample": 64, "on_bad_row": "skip",
-                     "train": [{"name": "pref", "path": str(data / "preference/train.jsonl")}]},
-            "train": {**_TRAIN, "loader": {"format": "preference",
+    return {**common, **extra,       # preference pairs, or KTO's unpaired completions
+            "data": {"format": kind, "max_tokens_per_sample": 64, "on_bad_row": "skip",
+                     "train": [{"name": "pref", "path": str(data / kind / "train.jsonl")}]},
+            "train": {**_TRAIN, "loader": {"format": kind,
                                            "packing": {"max_tokens_per_pack": 256}}}}
 
 
@@ -105,6 +106,12 @@ CASES = {
         "model": {"init": {"family": "qwen3", "seed": 0, "overrides": _MODEL},
                   "loss_chunk_tokens": 32, "lora": {"rank": 4, "alpha": 8.0}},
         "reference": {"kind": "lora_base"}, "export": {"format": "peft"}}),
+    "simpo": ("dpo", "preference", {"loss": {"loss_type": "simpo", "beta": 2.0}}),
+    "kto_lora_base": ("dpo", "unpaired", {
+        "model": {"init": {"family": "qwen3", "seed": 0, "overrides": _MODEL},
+                  "loss_chunk_tokens": 32, "lora": {"rank": 4, "alpha": 8.0}},
+        "loss": {"loss_type": "kto"}, "reference": {"kind": "lora_base"},
+        "export": {"format": "peft"}}),
     "reward": ("reward", "preference", {}),
     "distill": ("distill", "chat", {"teacher": {"init": {"family": "qwen3", "seed": 1,
                                                          "overrides": _TEACHER}}}),
@@ -172,7 +179,7 @@ def test_counted_step_flops_match_the_flop_counter(case, workdir):
         worker.before_training()
         batch = _unpadded(next(iter(worker.loader)))
         inputs = worker.recipe.inputs(batch, "train")
-        units = int(batch[recipe.unit_field])
+        units = int(batch[worker.recipe.unit_field])
         mapping = {SDPA_FWD: _sdpa_fwd, SDPA_BWD: _sdpa_bwd, aten.addmm_: _addmm_,
                    aten._grouped_mm: grouped_mm_flops}          # MoE experts and their adapters
         grouped_mm_available(torch.device("cpu"), torch.float32)   # probe outside the counter
