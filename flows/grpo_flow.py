@@ -1,4 +1,5 @@
-"""On-policy RL (GRPO) as a Metaflow flow: prepare prompts -> grpo -> evaluate against the start.
+"""On-policy RL (GRPO, and PPO: the GRPO recipe with `algorithm.advantage: gae` and a critic) as a
+Metaflow flow: prepare prompts -> grpo -> evaluate against the start.
 
     start     resolve the run's storage and the starting checkpoint: the export of another run
               given by pathspec (`--sft-run SFTFlow/1234`), or the config's model; when that is
@@ -20,6 +21,7 @@ Run it (from the repository root):
     python flows/grpo_flow.py run                     # tiny CPU run: finds or trains its SFT base
     python flows/sft_flow.py --config config configs/sft/arithmetic_tiny.yaml run
     python flows/grpo_flow.py run --sft-run SFTFlow/<run id>       # start from that run
+    python flows/grpo_flow.py --config config configs/ppo/tiny.yaml run   # PPO (a critic)
     python flows/grpo_flow.py --datastore=s3 --config config configs/grpo/qwen3_8b_2nodes.yaml \\
         run --with kubernetes --sft-run SFTFlow/<run id>
     python flows/grpo_flow.py resume grpo                          # continue from the checkpoint

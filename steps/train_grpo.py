@@ -14,7 +14,9 @@ One step, as `GRPOController.step` reads:
                  to `max_rounds` rounds (`posttrain.rl.dynamic`)
     advantages-> per response from the group's rewards (`algorithm.advantage`): GRPO's
                  group-normalized (Dr. GRPO: centered only), RLOO's leave-one-out, or
-                 REINFORCE++'s group-centered and batch-normalized
+                 REINFORCE++'s group-centered and batch-normalized; or PPO's (gae): per
+                 token, by the trainer ranks' critic from each sample's reward
+                 (`posttrain.train.critic`), which is updated in the same step
     update    -> packed micro-batches, `mini_batches` optimizer steps on the FSDP2 trainers
                  (with `algorithm.routing_replay`, an MoE policy's forwards route every token
                  through the experts the engine recorded for it)
@@ -44,6 +46,7 @@ With k > 0 the checkpoint also holds the batches made ahead (`rollouts_ahead`): 
 by weights that exist nowhere else, and their prompts are already drawn from the stream.
 
     posttrain train-grpo --config configs/grpo/tiny.yaml
+    posttrain train-grpo --config configs/ppo/tiny.yaml          # PPO: a critic, GAE
 """
 
 from __future__ import annotations
@@ -303,12 +306,16 @@ class GRPOController(Controller):
         rollouts = [r for g in batch.groups for r in g]
         # advantages
         rewards_G_N = torch.tensor(scored.total, dtype=torch.float64).view(len(prompts), n)
-        advantages = estimate_advantages(rewards_G_N, cfg.algorithm.advantage,
-                                         normalize_std=cfg.algorithm.normalize_std)
+        if cfg.algorithm.advantage == "gae":     # PPO: per token by the critic, on the ranks
+            advantages = torch.zeros_like(rewards_G_N)
+        else:
+            advantages = estimate_advantages(rewards_G_N, cfg.algorithm.advantage,
+                                             normalize_std=cfg.algorithm.normalize_std)
         # update (importance-corrected by the engine's log-probs, however stale)
         samples = [Sample(r.prompt_ids, r.completion_ids, r.logprobs, float(a), r.loss_mask,
-                          r.routing)
-                   for r, a in zip(rollouts, advantages.flatten().tolist())]
+                          r.routing, reward=reward)
+                   for r, a, reward in zip(rollouts, advantages.flatten().tolist(),
+                                           rewards_G_N.flatten().tolist())]
         mini_batches = [pack_micro_batches(mb, max_tokens=cfg.train.max_tokens_per_micro_batch,
                                            num_ranks=self.num_ranks, pack=self.packs_documents,
                                            row_multiple=2 * cfg.train.engine.parallel.cp)
@@ -331,7 +338,8 @@ class GRPOController(Controller):
             "response_length/max": max(lengths),
             "response_length/truncated_fraction":
                 sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
-            "groups_with_signal": float((rewards_G_N.std(dim=1) > 0).float().mean()),
+            "groups_with_signal": (float((rewards_G_N.std(dim=1) > 0).float().mean())
+                                   if n > 1 else 0.0),
             "sync/max_abs_logprob_diff": sync_diff,
             "sync/bytes": sync_bytes,
             "rollout_tokens": generated,

@@ -24,6 +24,9 @@ def test_grpo_configs_pass_the_schema():
     for name in ("tiny", "qwen3_0p6b_1gpu", "qwen3_8b_2nodes"):
         resolved = parse((REPO / "configs" / "grpo" / f"{name}.yaml").read_text())
         assert resolved["data"]["format"] == "prompt"
+    # PPO runs in this flow too: `--config config configs/ppo/tiny.yaml`
+    ppo = parse((REPO / "configs/ppo/tiny.yaml").read_text())
+    assert ppo["algorithm"]["advantage"] == "gae" and ppo["critic"]["lam"] == 0.95
     big = parse((REPO / "configs/grpo/qwen3_8b_2nodes.yaml").read_text())
     # 12 trainer GPUs + 4 engine GPUs over 2 nodes
     assert gpus_per_node(_Cfg(big)) == 8

@@ -94,16 +94,25 @@ def safetensors(hf_dir: Path) -> dict[str, bytes]:
     return files
 
 
+@contextlib.contextmanager
+def ray_cluster(num_cpus: int):
+    """A local Ray cluster of `num_cpus` CPUs, stopped after the block."""
+    import ray
+    tmp = tempfile.mkdtemp(prefix="ptr", dir="/tmp")        # short: Ray's socket paths
+    ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
+             configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     """A local Ray cluster for the module's multi-worker runs (2 CPUs), stopped after it."""
-    import ray
-    tmp = tempfile.mkdtemp(prefix="ptr", dir="/tmp")        # short: Ray's socket paths
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
-             configure_logging=False)
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
+    with ray_cluster(2):
+        yield
 
 
 def assert_weights_close(a_dir: Path, b_dir: Path, atol: float) -> None:

@@ -187,6 +187,8 @@ def test_golden_losses_and_sigkill_resume_with_an_engine_of_ones_own(tmp_path):
     ({"model.hf_dir": str(ROOT / "tests" / "fixtures" / "arithmetic_sft")}, "event_vocab.json"),
     ({"sampling.stop_tokens": ["<end>"]}, "sampling.stop_tokens: '<end>'"),
     ({"events.generate_semantic_ids": True}, "events.generate_semantic_ids"),
+    ({"train.samples_per_prompt": 1}, "samples_per_prompt"),
+    ({"algorithm.advantage": "gae"}, "add a critic"),
 ])
 def test_bad_config_fails_naming_the_key(tmp_path, changes, names):
     config = write_config(tmp_path / "bad.yaml", **changes)

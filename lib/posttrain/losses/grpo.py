@@ -20,6 +20,9 @@ with scalar rewards r_gi; every token of response i gets the advantage of its re
                                   the whole step's batch B (all prompts' samples) instead of
                                   per group, which keeps prompts' relative scales
 
+PPO's advantages (``gae``) are per token, from a learned critic: `posttrain.losses.ppo`;
+`grpo_loss` takes them as [B, T].
+
 std is the sample standard deviation (Bessel's correction, as ``torch.std``). A group whose
 rewards are all equal carries no signal and gets advantages of exactly 0 under every estimator.
 `normalize_std` applies to group_norm only. REINFORCE++'s token-level KL penalty in the reward
@@ -167,7 +170,9 @@ def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_B: to
             e.g. from `chunked_logprobs`.
         old_logp_BT: the same under the policy that generated the batch (detached); pass
             ``logp_BT.detach()`` for one update per batch.
-        advantages_B: one advantage per response (e.g. `group_advantages(...).flatten()`).
+        advantages_B: one advantage per response (e.g. `group_advantages(...).flatten()`),
+            or [B, T] one per token (PPO's GAE, `posttrain.losses.ppo`; masked-out positions
+            may hold anything).
         mask_BT: bool or 0/1, set on the response tokens that carry loss. Masked-out positions
             may hold anything, NaN and inf included.
         clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
@@ -215,7 +220,8 @@ def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_B: to
                     / m_BT.sum(dim=1, keepdim=True).clamp(min=1))
         log_ratio_BT = (log_s_B1 + logp - logp.detach()).where(m_BT, 0.0)
     ratio_BT = log_ratio_BT.exp()
-    adv_B1 = _wide(advantages_B).detach().to(logp.dtype).unsqueeze(1)
+    adv_B1 = _wide(advantages_B).detach().to(logp.dtype)     # [B, 1], or [B, T] per token
+    adv_B1 = adv_B1.unsqueeze(1) if adv_B1.dim() == 1 else adv_B1
     unclipped_BT = ratio_BT * adv_B1
     clipped_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high) * adv_B1
     pg_BT = -torch.minimum(unclipped_BT, clipped_BT)
@@ -293,9 +299,10 @@ def _check_args(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_B: 
         if t is not None and t.shape != logp_BT.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, logp_BT "
                              f"{tuple(logp_BT.shape)}; they must match")
-    if advantages_B.shape != logp_BT.shape[:1]:
+    if advantages_B.shape not in (logp_BT.shape[:1], logp_BT.shape):
         raise ValueError(f"advantages_B must be [B] = [{logp_BT.shape[0]}] (one per response "
-                         f"row), got shape {tuple(advantages_B.shape)}")
+                         f"row) or [B, T] = {list(logp_BT.shape)} (one per token), got shape "
+                         f"{tuple(advantages_B.shape)}")
     if not 0.0 <= clip_low < 1.0:
         raise ValueError(f"clip_low must be in [0, 1) (the ratio's lower bound is "
                          f"1 - clip_low), got {clip_low}")
@@ -312,6 +319,12 @@ def _check_args(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_B: 
                              f"inference engine's log-probs or set is_cap=None")
         if is_cap <= 0.0:
             raise ValueError(f"is_cap must be > 0, got {is_cap}")
+    _check_aggregation(aggregation, constant_norm, global_tokens, global_sequences)
+
+
+def _check_aggregation(aggregation: str, constant_norm: float | None,
+                       global_tokens: int | None, global_sequences: int | None) -> None:
+    """The aggregation arguments of `grpo_loss` (and of `posttrain.losses.ppo.value_loss`)."""
     if aggregation not in ("seq_mean_token_mean", "token_mean", "constant"):
         raise ValueError(f"aggregation must be 'seq_mean_token_mean', 'token_mean' or "
                          f"'constant'; got {aggregation!r}")

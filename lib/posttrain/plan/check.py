@@ -42,6 +42,8 @@ KNOBS: dict[str, str] = {
                 "rollout.vllm.gpu_memory_utilization",
     "decode_logits": "rollout.max_batch_sequences",
     "reference_parameters": "algorithm.reference: lora_base (with model.lora), or none",
+    "critic_parameters_and_optimizer": "shard wider (parallel.dp_shard, run.num_workers), "
+                                       "parallel.offload: true",
     "baseline": "fewer processes per machine (run.num_workers / run.num_nodes)",
 }
 

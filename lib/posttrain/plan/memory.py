@@ -268,6 +268,14 @@ def plan_run(cfg: Any, *, gpu: str | None = None, process: str | None = None) ->
                 baseline=0 if on_gpu else devices.cpu_baseline("ray_worker"))
         if cfg.algorithm.reference == "copy":
             resident["reference_parameters"] = int((counts.root + counts.blocks / tp) / shard * mb)
+        if getattr(cfg, "critic", None) is not None:
+            # PPO's critic (train/critic.py): a second model, fully trained (no LoRA), with its
+            # gradients and Adam's two moments, sharded like the policy; its scalar head is
+            # counted as the LM head it replaces (an upper bound); the policy's shape, also
+            # when critic.hf_dir names another model
+            full = count_params(args, None)
+            (host if offload else resident)["critic_parameters_and_optimizer"] = int(
+                4 * (full.root + full.blocks / tp) / shard * mb)
     ranks = {"trainer": RankPlan("trainer", resident, phases, baseline, host), **ranks}
 
     tokens, flops = _tokens_and_flops(cfg, args, rows, seq, world // tp // cp)

@@ -18,7 +18,9 @@ Each micro-batch carries what the loss needs in two layouts:
 - sequence layout [S, T] for `posttrain.losses.grpo.grpo_loss`: ``token_index[s, t]`` is the
   row position whose log-prob scores completion token t of sequence s, ``mask[s, t]`` marks
   the completion tokens that carry loss, ``advantages[s]``, ``engine_logp[s, t]`` (the
-  sampler's log-probs).
+  sampler's log-probs), ``rewards[s]``. PPO's critic (`posttrain.train.critic`) adds
+  ``old_values[s, t]`` and ``returns[s, t]`` and replaces ``advantages`` by per-token ones
+  [S, T].
 
 A multi-turn sample's completion is everything after the prompt: the model's turns and the
 environment's replies (`posttrain.rl.episodes`). Its `loss_mask` is 1 on the sampled tokens
@@ -48,7 +50,8 @@ __all__ = ["Sample", "pack_micro_batches", "split_mini_batches"]
 
 @dataclass(frozen=True)
 class Sample:
-    """One sampled sequence of the step, with the advantage of its group."""
+    """One sampled sequence of the step, with the advantage of its group (and its reward, from
+    which PPO's critic computes per-token advantages on the trainer ranks instead)."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -56,6 +59,7 @@ class Sample:
     advantage: float
     loss_mask: list[int] | None = None     # per completion token; None: all trained
     routing: torch.Tensor | None = None    # [len, L_moe, k]: the engine's experts (replay)
+    reward: float = 0.0                    # the sequence's scalar reward
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -157,6 +161,7 @@ def _micro_batch(samples: list[Sample], global_tokens: int, global_sequences: in
         "routing": _routing_row(samples, offset + fill),
         "token_index": token_index, "mask": mask,
         "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float64),
         "engine_logp": engine_logp, "old_logp": None, "ref_logp": None,
         "global_tokens": global_tokens, "global_sequences": global_sequences,
         "num_tokens": offset, "live": True,

@@ -56,6 +56,7 @@ from posttrain.rl.environment import EnvironmentConfig
 from posttrain.rl.factory import RolloutEngineConfig, build_rollout_engine
 from posttrain.rl.weight_sync import SyncPlan, WeightReceiver, WeightSender
 from posttrain.rl.rewards import RewardConfig, actor_placed
+from posttrain.train.critic import Critic, CriticConfig
 from posttrain.models.args import DTYPES
 from posttrain.train.engine import (Engine, EngineConfig, ModelConfig, all_reduce_max,
                                     build_sharded)
@@ -85,9 +86,8 @@ class GRPOTrainConfig:
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:
             raise ValueError("train.prompts_per_step must be at least 1")
-        if self.samples_per_prompt < 2:
-            raise ValueError("train.samples_per_prompt must be at least 2 (group-relative "
-                             "advantages compare samples of one prompt)")
+        if self.samples_per_prompt < 1:
+            raise ValueError("train.samples_per_prompt must be at least 1")
         if self.mini_batches < 1 or self.prompts_per_step % self.mini_batches:
             raise ValueError(f"train.mini_batches={self.mini_batches} must divide "
                              f"train.prompts_per_step={self.prompts_per_step}")
@@ -106,8 +106,9 @@ class AlgorithmConfig:
     """The policy loss and the advantages; formulas in `posttrain.losses.grpo`."""
 
     # group_norm: GRPO (Dr. GRPO with normalize_std false); rloo: leave-one-out baseline;
-    # reinforce_pp: REINFORCE++ (group baseline, normalized over the step's batch)
-    advantage: Literal["group_norm", "rloo", "reinforce_pp"] = "group_norm"
+    # reinforce_pp: REINFORCE++ (group baseline, normalized over the step's batch);
+    # gae: PPO, per token from a learned critic (the `critic:` section, posttrain.train.critic)
+    advantage: Literal["group_norm", "rloo", "reinforce_pp", "gae"] = "group_norm"
     normalize_std: bool = True                 # group_norm only; False: Dr. GRPO advantages
     ratio: Literal["token", "sequence"] = "token"   # sequence: GSPO (one ratio per response)
     clip_low: float = 0.2
@@ -187,8 +188,10 @@ class GRPOConfig:
     run: RunConfig = RunConfig(dir="runs/grpo")
     eval: GRPOEvalConfig = GRPOEvalConfig()
     export: ExportConfig = ExportConfig()
+    critic: CriticConfig | None = None         # PPO: with algorithm.advantage: gae
 
     def __post_init__(self) -> None:
+        check_advantage(self)
         if self.data.format != "prompt":
             raise ValueError(f"GRPO trains on prompt data (data.format: prompt), not "
                              f"{self.data.format!r}")
@@ -228,6 +231,32 @@ class GRPOConfig:
         environment's replies with a multi-turn environment); DAPO's overlong shaping and the
         ``constant`` aggregation count against it."""
         return self.environment.token_budget(self.sampling.max_new_tokens)
+
+
+def check_advantage(cfg: Any) -> None:
+    """The advantage estimator of a GRPO-style config (`GRPOConfig`, sequence RL's) against
+    its sampling and its critic: group estimators compare samples of a prompt, GAE needs a
+    critic (`posttrain.train.critic`) and nothing else."""
+    gae, critic = cfg.algorithm.advantage == "gae", getattr(cfg, "critic", None)
+    if gae and critic is None:
+        raise ValueError("algorithm.advantage: gae (PPO) learns a value function: add a "
+                         "critic: section (posttrain.train.critic.CriticConfig; {} takes "
+                         "its defaults)")
+    if not gae and critic is not None:
+        raise ValueError(f"critic: is PPO's value model, used with algorithm.advantage: "
+                         f"gae only (got {cfg.algorithm.advantage!r}); remove critic: or "
+                         "set algorithm.advantage: gae")
+    if not gae and cfg.train.samples_per_prompt < 2:
+        raise ValueError(f"train.samples_per_prompt must be at least 2 with "
+                         f"algorithm.advantage: {cfg.algorithm.advantage} (group-relative "
+                         "advantages compare samples of one prompt); gae allows 1")
+    if gae and cfg.train.engine.parallel.cp > 1:
+        raise ValueError("critic: (algorithm.advantage: gae) does not support context "
+                         "parallelism yet; set train.parallel.cp: 1")
+    if gae and cfg.dynamic_sampling is not None and cfg.train.samples_per_prompt < 2:
+        raise ValueError("dynamic_sampling drops prompts whose samples all score the same, "
+                         "which is every prompt with train.samples_per_prompt: 1; remove "
+                         "dynamic_sampling or sample at least 2 per prompt")
 
 
 class GRPO:
@@ -450,6 +479,12 @@ class GRPOWorker:
             raise ConfigError("algorithm.routing_replay replays the experts of a "
                               "mixture-of-experts model; this model has no native MoE "
                               "layers: set routing_replay: false")
+        self.critic: Critic | None = None
+        if getattr(self.cfg, "critic", None) is not None:    # PPO (posttrain.train.critic)
+            self.critic = Critic(self.cfg.critic, self.cfg.model, train.optimizer_engine, hf_dir,
+                                 run_dir, vocab_size=self.engine.vocab_size,
+                                 aggregation=self.cfg.algorithm.aggregation,
+                                 constant_norm=constant)
         self.reference: GRPOLoss | None = None
         if self.cfg.algorithm.reference == "copy":
             self.reference = self._frozen_copy().eval()
@@ -509,9 +544,13 @@ class GRPOWorker:
     def resume(self) -> dict | None:
         """Load the newest valid checkpoint; returns the controller's state saved with it."""
         extra = self.engine.load_checkpoint()
+        if extra is not None and self.critic is not None:
+            self.critic.load(self.engine.step)       # the same step (Critic's docstring)
         return None if extra is None else extra["controller"]
 
     def save_checkpoint(self, controller_state: dict) -> str:
+        if self.critic is not None:                   # first: a kill in between is safe
+            self.critic.save(self.engine.step)
         return self.engine.save_checkpoint({"controller": controller_state})
 
     # ------------------------------------------------------------------ weights
@@ -585,7 +624,9 @@ class GRPOWorker:
     # ------------------------------------------------------------------ update
     def train_rollouts(self, mini_batches: list[list[dict]]) -> dict[str, float]:
         """The policy update of one GRPO step: for each mini-batch (a list of micro-batches,
-        this data-parallel rank taking r, r + D, ...) one optimizer step. Old-policy log-probs
+        this data-parallel rank taking r, r + D, ...) one optimizer step; with a critic (PPO)
+        its values and the per-token advantages first, its update after
+        (`posttrain.train.critic`). Old-policy log-probs
         are computed first for the mini-batches after the first (the first is scored by the
         policy that has not moved yet, so its own log-probs, detached, are the old ones),
         reference log-probs when configured. A colocated engine's memory is released first
@@ -593,6 +634,8 @@ class GRPOWorker:
         self.release_rollout()
         mine = [self.engine.dp.share(mb) for mb in mini_batches]
         t0 = time.perf_counter()
+        # PPO: the critic's values, per-token advantages and returns, before any update
+        critic = self.critic.prepare(mine) if self.critic is not None else {}
         for i, batches in enumerate(mine):
             for b in batches:
                 if i > 0:
@@ -614,6 +657,8 @@ class GRPOWorker:
                 routing[0] += m["routing_replayed"]
                 routing[1] += m["routing_mismatched"]
             lr = m["lr"]
+        if self.critic is not None:
+            critic.update(self.critic.update(mine))
         tokens = sum(mbs[0]["global_tokens"] for mbs in mini_batches)
         out = {k: v / max(tokens, 1) for k, v in totals.items()}
         if routing[0]:
@@ -621,6 +666,7 @@ class GRPOWorker:
             # from the engine's recorded one, over the update's forwards
             out["routing/mismatch_rate"] = routing[1] / routing[0]
         seconds = time.perf_counter() - t0
+        out.update(critic)
         out.update({"loss": sum(losses) / len(losses), "grad_norm": max(grad_norms), "lr": lr,
                     "optimizer_step": self.engine.step,
                     "time/logprobs_s": all_reduce_max(logprobs_s),
@@ -640,7 +686,8 @@ class GRPOWorker:
         """Model FLOPs of one GRPO update over all ranks: per live micro-batch the policy's
         forward and backward (the LM head over the completion tokens), and a forward for the
         old-policy log-probs (mini-batches after the first) and for the reference (when
-        configured). Dummy micro-batches are not model work."""
+        configured); with a critic its scoring forward and its forward and backward. Dummy
+        micro-batches are not model work."""
         from posttrain.train.recipe import policy_flops
         model, lora = self.engine.model, self.cfg.model.lora
         reference = self.cfg.algorithm.reference != "none"     # the base model, no adapters
@@ -654,6 +701,8 @@ class GRPOWorker:
                 total += policy_flops(model, view, lora=lora, training=False)
             if reference:
                 total += policy_flops(model, view, training=False)
+            if self.critic is not None:
+                total += self.critic.flops(view)
         return total
 
     def export(self, out_dir: str) -> str | None:

@@ -40,8 +40,10 @@ from posttrain.rl.factory import RolloutEngineConfig
 from posttrain.rl.items import ITEM_REWARDS, EventEpisodesConfig, item_ranges, stop_ids
 from posttrain.rl.rewards import RewardConfig
 from posttrain.train.engine import ModelConfig
+from posttrain.train.critic import CriticConfig
 from posttrain.train.grpo import (GRPO, AlgorithmConfig, GRPOEvalConfig, GRPOTrainConfig,
-                                  GRPOWorker, SamplingSettings, SyncCheckConfig)
+                                  GRPOWorker, SamplingSettings, SyncCheckConfig,
+                                  check_advantage)
 from posttrain.train.recipe import ExportConfig, RunConfig, check_export
 
 
@@ -68,8 +70,10 @@ class SequenceRLConfig:
     run: RunConfig = RunConfig(dir="runs/sequence_rl")
     eval: SequenceRLEvalConfig = SequenceRLEvalConfig()
     export: ExportConfig = ExportConfig()
+    critic: CriticConfig | None = None       # PPO: with algorithm.advantage: gae
 
     def __post_init__(self) -> None:
+        check_advantage(self)
         if self.data.format != "sequence":
             raise ValueError(f"data.format: sequence RL reads event sequences (sequence), not "
                              f"{self.data.format!r}")
