@@ -25,7 +25,6 @@ subprocess, as SIGKILL needs one. About 8 s (SFT) and 12 s (GRPO) per family on 
 from __future__ import annotations
 
 import json
-from functools import partial
 from pathlib import Path
 
 import pytest

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from posttrain.errors import ConfigError, PosttrainError
+from posttrain.errors import ConfigError
 from posttrain.models.args import FULL_ATTENTION, SLIDING_ATTENTION, Gemma4Args, ModelArgs
 from posttrain.models.families.base import (COMMON_LAYER_NAMES, FamilyBridge,
                                             MultimodalLayout, common_fields, parse_hf_config,
