@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import yaml
 from tqdm.auto import tqdm
 
 from posttrain.config.loader import to_dict
@@ -36,37 +35,9 @@ from posttrain.data.prepared import local_view
 from posttrain.errors import ConfigError
 from posttrain.train.engine import write_random_hf_model
 from posttrain.train.metrics import MetricsWriter
+from steps.arguments import overrides_from
 
 log = logging.getLogger("posttrain.driver")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="recipe YAML")
-    parser.add_argument("--run-dir", help="override run.dir")
-    parser.add_argument("--launcher", choices=["ray", "inline"], help="override run.launcher")
-    parser.add_argument("--num-workers", type=int, help="override run.num_workers")
-    parser.add_argument("--max-steps", type=int, help="override train.max_steps")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override any config key, dotted (rollout.max_staleness=1); the "
-                             "value is read as YAML; repeatable")
-    parser.add_argument("--no-progress", action="store_true")
-
-
-def overrides_from(args: argparse.Namespace) -> dict:
-    """The dotted config overrides given on the command line."""
-    out = {k: v for k, v in {"run.dir": args.run_dir, "run.launcher": args.launcher,
-                             "run.num_workers": args.num_workers,
-                             "train.max_steps": args.max_steps}.items() if v is not None}
-    for item in getattr(args, "set", None) or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. "
-                              "rollout.max_staleness=1")
-        try:
-            out[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--set {item!r}: the value is not YAML: {e}") from None
-    return out
 
 
 def drop_metrics_after(path: Path, step: int) -> None:

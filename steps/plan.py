@@ -14,25 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from posttrain.config.registry import TRAINING, kind_of, schema
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, kinds: tuple[str, ...] | list[str],
-                         what: str = "recipe YAML") -> None:
-    """--config, --recipe (one of `kinds`) and --set, as `plan` and `validate` read them."""
-    parser.add_argument("--config", required=True, help=what)
-    parser.add_argument("--recipe", choices=sorted(kinds),
-                        help="the config's kind (default: its directory name under configs/, "
-                             "else grpo for a config with rewards, else sft)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override any config key, dotted; the value is read as YAML")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, TRAINING)
-    parser.add_argument("--gpu", help="GPU kind of each rank (h100-80g, h200, a100-80g, ...); "
-                                      "default the config's run.gpu, else this machine's CPU")
-    parser.add_argument("--json", action="store_true", help="one JSON object")
+from posttrain.config.registry import kind_of, schema
 
 
 def load(path: str, overrides: dict, recipe: str | None = None):
@@ -43,7 +25,8 @@ def load(path: str, overrides: dict, recipe: str | None = None):
 
 def main(args: argparse.Namespace) -> int:
     from posttrain.plan import check_fits, plan_run
-    from steps.common import check_base_model, overrides_from
+    from steps.arguments import overrides_from
+    from steps.common import check_base_model
     cfg = load(args.config, overrides_from(argparse.Namespace(
         run_dir=None, launcher=None, num_workers=None, max_steps=None, set=args.set)),
         args.recipe)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttrain.config.registry import KINDS, command, export_dir, kind_of, schema
+from posttrain.config.registry import command, export_dir, kind_of, schema
 from posttrain.errors import ConfigError
 
 _GLOB = "*?["
@@ -39,11 +39,6 @@ class Input:
             return any(Path().glob(self.path)) if not Path(self.path).is_absolute() else \
                 any(Path("/").glob(self.path.lstrip("/")))
         return Path(self.path).exists()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from steps.plan import add_config_arguments
-    add_config_arguments(parser, list(KINDS), "a recipe, prepare, eval or retrain YAML")
 
 
 def load(path: str, kind: str, overrides: dict | None = None) -> Any:
@@ -97,7 +92,7 @@ def check(path: str, kind: str, overrides: dict | None = None) -> tuple[list[str
 
 
 def main(args: argparse.Namespace) -> int:
-    from steps.common import overrides_from
+    from steps.arguments import overrides_from
     kind = kind_of(args.config, args.recipe)
     overrides = overrides_from(argparse.Namespace(
         run_dir=None, launcher=None, num_workers=None, max_steps=None, set=args.set))
