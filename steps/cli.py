@@ -9,6 +9,7 @@
     posttrain train-sequence --config configs/sequence/tiny.yaml
     posttrain train-sequence-rl --config configs/sequence_rl/tiny.yaml
     posttrain verify-model --hf-dir path/to/model
+    posttrain validate --config configs/grpo/tools_tiny.yaml
     posttrain plan --config configs/sft/qwen3_0p6b_lora_1gpu.yaml --gpu h100-80g [--json]
     posttrain evaluate --suite configs/eval/tiny.yaml --model DIR --baseline DIR
     posttrain evaluate --recipe dpo --config configs/dpo/tiny.yaml --model DIR --baseline DIR
@@ -73,6 +74,11 @@ def _plan(args: argparse.Namespace) -> int:
     return plan.main(args)
 
 
+def _validate(args: argparse.Namespace) -> int:
+    from steps import validate
+    return validate.main(args)
+
+
 def _lineage(args: argparse.Namespace) -> int:
     from steps import lineage
     return lineage.main(args)
@@ -111,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("plan", help="per-rank memory by part, predicted peak, FLOPs per step")
     plan.add_arguments(m)
     m.set_defaults(func=_plan)
+    from steps import validate
+    v = sub.add_parser("validate", help="read a config as its recipe would; check its inputs")
+    validate.add_arguments(v)
+    v.set_defaults(func=_validate)
     from steps import lineage
     g = sub.add_parser("lineage", help="the runs, datasets, configs and code behind a run")
     lineage.add_arguments(g)

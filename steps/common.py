@@ -106,12 +106,13 @@ def ensure_prepared(cfg: Any, out_dir: str, show_progress: bool = True) -> str:
 
 def check_base_model(model: Any) -> None:
     """A local `model.hf_dir` that does not exist is reported with what would make it."""
+    from posttrain.config.registry import command
     from posttrain.data.prepared import is_remote
     hf_dir = model.hf_dir
     if is_remote(hf_dir) or (Path(hf_dir) / "config.json").is_file():
         return
-    how = (f"it is the export of {model.produced_by}: train it first with `posttrain train-sft "
-           f"--config {model.produced_by}` (a flow run finds the newest SFTFlow run of it, "
+    how = (f"it is the export of {model.produced_by}: train it first with "
+           f"`{command(model.produced_by)}` (a flow run finds the newest run of it, "
            "or trains it)" if model.produced_by else
            "point model.hf_dir at a Hugging Face checkpoint directory")
     raise ConfigError(f"model.hf_dir: {hf_dir}/config.json not found; {how}")
@@ -275,6 +276,8 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
            else load_recipe(config, recipe.config_cls, overrides))
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.model.hf_dir:
+        check_base_model(cfg.model)         # before any work: a missing base names its maker
     prepared_dir = prepared_dir or ensure_prepared(cfg, str(run_dir / "prepared"), show_progress)
     local = local_view(prepared_dir)
     hf_dir = base_model_dir(cfg, local, run_dir)
