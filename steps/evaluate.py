@@ -1,17 +1,19 @@
 """Evaluate a checkpoint against a baseline on a suite of tasks: the one evaluation step.
 
 A suite (`posttrain.eval.suites`) lists tasks: held-out loss, generation graded by exact match,
-number match or regex, preference accuracy, RL rewards, KL to a teacher, reward-model pair
-accuracy. The checkpoint and the baseline (optional) run every task with the same rows and
-seeds; the printed table has one row per (task, metric) with the model's value, the
-baseline's and the difference, and ``--out`` writes the whole result (the table and every
-task's per-sample records) as JSON.
+number match, regex or GSM8K's answer (with pass@k), multiple choice by log-likelihood (MMLU,
+ARC, HellaSwag: ``configs/eval/standard_tiny.yaml``), preference accuracy, RL rewards, KL to a
+teacher, reward-model pair accuracy. The checkpoint and the baseline (optional) run every task
+with the same rows and seeds; the printed table has one row per (task, metric) with the model's
+value, the baseline's and the difference, and ``--out`` writes the whole result (the table and
+every task's per-sample records) as JSON.
 
 The suite is a YAML file (``--suite configs/eval/tiny.yaml``), or a recipe's own held-out
 evaluation built from its config (``--recipe dpo --config configs/dpo/tiny.yaml``:
 `Recipe.eval_suite`; SFT: held-out loss and a few answers, DPO: implicit-reward accuracy
 against the starting model, reward model: pair accuracy of its scores, distillation: KL to
-the teacher, GRPO: held-out rewards). The recipe flows run their evaluate step through `run`.
+the teacher, GRPO: held-out rewards), followed by the tasks of its `eval.tasks`. The recipe
+flows run their evaluate step through `run`.
 
     posttrain evaluate --suite configs/eval/tiny.yaml \\
         --model runs/sft_arithmetic/hf --baseline runs/sft_arithmetic/base_model --out eval.json
