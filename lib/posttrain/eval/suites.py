@@ -32,7 +32,7 @@ and seeds (so a model compared with itself has every delta exactly 0):
 * ``distill``: chat (or sequence) rows -> token-mean forward KL(teacher || model) on the trained
   tokens (the chunked divergence of `posttrain.losses.distill` at temperature 1), and the
   model's loss; `teacher` is the teacher's checkpoint.
-* ``reward_model``: pairs scored by an exported reward model (`posttrain.train.reward.
+* ``reward_model``: pairs scored by an exported reward model (`posttrain.models.reward_model.
   load_reward_model`): ``accuracy`` (chosen scored higher) and ``mean_margin``.
 
 The baseline is optional (a reward model has none to compare with; a first retraining run has
@@ -522,7 +522,7 @@ def _reward_model_pass(hf_dir: str, rows: list[tuple[Record, dict]]) -> _Pass:
     `hf_dir`; a checkpoint without a reward head (a baseline) has no metrics."""
     from pathlib import Path
 
-    from posttrain.train.reward import HEAD_JSON, load_reward_model
+    from posttrain.models.reward_model import HEAD_JSON, load_reward_model
     if not (Path(hf_dir) / HEAD_JSON).is_file():
         return _Pass({}, [None] * len(rows), [{} for _ in rows])
     score = load_reward_model(hf_dir)
