@@ -259,30 +259,39 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
     args = (to_dict(cfg), hf_dir, prepared_dir, state_dir, model_dirs)
     if worker is None:                  # the kernel's worker runs the recipe it is given
         worker, args = RecipeWorker, (recipe, *args)
+    seconds = Seconds()
+    seconds.start("workers")                # Ray (when started here), actors, model build
     with launch_workers(cfg.run, worker, args) as group:
         info = group.call("describe")[0]
+        seconds.stop("workers")
         ctl = controller(cfg, group, {"hf_dir": hf_dir, "prepared_dir": prepared_dir,
                                       "writer": writer, "info": info})
         try:
-            before = ctl.before_training()
-            start = ctl.resume()
-            drop_metrics_after(metrics_path, start)
-            log.info("%s: %s params (%s trainable) on %d worker(s), from step %d", recipe.name,
-                     f"{info['params']:,}", f"{info['trainable_params']:,}", info["world_size"],
-                     start)
-            before.update(ctl.after_resume(start))
-            history = step_loop(group, name=recipe.name, start=start,
-                                max_steps=cfg.train.engine.max_steps,
-                                checkpoint_every=cfg.train.engine.checkpoint_every_steps,
-                                writer=writer, show_progress=show_progress,
-                                postfix=recipe.postfix, step_fn=ctl.step, save_fn=ctl.save)
-            evaluation = ctl.evaluate()
+            with seconds("before_training"):    # resume; reference passes, engines
+                before = ctl.before_training()
+                start = ctl.resume()
+                drop_metrics_after(metrics_path, start)
+                log.info("%s: %s params (%s trainable) on %d worker(s), from step %d",
+                         recipe.name, f"{info['params']:,}", f"{info['trainable_params']:,}",
+                         info["world_size"], start)
+                before.update(ctl.after_resume(start))
+            with seconds("training"):
+                history = step_loop(group, name=recipe.name, start=start,
+                                    max_steps=cfg.train.engine.max_steps,
+                                    checkpoint_every=cfg.train.engine.checkpoint_every_steps,
+                                    writer=writer, show_progress=show_progress,
+                                    postfix=recipe.postfix, step_fn=ctl.step, save_fn=ctl.save)
+            with seconds("in_loop_evaluation"):
+                evaluation = ctl.evaluate()
             if evaluation:
                 writer.write({"step": start + len(history), **evaluation})
             export_dir = str(run_dir / "hf")
-            group.call("export", export_dir)
+            with seconds("export"):
+                group.call("export", export_dir)
         finally:
             ctl.close()
+            seconds.start("shutdown")
+    seconds.stop("shutdown")
     writer.close()
     result = {"recipe": recipe.name, "run_dir": str(run_dir), "hf_dir": export_dir,
               "prepared_dir": prepared_dir, "base_model_dir": hf_dir,
@@ -291,9 +300,33 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
               "checkpoint_dir": f"{state_dir.rstrip('/')}/checkpoints",
               "started_at_step": start, "steps": start + len(history), "eval": evaluation,
               "model": info, "config": to_dict(cfg), **before, **ctl.result(),
-              **recipe.result(history)}
+              **recipe.result(history), "seconds": seconds.parts}
     (run_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
     return result
+
+
+class Seconds:
+    """Wall seconds of a driver's parts, by name (`with seconds("export"): ...`, or
+    `start`/`stop` where a part ends inside another's block)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self._started: dict[str, float] = {}
+
+    def start(self, name: str) -> None:
+        self._started[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        if name in self._started:
+            self.parts[name] = round(time.perf_counter() - self._started.pop(name), 3)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.start(name)
+        try:
+            yield
+        finally:
+            self.stop(name)
 
 
 def summarize(recipe: Any, result: dict, seconds: float) -> str:
