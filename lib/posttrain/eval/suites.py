@@ -33,7 +33,9 @@ its held-out evaluation as a suite from its own config (`Recipe.eval_suite`), an
 `steps/evaluate.py`, runs any suite.
 
 Rows are read straight from the source (its first `max_samples`), validated and tokenized as
-`prepare` does: `parse_row` and `RecordEncoder` with the suite's tokenizer and its chat template
+`prepare` does: `RowParser` (any shape of the task's format, `posttrain.data.shapes`, decided by
+the first row or forced by the source's ``shape:``) and `RecordEncoder` with the suite's
+tokenizer and its chat template
 (the checkpoint's own tokenizer when the suite names none). Log-probs (loss, preference) come
 from the native model over packed rows with document boundaries and the chunked log-prob op, as
 in training; answers come from a rollout engine (`posttrain.rl.factory.load_engine`: the native
@@ -53,7 +55,8 @@ from posttrain.config.loader import to_dict
 from posttrain.config.recipes import ColumnNames, load_recipe
 from posttrain.data.encode import LengthConfig, RecordEncoder
 from posttrain.data.formats import (ChatRecord, FormatConfig, FormatName, PreferenceRecord,
-                                    PromptRecord, Record, SequenceRecord, parse_row)
+                                    PromptRecord, Record, RowParser, SequenceRecord)
+from posttrain.data.shapes import UnknownShape, check_shape
 from posttrain.data.sources import RowStream, SourceConfig
 from posttrain.data.tokenizer import ChatTokenizer, TokenizerConfig
 from posttrain.errors import ConfigError, DataError
@@ -213,6 +216,7 @@ class TaskConfig:
             raise ValueError("teacher: required for kind distill (the teacher's checkpoint)")
         if self.samples is not None and self.samples < 0:
             raise ValueError(f"samples must be >= 0, got {self.samples}")
+        check_shape(self.data_format, self.data.shape, "data.shape")
 
     @property
     def data_format(self) -> FormatName:
@@ -339,7 +343,10 @@ def _read_rows(task: TaskConfig, tokenizer: ChatTokenizer
     c = task.columns
     fmt = FormatConfig(format=task.data_format, messages_field=c.messages,
                        prompt_field=c.prompt, chosen_field=c.chosen, rejected_field=c.rejected,
-                       required_columns=required_columns(task.rewards))
+                       completion_field=c.completion, label_field=c.label, text_field=c.text,
+                       required_columns=required_columns(task.rewards)
+                       ).with_template(tokenizer.hf)
+    parser = RowParser(fmt, task.data.shape)
     encoder = RecordEncoder(tokenizer, task.data_format,
                             LengthConfig(task.max_tokens_per_sample, "truncate"))
     reference = task.reference_column or "answer"
@@ -352,12 +359,12 @@ def _read_rows(task: TaskConfig, tokenizer: ChatTokenizer
             try:
                 if raw.error is not None:
                     raise raw.error
-                record = parse_row(raw.data, fmt, file=raw.file, line=raw.line)
+                record = parser.parse(raw.data, file=raw.file, line=raw.line)
                 if task.kind == "generation":
                     _check_reference(task, record, reference, raw.file, raw.line)
                 columns = encoder.encode(record, file=raw.file, line=raw.line).columns
-            except DataError:
-                if task.on_bad_row == "error":
+            except DataError as err:
+                if task.on_bad_row == "error" or isinstance(err, UnknownShape):
                     raise
                 skipped += 1
                 continue
