@@ -260,10 +260,11 @@ def _manifest(cfg: PrepareConfig, tokenizer: ChatTokenizer | EventVocab,
 def summarize(manifest: dict) -> str:
     """A short human-readable table of what was produced."""
     lines = [f"prepared {manifest['format']} data -> {manifest['output_dir']}",
-             f"{'split/source':<28}{'read':>8}{'written':>9}{'rejected':>10}{'truncated':>11}"
-             f"{'tokens':>11}{'loss tok':>10}"]
+             f"{'split/source':<28}{'shape':<18}{'read':>8}{'written':>9}{'rejected':>10}"
+             f"{'truncated':>11}{'tokens':>11}{'loss tok':>10}"]
     for s in manifest["sources"]:
-        lines.append(f"{s['split'] + '/' + s['name']:<28}{s['rows_read']:>8}"
+        lines.append(f"{s['split'] + '/' + s['name']:<28}{s['shape'] or '-':<18}"
+                     f"{s['rows_read']:>8}"
                      f"{s['rows_written']:>9}{s['rows_rejected']:>10}{s['rows_truncated']:>11}"
                      f"{s['num_tokens']:>11}{s['num_loss_tokens']:>10}")
         if s["rejected_by_reason"]:

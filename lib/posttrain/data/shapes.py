@@ -360,6 +360,11 @@ def _alpaca_chat(row, cfg, error):
 
 def _sharegpt_prompt(row, cfg, error):
     messages, name = _sharegpt_messages(row, cfg, error)
+    if messages[-1]["role"] == "assistant":
+        i = len(row[name]) - 1
+        raise error(f"{name}[{i}]", "a prompt must not end with the assistant's turn: keep the "
+                    "prompt turns only (a reference answer goes in a column of its own, for the "
+                    "rewards)", "bad_role")
     extras = {k: v for k, v in row.items() if k not in (name, "system")}
     return {**extras, cfg.prompt_field: messages}
 

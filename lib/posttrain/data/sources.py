@@ -6,11 +6,11 @@ turns them into a sorted file list, and `RowStream` reads that list row by row:
 * **Formats.** JSONL is read line by line from a binary stream and each line is decoded
   strictly as UTF-8, so one bad line never costs more than one row. A JSON file that holds one
   array of rows (its first character, after a BOM and blanks, is ``[``) is read element by
-  element (`posttrain.data.jsonarray`): memory holds a chunk of the file and the row being decoded, never the
-  whole file; its rows are numbered 1, 2, ... in the array, and since nothing marks where the
-  next row starts, malformed JSON inside the array stops the read with a `DataError` naming the
-  row. Parquet is read one row group at a time, in batches, with ``ParquetFile.iter_batches``.
-  Nothing holds a whole file in memory.
+  element (`posttrain.data.jsonarray`): memory holds a chunk of the file and the row being
+  decoded, never the whole file; its rows are numbered 1, 2, ... in the array, and since
+  nothing marks where the next row starts, malformed JSON inside the array stops the read with
+  a `DataError` naming the row. Parquet is read one row group at a time, in batches, with
+  ``ParquetFile.iter_batches``. Nothing holds a whole file in memory.
 * **Bad rows are data, not exceptions.** A malformed JSONL line becomes a `RawRow` with
   ``data=None`` and a `DataError` that names file, line and reason (``invalid_json``,
   ``invalid_utf8``, ``not_an_object``, ``too_deep``), so that the caller can write a

@@ -56,7 +56,7 @@ from posttrain.config.recipes import ColumnNames, load_recipe
 from posttrain.data.encode import LengthConfig, RecordEncoder
 from posttrain.data.formats import (ChatRecord, FormatConfig, FormatName, PreferenceRecord,
                                     PromptRecord, Record, RowParser, SequenceRecord)
-from posttrain.data.shapes import UnknownShape, check_shape
+from posttrain.data.shapes import DEFAULT_ROLE_MAP, UnknownShape, check_shape
 from posttrain.data.sources import RowStream, SourceConfig
 from posttrain.data.tokenizer import ChatTokenizer, TokenizerConfig
 from posttrain.errors import ConfigError, DataError
@@ -177,6 +177,7 @@ class TaskConfig:
     max_samples: int | None = None      # the first rows of the source; None: all
     max_tokens_per_sample: int = 4096   # longer rows are truncated (prompts are refused)
     columns: ColumnNames = ColumnNames()
+    role_map: dict[str, str] = field(default_factory=dict)   # ShareGPT speakers (data.role_map)
     format: Literal["chat", "sequence"] | None = None   # heldout_loss; default chat
     reference_column: str | None = None                 # generation; default "answer"
     grader: GraderConfig | None = None                   # generation
@@ -344,6 +345,7 @@ def _read_rows(task: TaskConfig, tokenizer: ChatTokenizer
     fmt = FormatConfig(format=task.data_format, messages_field=c.messages,
                        prompt_field=c.prompt, chosen_field=c.chosen, rejected_field=c.rejected,
                        completion_field=c.completion, label_field=c.label, text_field=c.text,
+                       role_map=tuple({**DEFAULT_ROLE_MAP, **task.role_map}.items()),
                        required_columns=required_columns(task.rewards)
                        ).with_template(tokenizer.hf)
     parser = RowParser(fmt, task.data.shape)

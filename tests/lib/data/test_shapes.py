@@ -255,6 +255,12 @@ def test_alpaca_prompt_keeps_output_as_an_extra_column():
     assert record.prompt == [_msg("user", "2 + 3?")] and record.extras == {"output": "5", "id": 7}
 
 
+def test_sharegpt_prompt_must_not_end_with_the_answer():
+    row = {"conversations": [{"from": "human", "value": "2 + 3?"}, {"from": "gpt", "value": "5"}]}
+    with pytest.raises(DataError, match=r"field 'conversations\[1\]': a prompt must not end"):
+        parse_row(row, PROMPT, file="p.jsonl", line=1)
+
+
 def test_preference_shapes_give_the_same_pair():
     prompt = [_msg("user", "What is 2 + 3?")]
     explicit = {"prompt": [_msg("user", _parts("What is ", "2 + 3?"))],
