@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import yaml
 from tqdm.auto import tqdm
 
 from posttrain.config.loader import to_dict
@@ -36,37 +35,9 @@ from posttrain.data.prepared import local_view
 from posttrain.errors import ConfigError
 from posttrain.train.engine import write_random_hf_model
 from posttrain.train.metrics import MetricsWriter
+from steps.arguments import overrides_from
 
 log = logging.getLogger("posttrain.driver")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="recipe YAML")
-    parser.add_argument("--run-dir", help="override run.dir")
-    parser.add_argument("--launcher", choices=["ray", "inline"], help="override run.launcher")
-    parser.add_argument("--num-workers", type=int, help="override run.num_workers")
-    parser.add_argument("--max-steps", type=int, help="override train.max_steps")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override any config key, dotted (rollout.max_staleness=1); the "
-                             "value is read as YAML; repeatable")
-    parser.add_argument("--no-progress", action="store_true")
-
-
-def overrides_from(args: argparse.Namespace) -> dict:
-    """The dotted config overrides given on the command line."""
-    out = {k: v for k, v in {"run.dir": args.run_dir, "run.launcher": args.launcher,
-                             "run.num_workers": args.num_workers,
-                             "train.max_steps": args.max_steps}.items() if v is not None}
-    for item in getattr(args, "set", None) or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. "
-                              "rollout.max_staleness=1")
-        try:
-            out[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--set {item!r}: the value is not YAML: {e}") from None
-    return out
 
 
 def drop_metrics_after(path: Path, step: int) -> None:
@@ -106,12 +77,13 @@ def ensure_prepared(cfg: Any, out_dir: str, show_progress: bool = True) -> str:
 
 def check_base_model(model: Any) -> None:
     """A local `model.hf_dir` that does not exist is reported with what would make it."""
+    from posttrain.config.registry import command
     from posttrain.data.prepared import is_remote
     hf_dir = model.hf_dir
     if is_remote(hf_dir) or (Path(hf_dir) / "config.json").is_file():
         return
-    how = (f"it is the export of {model.produced_by}: train it first with `posttrain train-sft "
-           f"--config {model.produced_by}` (a flow run finds the newest SFTFlow run of it, "
+    how = (f"it is the export of {model.produced_by}: train it first with "
+           f"`{command(model.produced_by)}` (a flow run finds the newest run of it, "
            "or trains it)" if model.produced_by else
            "point model.hf_dir at a Hugging Face checkpoint directory")
     raise ConfigError(f"model.hf_dir: {hf_dir}/config.json not found; {how}")
@@ -275,6 +247,8 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
            else load_recipe(config, recipe.config_cls, overrides))
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.model.hf_dir:
+        check_base_model(cfg.model)         # before any work: a missing base names its maker
     prepared_dir = prepared_dir or ensure_prepared(cfg, str(run_dir / "prepared"), show_progress)
     local = local_view(prepared_dir)
     hf_dir = base_model_dir(cfg, local, run_dir)

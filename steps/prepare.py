@@ -282,12 +282,6 @@ def summarize(manifest: dict) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="prepare recipe YAML")
-    parser.add_argument("--output-dir", help="override output.dir (local path or s3:// URI)")
-    parser.add_argument("--no-progress", action="store_true")
-
-
 def main(args: argparse.Namespace) -> int:
     overrides = {"output.dir": args.output_dir} if args.output_dir else None
     manifest = run(args.config, overrides=overrides, show_progress=not args.no_progress)
