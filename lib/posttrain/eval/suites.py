@@ -41,7 +41,9 @@ its held-out evaluation as a suite from its own config (`Recipe.eval_suite`), an
 `steps/evaluate.py`, runs any suite.
 
 Rows are read straight from the source (its first `max_samples`), validated and tokenized as
-`prepare` does: `parse_row` and `RecordEncoder` with the suite's tokenizer and its chat template
+`prepare` does: `RowParser` (any shape of the task's format, `posttrain.data.shapes`, decided by
+the first row or forced by the source's ``shape:``) and `RecordEncoder` with the suite's
+tokenizer and its chat template
 (the checkpoint's own tokenizer when the suite names none). Log-probs (loss, preference) come
 from the native model over packed rows with document boundaries and the chunked log-prob op, as
 in training; answers come from a rollout engine (`posttrain.rl.factory.load_engine`: the native
@@ -61,7 +63,8 @@ from posttrain.config.loader import to_dict
 from posttrain.config.recipes import ColumnNames, load_recipe
 from posttrain.data.encode import LengthConfig, RecordEncoder
 from posttrain.data.formats import (ChatRecord, FormatConfig, FormatName, PreferenceRecord,
-                                    PromptRecord, Record, SequenceRecord, parse_row)
+                                    PromptRecord, Record, RowParser, SequenceRecord)
+from posttrain.data.shapes import DEFAULT_ROLE_MAP, UnknownShape, check_shape
 from posttrain.data.sources import RowStream, SourceConfig
 from posttrain.data.tokenizer import ChatTokenizer, TokenizerConfig
 from posttrain.errors import ConfigError, DataError
@@ -192,6 +195,7 @@ class TaskConfig:
     max_samples: int | None = None      # the first rows of the source; None: all
     max_tokens_per_sample: int = 4096   # longer rows are truncated (prompts are refused)
     columns: ColumnNames = ColumnNames()
+    role_map: dict[str, str] = field(default_factory=dict)   # ShareGPT speakers (data.role_map)
     format: Literal["chat", "sequence"] | None = None   # heldout_loss; default chat
     reference_column: str | None = None                 # generation; default "answer"
     grader: GraderConfig | None = None                   # generation
@@ -235,6 +239,11 @@ class TaskConfig:
             raise ValueError("teacher: required for kind distill (the teacher's checkpoint)")
         if self.samples is not None and self.samples < 0:
             raise ValueError(f"samples must be >= 0, got {self.samples}")
+        if self.kind == "multiple_choice" and self.data.shape is not None:
+            raise ValueError("data.shape: a multiple_choice task reads its own rows (question, "
+                             "options, gold); shapes apply to the other kinds")
+        if self.kind != "multiple_choice":
+            check_shape(self.data_format, self.data.shape, "data.shape")
 
     @property
     def data_format(self) -> FormatName:
@@ -370,8 +379,8 @@ def _read_rows(task: TaskConfig, tokenizer: ChatTokenizer
                 if raw.error is not None:
                     raise raw.error
                 out.append(read(raw.data, raw.file, raw.line))
-            except DataError:
-                if task.on_bad_row == "error":
+            except DataError as err:
+                if task.on_bad_row == "error" or isinstance(err, UnknownShape):
                     raise
                 skipped += 1
     if not out:
@@ -385,13 +394,17 @@ def _record_reader(task: TaskConfig, tokenizer: ChatTokenizer) -> Any:
     c = task.columns
     fmt = FormatConfig(format=task.data_format, messages_field=c.messages,
                        prompt_field=c.prompt, chosen_field=c.chosen, rejected_field=c.rejected,
-                       required_columns=required_columns(task.rewards))
+                       completion_field=c.completion, label_field=c.label, text_field=c.text,
+                       role_map=tuple({**DEFAULT_ROLE_MAP, **task.role_map}.items()),
+                       required_columns=required_columns(task.rewards)
+                       ).with_template(tokenizer.hf)
+    parser = RowParser(fmt, task.data.shape)
     encoder = RecordEncoder(tokenizer, task.data_format,
                             LengthConfig(task.max_tokens_per_sample, "truncate"))
     reference = task.reference_column or "answer"
 
     def read(data: Any, file: str, line: int) -> tuple[Record, dict]:
-        record = parse_row(data, fmt, file=file, line=line)
+        record = parser.parse(data, file=file, line=line)
         if task.kind == "generation":
             _check_reference(task, record, reference, file, line)
         return record, encoder.encode(record, file=file, line=line).columns

@@ -286,7 +286,7 @@ class GRPO:
         tasks = tuple(TaskConfig(
             name=src.name or f"eval{i}", kind="reward", data=src, max_samples=ev.max_prompts,
             max_tokens_per_sample=cfg.data.max_tokens_per_sample, columns=cfg.data.columns,
-            on_bad_row=cfg.data.on_bad_row, generation=generation,
+            on_bad_row=cfg.data.on_bad_row, role_map=cfg.data.role_map, generation=generation,
             rewards=tuple(cfg.rewards.functions),
             accuracy_reward=ev.accuracy_reward if ev.accuracy_reward in names else None,
             environment=None if cfg.environment.single_turn else cfg.environment)

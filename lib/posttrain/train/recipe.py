@@ -332,7 +332,7 @@ def eval_suite(cfg: Any, kind: str, options: Any = lambda i: {}, *,
                              max_samples=cfg.eval.max_samples,
                              max_tokens_per_sample=cfg.data.max_tokens_per_sample,
                              columns=cfg.data.columns, on_bad_row=cfg.data.on_bad_row,
-                             **options(i))
+                             role_map=cfg.data.role_map, **options(i))
                   for i, src in enumerate(sources))
     extra = tuple(getattr(cfg.eval, "tasks", ()))
     return SuiteConfig(tasks=tasks + extra, tokenizer=cfg.tokenizer, dtype=cfg.model.dtype,
