@@ -42,7 +42,7 @@ from torch import nn
 from posttrain.errors import ConfigError
 from posttrain.models.args import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, ModelArgs
 from posttrain.models.layers import (Attention, FeedForward, RMSNorm, RotaryEmbedding, SharedKV,
-                                     make_norm)
+                                     make_norm, position_ids_from_documents)
 from posttrain.ops.attention import DocumentMask, build_mask
 from posttrain.ops.vocab import mask_padded_logits
 
@@ -175,19 +175,6 @@ class LMHead(nn.Module):
     def extra_repr(self) -> str:
         return (f"{tuple(self._own_weight().shape)}, real_vocab_size={self.real_vocab_size}, "
                 f"softcap={self.softcap}")
-
-
-def position_ids_from_documents(document_lengths: list[list[int]], seq_len: int,
-                                device: torch.device | str | None = None) -> torch.Tensor:
-    """[B, T] positions restarting at 0 at every document start of a packed row."""
-    rows = []
-    for lengths in document_lengths:
-        if sum(lengths) != seq_len:
-            raise ValueError(f"document lengths {lengths} sum to {sum(lengths)}, but rows have "
-                             f"{seq_len} tokens; every token must belong to one document")
-        rows.append(torch.cat([torch.arange(n) for n in lengths]) if lengths
-                    else torch.zeros(0, dtype=torch.long))
-    return torch.stack(rows).to(device)
 
 
 class Transformer(nn.Module):
