@@ -63,7 +63,7 @@ from posttrain.train.engine import (Engine, EngineConfig, ModelConfig, all_reduc
                                     build_sharded)
 from posttrain.train.metrics import device_peak_flops, step_metrics
 from posttrain.train.recipe import (ExportConfig, RunConfig, check_eval_tasks, check_export,
-                                    tokenizer_vocab)
+                                    tokenizer_added_ids, tokenizer_vocab)
 
 log = logging.getLogger(__name__)
 
@@ -476,6 +476,7 @@ class GRPOWorker:
         self.engine = Engine(
             self.cfg.model, train.optimizer_engine, hf_dir, run_dir,
             vocab_size=tokenizer_vocab(prepared_dir),
+            added_tokens=tokenizer_added_ids(prepared_dir),
             loss_factory=lambda m: GRPOLoss(m, self.cfg.algorithm, self._temperature, constant,
                                             self.cfg.model.loss_chunk_tokens,
                                             self.token_ranges))

@@ -181,6 +181,17 @@ def tokenizer_vocab(prepared_dir: str) -> int | None:
         return json.load(f)["tokenizer"].get("vocab_size")
 
 
+def tokenizer_added_ids(prepared_dir: str) -> tuple[int, ...]:
+    """The ids of the tokens the tokenizer config added to the vocabulary (`tokenizer.
+    added_tokens`, `semantic_ids`), recorded by prepare: base_vocab_size .. vocab_size - 1."""
+    import fsspec
+    fs, root = fsspec.core.url_to_fs(prepared_dir)
+    with fs.open(f"{root.rstrip('/')}/manifest.json") as f:
+        tok = json.load(f)["tokenizer"]
+    base, vocab = tok.get("base_vocab_size"), tok.get("vocab_size")
+    return tuple(range(base, vocab)) if base is not None and vocab is not None else ()
+
+
 # --------------------------------------------------------------------------- the recipe protocol
 
 
@@ -411,7 +422,8 @@ class RecipeWorker:
         torch.manual_seed(engine_cfg.seed)          # LoRA dropout; checkpointed with the run
         self.engine = Engine(self.cfg.model, engine_cfg, hf_dir, run_dir,
                              loss_factory=self.recipe.loss_root,
-                             vocab_size=tokenizer_vocab(prepared_dir))
+                             vocab_size=tokenizer_vocab(prepared_dir),
+                             added_tokens=tokenizer_added_ids(prepared_dir))
         self.rank, self.world = self.engine.rank, self.engine.world
         if self.engine.args is None and not recipe_cls.transformers_fallback:
             raise ConfigError(f"the {recipe_cls.name} recipe needs a model with a native "
