@@ -10,16 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
+from posttrain.config.data import (CacheConfig, LabelConfig, SourceConfig, TokenizerConfig,
+                                   VocabConfig)
 from posttrain.config.loader import build, load_yaml
-from posttrain.data.encode import LengthConfig
-from posttrain.data.events import LabelConfig, VocabConfig
 from posttrain.data.formats import DEFAULT_ROLES, FormatConfig, FormatName
 from posttrain.data.shapes import DEFAULT_ROLE_MAP, check_shape
-from posttrain.data.sources import CacheConfig, SourceConfig
-from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from posttrain.data.encode import LengthConfig
 
 T = TypeVar("T")
 
@@ -93,6 +94,7 @@ class DataConfig:
                             allow_identical_pairs=self.allow_identical_pairs)
 
     def length_config(self) -> LengthConfig:
+        from posttrain.data.encode import LengthConfig
         return LengthConfig(self.max_tokens_per_sample, self.overlong)
 
 

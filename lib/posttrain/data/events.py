@@ -32,160 +32,29 @@ there is no label), which the loader packs with their tokens (`posttrain.data.lo
 `EventVocab` stands where a tokenizer stands in the other recipes: the prepare step records its
 `describe()` as the manifest's ``tokenizer`` (``vocab_size`` included) and saves it as
 ``event_vocab.json`` in the prepared ``tokenizer/`` directory, from where it is copied beside the
-exported checkpoint; `load_event_vocab(dir)` reads it back.
+exported checkpoint; `load_event_vocab(dir)` reads it back (both in the pure-Python
+`posttrain.data.event_vocab`, which a config reads without numpy or pyarrow).
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from posttrain.config.data import LabelConfig, VocabConfig
+from posttrain.data.event_vocab import VOCAB_FILE, EventVocab, load_event_vocab
 from posttrain.data.encode import EncodedRow, LengthConfig, fitted_length, schema_for
-from posttrain.data.tokenizer import SemanticIdConfig
 from posttrain.errors import ConfigError, DataError
-from posttrain.losses.sequence import TargetKind, check_kind
 
-VOCAB_FILE = "event_vocab.json"
+__all__ = ["EventEncoder", "EventVocab", "label_column", "LABEL_PREFIX", "LabelConfig",
+           "load_event_vocab", "MISSING_CLASS", "VOCAB_FILE", "VocabConfig"]
+
 LABEL_PREFIX = "label_"          # the shard column of label `name` is label_<name>
 MISSING_CLASS = -100             # the ignore index: no class label at this position
 _FLOAT32_MAX = float(np.finfo(np.float32).max)   # regression labels are stored as float32
-
-
-@dataclass(frozen=True)
-class VocabConfig:
-    """The event vocabulary (module docstring): specials, items, semantic-ID codes."""
-
-    num_items: int
-    special: tuple[str, ...] = ("pad", "bos", "eos")
-    semantic_ids: SemanticIdConfig | None = None
-    add_bos: bool = True              # start every sequence with <bos>
-    add_eos: bool = False             # end every sequence with <eos>
-
-    def __post_init__(self) -> None:
-        if self.num_items < 1:
-            raise ConfigError(f"vocab.num_items must be at least 1, got {self.num_items}")
-        if len(set(self.special)) != len(self.special) or not all(self.special):
-            raise ConfigError(f"vocab.special: names must be unique and non-empty, got "
-                              f"{list(self.special)}")
-        for flag, name in (("add_bos", "bos"), ("add_eos", "eos")):
-            if getattr(self, flag) and name not in self.special:
-                raise ConfigError(f"vocab.{flag} needs '{name}' in vocab.special "
-                                  f"({list(self.special)})")
-
-
-@dataclass(frozen=True)
-class LabelConfig:
-    """One per-position label field of event rows: a class id in [0, num_classes), or a real
-    number (regression)."""
-
-    kind: TargetKind
-    num_classes: int | None = None
-
-    def __post_init__(self) -> None:
-        check_kind(self.kind, self.num_classes, "a label")
-
-
-class EventVocab:
-    """The id layout of a `VocabConfig` (module docstring)."""
-
-    def __init__(self, cfg: VocabConfig):
-        self.cfg = cfg
-        self.special_ids = {f"<{name}>": i for i, name in enumerate(cfg.special)}
-        self.first_item = len(cfg.special)
-        self.first_semantic_id = self.first_item + cfg.num_items
-        sid = cfg.semantic_ids
-        self.semantic_tokens = sid.tokens() if sid else []
-        self.vocab_size = self.first_semantic_id + len(self.semantic_tokens)
-        self._named = {**self.special_ids,
-                       **{t: self.first_semantic_id + i
-                          for i, t in enumerate(self.semantic_tokens)}}
-        if len(self._named) != len(self.special_ids) + len(self.semantic_tokens):
-            raise ConfigError("vocab: a special token's name equals a semantic-ID token's")
-
-    def special_id(self, name: str) -> int | None:
-        """The id of special token `name` (``"pad"``), None when the vocabulary has none."""
-        return self.special_ids.get(f"<{name}>")
-
-    @property
-    def pad_id(self) -> int | None:
-        return self.special_id("pad")
-
-    def item_id(self, item: int) -> int:
-        assert 0 <= item < self.cfg.num_items, item
-        return self.first_item + item
-
-    def semantic_id(self, level: int, code: int) -> int:
-        sid = self.cfg.semantic_ids
-        assert sid is not None and 0 <= level < sid.levels and 0 <= code < sid.codes_per_level
-        return self.first_semantic_id + level * sid.codes_per_level + code
-
-    def token_name(self, token_id: int) -> str:
-        """``<name>`` of a special or semantic-ID token, ``item_<i>`` of an item."""
-        if token_id < self.first_item:
-            return f"<{self.cfg.special[token_id]}>"
-        if token_id < self.first_semantic_id:
-            return f"item_{token_id - self.first_item}"
-        return self.semantic_tokens[token_id - self.first_semantic_id]
-
-    def token_id(self, token: Any, *, file: str | None = None, line: int | None = None,
-                 field: str = "tokens") -> int:
-        """The id of one row token: an item id (int) or a special / semantic-ID name."""
-        if type(token) is int:
-            if 0 <= token < self.cfg.num_items:
-                return self.first_item + token
-            raise DataError(f"item id {token} is out of range: the vocabulary has "
-                            f"{self.cfg.num_items} items (ids 0..{self.cfg.num_items - 1}); "
-                            f"fix the row or raise vocab.num_items", file=file, line=line,
-                            field=field, reason="out_of_range")
-        if isinstance(token, str):
-            if token in self._named:
-                return self._named[token]
-            known = ", ".join(list(self.special_ids) + self.semantic_tokens[:2]
-                              + (["..."] if len(self.semantic_tokens) > 2 else []))
-            raise DataError(f"unknown token {token!r}: a token is an item id or one of "
-                            f"{known}", file=file, line=line, field=field,
-                            reason="unknown_token")
-        raise DataError(f"a token is an item id (integer) or a token name (string), got "
-                        f"{type(token).__name__} {token!r}", file=file, line=line, field=field,
-                        reason="wrong_type")
-
-    def describe(self) -> dict[str, Any]:
-        sid = self.cfg.semantic_ids
-        return {"kind": "event_vocab", "vocab_size": self.vocab_size,
-                "special": dict(self.special_ids),
-                "items": {"first_id": self.first_item, "count": self.cfg.num_items},
-                "semantic_ids": None if sid is None else {
-                    "first_id": self.first_semantic_id, "levels": sid.levels,
-                    "codes_per_level": sid.codes_per_level, "pattern": sid.pattern},
-                "add_bos": self.cfg.add_bos, "add_eos": self.cfg.add_eos}
-
-    def save_pretrained(self, out_dir: str | Path) -> None:
-        """Write ``event_vocab.json`` (the tokenizer's place in a prepared dataset)."""
-        Path(out_dir, VOCAB_FILE).write_text(json.dumps(self.describe(), indent=2) + "\n")
-
-
-def load_event_vocab(directory: str | Path) -> EventVocab:
-    """The vocabulary of ``<directory>/event_vocab.json`` (a prepared ``tokenizer/`` directory,
-    or an exported checkpoint)."""
-    path = Path(directory, VOCAB_FILE)
-    if not path.is_file():
-        raise DataError(f"no {VOCAB_FILE} in {directory}: not an event-sequence dataset or "
-                        "model", file=str(path))
-    d = json.loads(path.read_text())
-    special = sorted(d["special"], key=d["special"].get)
-    sid = d["semantic_ids"]
-    return EventVocab(VocabConfig(
-        num_items=d["items"]["count"], special=tuple(s[1:-1] for s in special),
-        semantic_ids=None if sid is None else SemanticIdConfig(
-            levels=sid["levels"], codes_per_level=sid["codes_per_level"],
-            pattern=sid["pattern"]),
-        add_bos=d["add_bos"], add_eos=d["add_eos"]))
 
 
 def label_column(name: str) -> str:

@@ -47,50 +47,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import fsspec
 import numpy as np
 import torch
 
+from posttrain.config.data import LoaderConfig
 from posttrain.data.events import LABEL_PREFIX
-from posttrain.data.mixer import Mixer, MixerConfig
-from posttrain.data.packing import (AsyncPacker, Packer, PackingConfig, Sample, collate,
-                                    pad_rows)
+from posttrain.data.mixer import Mixer
+from posttrain.data.packing import AsyncPacker, Packer, Sample, collate, pad_rows
 from posttrain.data.sources import RowStream, shard_for
 from posttrain.data.stream import StatefulIterable
 from posttrain.errors import ConfigError, DataError
 from posttrain.losses.dpo import sequence_ids
 
 DESIRABLE = "desirable"       # the label of an unpaired completion: a side column, then [S]
-
-
-@dataclass(frozen=True)
-class LoaderConfig:
-    packing: PackingConfig = PackingConfig()
-    mode: Literal["packed", "padded"] = "packed"
-    # which shard columns to read: tokens (sequence), pairs (preference), labelled completions
-    format: Literal["sequence", "preference", "unpaired"] = "sequence"
-    rows_per_batch: int = 1
-    shuffle_buffer_samples: int = 0       # 0 keeps the shard order
-    seed: int = 0
-    epochs: int = 1
-    background: bool = True               # pack in a background thread
-    mixer: MixerConfig = MixerConfig()
-    weights: dict[str, float] = field(default_factory=dict)   # by source name; default 1.0
-    # independent data streams (module docstring); 1: every rank reads the whole stream
-    streams: int = 1
-
-    def __post_init__(self) -> None:
-        if self.rows_per_batch < 1:
-            raise ValueError("rows_per_batch must be positive")
-        if self.streams < 1:
-            raise ValueError("streams must be at least 1")
-        if self.epochs < 1:
-            raise ValueError("epochs must be at least 1")
-        if self.shuffle_buffer_samples < 0:
-            raise ValueError("shuffle_buffer_samples must be >= 0")
 
 
 class ShardSamples(StatefulIterable[Sample]):

@@ -19,31 +19,16 @@ import copy
 import math
 from bisect import bisect_right
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
+from posttrain.config.data import MixerConfig
 from posttrain.data.stream import StatefulIterable
 from posttrain.errors import ConfigError
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class MixerConfig:
-    """Seed of the source choice and what to do when a source runs out (see module doc)."""
-
-    seed: int = 0
-    on_exhausted: Literal["stop", "drop"] = "drop"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"MixerConfig.seed: must be a non-negative integer, got {self.seed!r}")
-        if self.on_exhausted not in ("stop", "drop"):
-            raise ConfigError(f"MixerConfig.on_exhausted: must be 'stop' or 'drop', "
-                              f"got {self.on_exhausted!r}")
 
 
 def _check_weights(names: list[str], weights: Mapping[str, float]) -> dict[str, float]:

@@ -55,11 +55,12 @@ from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
+from posttrain.config.data import PackingConfig
 from posttrain.data.stream import StatefulIterable
 from posttrain.errors import ConfigError, DataError
 
@@ -70,30 +71,6 @@ _STATE_VERSION = 1
 # Buffer sort key = (length << _SEQ_BITS) | (_SEQ_MAX - seq): longest first, then earliest arrival.
 _SEQ_BITS = 40
 _SEQ_MAX = (1 << _SEQ_BITS) - 1
-
-
-@dataclass(frozen=True)
-class PackingConfig:
-    """How samples are packed; see the module docstring for the algorithm."""
-
-    max_tokens_per_pack: int = 2048
-    buffer_samples: int = 512          # best-fit look-ahead buffer (bounded memory)
-    overlong: Literal["truncate", "drop"] = "truncate"
-    pad_token_id: int = 0
-    prefetch_rows: int = 32            # AsyncPacker queue depth, in rows
-
-    def __post_init__(self) -> None:
-        for name in ("max_tokens_per_pack", "buffer_samples", "prefetch_rows"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"PackingConfig.{name}: must be a positive integer, got {value!r}")
-        if self.overlong not in ("truncate", "drop"):
-            raise ConfigError(f"PackingConfig.overlong: must be 'truncate' or 'drop', "
-                              f"got {self.overlong!r}")
-        if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int) \
-                or self.pad_token_id < 0:
-            raise ConfigError(f"PackingConfig.pad_token_id: must be a non-negative integer, "
-                              f"got {self.pad_token_id!r}")
 
 
 @dataclass

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import fsspec
 
-from posttrain.errors import ConfigError, DataError
+from posttrain.config.data import CacheConfig
+from posttrain.errors import DataError
 from posttrain.retry import RetryConfig, RetryError
 from posttrain.retry import call as retry_call
 
@@ -27,27 +28,6 @@ log = logging.getLogger(__name__)
 
 _LOCAL_PROTOCOLS = ("file", "local")
 _COPY_CHUNK_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """Local disk cache for remote files.
-
-    `dir` is where each stream makes its own private subdirectory (the system temp dir when
-    None); `max_bytes` caps what one stream keeps there at any moment, downloads in progress
-    included; `prefetch_files` is how many files ahead of the one being read are fetched.
-    """
-
-    dir: str | None = None
-    max_bytes: int = 2 << 30
-    prefetch_files: int = 2
-
-    def __post_init__(self) -> None:
-        if self.max_bytes <= 0:
-            raise ConfigError(f"cache.max_bytes must be positive, got {self.max_bytes}")
-        if self.prefetch_files < 1:
-            raise ConfigError(f"cache.prefetch_files must be at least 1, got {self.prefetch_files}")
-
 
 
 def is_local(uri: str) -> bool:
@@ -58,7 +38,6 @@ def filesystem(uri: str, storage_options: dict | None) -> tuple[fsspec.AbstractF
     """The filesystem and in-filesystem path of `uri`; options go to remote filesystems only."""
     options = {} if is_local(uri) else dict(storage_options or {})
     return fsspec.core.url_to_fs(uri, **options)
-
 
 
 class _Stopped(Exception):

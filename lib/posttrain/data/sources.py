@@ -46,7 +46,6 @@ import copy
 import dataclasses
 import json
 import logging
-import math
 import os
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
@@ -57,15 +56,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from posttrain.data.jsonarray import JsonArray, is_json_array
-from posttrain.data.prefetch import CacheConfig, Prefetcher, filesystem, is_local
-from posttrain.data.shapes import ALL_SHAPES
+from posttrain.config.data import CacheConfig, Format, SourceConfig
+from posttrain.data.prefetch import Prefetcher, filesystem, is_local
 from posttrain.errors import ConfigError, DataError
 from posttrain.retry import Backoff, RetryConfig, RetryError, is_transient
 from posttrain.retry import call as retry_call
 
 log = logging.getLogger(__name__)
 
-Format = Literal["auto", "jsonl", "parquet"]
 ShardBy = Literal["auto", "file", "row"]
 
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -78,35 +76,6 @@ MAX_JSON_DEPTH = 100  # levels of objects and arrays in a JSONL row, the row its
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
-
-
-@dataclass(frozen=True)
-class SourceConfig:
-    """One data source: paths, their format, and its weight in a mixture.
-
-    ``format: auto`` picks the reader by extension: ``.jsonl``, ``.json``, ``.ndjson`` (also
-    gzipped, ``.jsonl.gz``) are JSON, one object per line or one array of objects (a file whose
-    first character is ``[``, see `RowStream`); ``.parquet`` and ``.pq`` are Parquet.
-
-    `shape` forces the layout of the source's rows (``messages``, ``sharegpt``, ``alpaca``,
-    ``prompt_completion``, ``text``, ...: `posttrain.data.shapes`); by default it is detected
-    from the first row.
-    """
-
-    path: str | list[str]
-    format: Format = "auto"
-    weight: float = 1.0
-    name: str | None = None
-    shape: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.path:
-            raise ConfigError("source.path is empty: give a file, directory, glob or s3:// URI")
-        if self.shape is not None and self.shape not in ALL_SHAPES:
-            raise ValueError(f"shape: {self.shape!r} is not a shape (shapes: "
-                             f"{', '.join(ALL_SHAPES)})")
-        if not (math.isfinite(self.weight) and self.weight > 0):
-            raise ConfigError(f"source.weight must be a positive number, got {self.weight}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,65 +56,22 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
+from posttrain.config.data import SemanticIdConfig, TokenizerConfig, TrainOn
 from posttrain.data.turn_layout import TurnLayout, ending_special_token, probe_layout
 from posttrain.errors import ConfigError, DataError
 
-TrainOn = Literal["all_assistant", "last_assistant"]
+__all__ = ["ChatTokenizer", "Encoded", "Message", "SemanticIdConfig", "TokenizerConfig"]
+
 Message = dict[str, Any]
 
 _THINK_CLOSE = "</think>"
-
-
-@dataclass(frozen=True)
-class SemanticIdConfig:
-    """Semantic-ID tokens: `levels` x `codes_per_level` tokens named by `pattern`."""
-
-    levels: int
-    codes_per_level: int
-    pattern: str = "<sid_{level}_{code}>"
-
-    def __post_init__(self) -> None:
-        if self.levels < 1 or self.codes_per_level < 1:
-            raise ConfigError(f"semantic_ids: levels ({self.levels}) and codes_per_level "
-                              f"({self.codes_per_level}) must both be at least 1")
-        if "{level}" not in self.pattern or "{code}" not in self.pattern:
-            raise ConfigError(f"semantic_ids.pattern: {self.pattern!r} must contain both "
-                              "'{level}' and '{code}'")
-
-    def tokens(self) -> list[str]:
-        """All tokens, level-major: <sid_0_0>, <sid_0_1>, ..., <sid_1_0>, ..."""
-        return [self.pattern.format(level=level, code=code)
-                for level in range(self.levels) for code in range(self.codes_per_level)]
-
-
-@dataclass(frozen=True)
-class TokenizerConfig:
-    """The tokenizer's slice of a recipe config.
-
-    `added_tokens` and the semantic-ID tokens are added as atomic, non-special tokens: each
-    encodes as one id, may appear in message content (the model is meant to produce them), and
-    survives `decode(skip_special_tokens=True)`.
-    """
-
-    path: str
-    added_tokens: tuple[str, ...] = ()
-    semantic_ids: SemanticIdConfig | None = None
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    train_on: TrainOn = "all_assistant"
-
-    def __post_init__(self) -> None:
-        if self.train_on not in ("all_assistant", "last_assistant"):
-            raise ConfigError(f"tokenizer.train_on: {self.train_on!r} is not one of "
-                              "['all_assistant', 'last_assistant']")
-        if len(set(self.added_tokens)) != len(self.added_tokens):
-            raise ConfigError("tokenizer.added_tokens: contains duplicates")
 
 
 @dataclass

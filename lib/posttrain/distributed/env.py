@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from posttrain.errors import ConfigError, PosttrainError
+from posttrain.config.parallel import resolve_mesh_shape
+from posttrain.errors import PosttrainError
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
 DP_DIM = "dp"        # dp_replicate x dp_shard flattened: the data-parallel ranks
@@ -107,44 +108,6 @@ def close_process_group() -> None:
     if dist.get_world_size() > 1:
         dist.barrier()
     dist.destroy_process_group()
-
-
-def resolve_mesh_shape(world: int, dp_shard: int = -1, tp: int = 1,
-                       dp_replicate: int = 1, cp: int = 1, ep: int = 1) -> tuple[int, int]:
-    """(dp_shard, tp) with `dp_shard=-1` filled in (the world over dp_replicate x cp x tp);
-    raises ConfigError if the layout cannot fit `world` or `ep` (carved out of dp_shard)
-    does not divide dp_shard."""
-    if tp < 1:
-        raise ConfigError(f"parallel.tp must be >= 1, got {tp}")
-    if dp_replicate < 1:
-        raise ConfigError(f"parallel.dp_replicate must be >= 1, got {dp_replicate}")
-    if cp < 1:
-        raise ConfigError(f"parallel.cp must be >= 1, got {cp}")
-    outer = tp * dp_replicate * cp
-    if dp_shard == -1:
-        if world % outer:
-            others = " x ".join(f"parallel.{k}={v}" for k, v in (("dp_replicate", dp_replicate),
-                                                                  ("cp", cp), ("tp", tp))
-                                if v > 1 or k == "tp")
-            raise ConfigError(f"{others} does not divide the world size {world}; choose "
-                              f"values whose product divides {world}")
-        dp_shard = world // outer
-    elif dp_shard < 1:
-        raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (the rest), got {dp_shard}")
-    if dp_shard * outer != world:
-        layout = f"parallel.dp_shard={dp_shard} x parallel.tp={tp}"
-        if cp > 1:
-            layout = f"parallel.cp={cp} x " + layout
-        if dp_replicate > 1:
-            layout = f"parallel.dp_replicate={dp_replicate} x " + layout
-        raise ConfigError(
-            f"{layout} = {dp_shard * outer} processes, but the world size is {world}; make "
-            f"the product equal {world} (or set dp_shard=-1)")
-    if ep < 1 or dp_shard % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide the FSDP shard degree dp_shard="
-                          f"{dp_shard} (expert groups are carved out of it; dp_shard is "
-                          f"run.num_workers / (dp_replicate x cp x tp) when -1)")
-    return dp_shard, tp
 
 
 def build_mesh(dp_shard: int = -1, tp: int = 1, dp_replicate: int = 1,

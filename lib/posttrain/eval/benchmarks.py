@@ -63,7 +63,6 @@ from fractions import Fraction
 from typing import Any, Callable, Literal
 
 from posttrain.errors import DataError
-from posttrain.eval.heldout import sequence_logps
 
 __all__ = ["ChoiceConfig", "ChoiceRow", "check_pass_at_k", "choice_reader", "choice_scores",
            "encode_choices", "extract_gsm8k", "gsm8k_number", "parse_choice_row", "pass_at_k",
@@ -326,6 +325,7 @@ def choice_scores(model: Any, rows: list[tuple[ChoiceRow, dict]], max_tokens: in
                   ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """(accuracy and accuracy_norm, per row: each option's log-prob sum, the chosen options
     and whether they are right), every option of every row in one packed pass."""
+    from posttrain.eval.heldout import sequence_logps    # torch: only when scoring
     docs = [d for _, cols in rows for d in cols["documents"]]
     logps = sequence_logps(model, docs, max_tokens_per_forward=max_tokens, pad_token_id=pad)
     scores, start = [], 0

@@ -59,12 +59,12 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from posttrain.config.distill import KINDS
 from posttrain.ops.cross_entropy import IGNORE_INDEX
 
 __all__ = ["distill_loss", "naive_distill_loss"]
 
 Kind = Literal["forward_kl", "reverse_kl", "jsd"]
-KINDS = ("forward_kl", "reverse_kl", "jsd")
 
 
 def distill_loss(student_hidden_NH: torch.Tensor, student_weight_VH: torch.Tensor,

@@ -22,25 +22,15 @@ The functions here are pure: `shift_to_next` aligns labels with the position tha
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
-from posttrain.errors import ConfigError
+from posttrain.config.data import TargetKind, check_kind
 from posttrain.ops.cross_entropy import IGNORE_INDEX
 
-TargetKind = Literal["classification", "regression"]
+__all__ = ["check_kind", "head_loss_sum", "labelled", "missing_value", "shift_to_next",
+           "TargetKind"]
 
-
-def check_kind(kind: TargetKind, num_classes: int | None, what: str) -> None:
-    """A per-position target (`what`: a row label, a head) is a class id in [0, num_classes),
-    num_classes >= 2, or one real number (regression, no num_classes)."""
-    if kind == "classification" and (num_classes is None or num_classes < 2):
-        raise ConfigError(f"{what} of kind classification needs num_classes >= 2, got "
-                          f"{num_classes}")
-    if kind == "regression" and num_classes is not None:
-        raise ConfigError(f"{what} of kind regression has no num_classes (it is one number)")
 
 
 def missing_value(dtype: torch.dtype) -> float:

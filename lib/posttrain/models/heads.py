@@ -23,36 +23,15 @@ causal LM in the same directory (transformers: ``model.model(input_ids).last_hid
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from torch import nn
 
 from posttrain.errors import ConfigError
-from posttrain.losses.sequence import TargetKind, check_kind
+from posttrain.config.model import HeadConfig
 
 HEADS_FILE, HEADS_JSON = "heads.safetensors", "heads.json"
-
-
-@dataclass(frozen=True)
-class HeadConfig:
-    """One per-position head: its kind, classes, target position and loss weight."""
-
-    kind: TargetKind
-    num_classes: int | None = None
-    weight: float = 1.0                         # of its loss in the training objective
-    target: Literal["next", "current"] = "next"  # whose label position t predicts
-
-    def __post_init__(self) -> None:
-        check_kind(self.kind, self.num_classes, "a head")
-        if self.weight < 0:
-            raise ConfigError(f"a head's loss weight must be >= 0, got {self.weight}")
-
-    @property
-    def out_features(self) -> int:
-        return self.num_classes if self.kind == "classification" else 1
 
 
 class PositionHeads(nn.ModuleDict):

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from posttrain.config.model import check_peft_export, names_experts
 from posttrain.errors import ConfigError
 from posttrain.models.moe import Experts, local_tensor
 
@@ -291,10 +292,6 @@ class LoRAExperts(_Adapted, Experts):
 
 # ------------------------------------------------------------------------------- applying
 
-def _names_experts(target: str) -> bool:
-    """Whether `target` names stacked expert weights: its second-to-last part is `experts`."""
-    return target.rpartition(".")[0].rpartition(".")[2] == "experts"
-
 
 def target_of(name: str, targets: tuple[str, ...], *, stacked: bool = False) -> str | None:
     """The first of `targets` naming `name`: its last path component or a dotted suffix
@@ -302,7 +299,7 @@ def target_of(name: str, targets: tuple[str, ...], *, stacked: bool = False) -> 
     named only with its `experts.` part (`experts.gate`), never by `gate` alone."""
     for target in targets:
         if (name == target or name.endswith("." + target)) and (
-                not stacked or _names_experts(target)):
+                not stacked or names_experts(target)):
             return target
     return None
 
@@ -317,7 +314,7 @@ def _unknown_targets_error(model: nn.Module, unknown: list[str], linear_names: l
     if expert_names:
         msg += f", its MoE expert weights {[f'experts.{p}' for p in EXPERT_PROJECTIONS]}"
         expert_like = [t for t in unknown if t.rpartition(".")[2] in EXPERT_PROJECTIONS
-                       and not _names_experts(t)]
+                       and not names_experts(t)]
     if expert_like:
         msg += (f". {expert_like} name no dense MLP here; MoE expert weights are targeted with "
                 f"their experts. part, e.g. 'experts.{expert_like[0].rpartition('.')[2]}'")
@@ -494,17 +491,6 @@ def _default_hf_names(model: nn.Module) -> Callable[[str], str]:
     from posttrain.models.families import bridge_for_args
 
     return bridge_for_args(args).to_hf
-
-
-def check_peft_export(targets: tuple[str, ...] | list[str], dropout: float) -> None:
-    """Raise a ConfigError where a PEFT adapter cannot express LoRA on `targets` with
-    `dropout` (checked at config time by `posttrain.train.recipe.check_export`)."""
-    stacked = [t for t in targets if _names_experts(t)]
-    if stacked and dropout > 0:
-        raise ConfigError(
-            f"lora.targets {stacked} adapt MoE expert weights, which PEFT adapts through "
-            f"target_parameters without dropout (it refuses to load them with lora_dropout="
-            f"{dropout}); set lora.dropout: 0, or export merged weights (export.format: merged)")
 
 
 def save_peft_adapter(model: nn.Module, out_dir: str | Path, *, base_model_name_or_path: str,

@@ -39,13 +39,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from posttrain.config.model import VOCAB_MODULES, check_modules_to_save
 from posttrain.errors import ConfigError
 
 __all__ = ["VOCAB_MODULES", "TokenRows", "TokenRowsEmbedding", "apply_trainable_tokens",
            "check_modules_to_save", "hide_token_deltas", "is_token_delta", "merge_token_rows",
            "peft_vocab_entries", "token_rows", "token_rows_weight", "unmerge_token_rows"]
 
-VOCAB_MODULES = ("embed", "head")
 DELTA = "token_adapter.delta"
 
 
@@ -183,17 +183,6 @@ def _is_lm_head(model: nn.Module) -> bool:
 
 def _is_tied(model: nn.Module) -> bool:
     return _is_lm_head(model) and "_tied_embedding" in model.head.__dict__
-
-
-def check_modules_to_save(modules_to_save: Sequence[str]) -> None:
-    unknown = sorted(set(modules_to_save) - set(VOCAB_MODULES))
-    if unknown:
-        peft_names = {"embed_tokens": "embed", "lm_head": "head"}
-        hint = [peft_names[u] for u in unknown if u in peft_names]
-        raise ConfigError(f"model.lora.modules_to_save: {unknown} are not vocabulary modules; "
-                          f"it takes {list(VOCAB_MODULES)} (the native names"
-                          + (f", e.g. {hint} for PEFT's {[u for u in unknown if u in peft_names]}"
-                             if hint else "") + ")")
 
 
 def apply_trainable_tokens(model: nn.Module, token_ids: Sequence[int] = (),

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.config.rl import TokenRanges, check_token_ranges
+
 __all__ = ["check_token_ranges", "mask_padded_logits", "renumber_tokens", "restrict_head",
            "sample_next_token", "token_range_ids"]
 
@@ -89,29 +91,6 @@ def _draw(probs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Te
 
 
 # --------------------------------------------------------------------------- allowed ids
-
-TokenRanges = tuple[tuple[int, int], ...]
-
-
-def check_token_ranges(ranges: object, vocab_size: int | None = None, *,
-                       key: str = "allowed_token_ranges") -> TokenRanges:
-    """`ranges` as a tuple of ``(lo, hi)`` windows of allowed ids (``lo <= id < hi``), checked:
-    integers, ``0 <= lo < hi`` (``<= vocab_size`` when given), ascending and disjoint. An empty
-    tuple allows every id. A ValueError names `key`."""
-    out = []
-    for r in ranges or ():            # type: ignore[union-attr]
-        if (not isinstance(r, (tuple, list)) or len(r) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
-            raise ValueError(f"{key}: each range is [lo, hi), two integers; got {r!r}")
-        lo, hi = int(r[0]), int(r[1])
-        if not 0 <= lo < hi or (vocab_size is not None and hi > vocab_size):
-            limit = "" if vocab_size is None else f" <= {vocab_size} (the vocabulary size)"
-            raise ValueError(f"{key}: range [{lo}, {hi}) must have 0 <= lo < hi{limit}")
-        if out and lo < out[-1][1]:
-            raise ValueError(f"{key}: ranges must be ascending and disjoint; [{lo}, {hi}) "
-                             f"starts inside or before [{out[-1][0]}, {out[-1][1]})")
-        out.append((lo, hi))
-    return tuple(out)
 
 
 def token_range_ids(ranges: TokenRanges, device: torch.device | str | None = None

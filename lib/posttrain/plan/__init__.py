@@ -3,9 +3,20 @@ and FLOPs per step (`posttrain plan --config ...`), and the start-of-run check t
 
 `memory.plan_run(cfg, gpu=...)` makes the plan (`memory` has the model of each part, `trace`
 the meta-device and fake-tensor measurements it rests on); `check.check_run(cfg)` compares
-it with the declared devices (`devices`)."""
+it with the declared devices (`devices`).
 
-from posttrain.plan.check import PlanError, check_fits, check_run
-from posttrain.plan.memory import MemoryPlan, RankPlan, plan_run
+The names below are imported on first use: the plan needs torch, while `devices` (the GPU
+table a config's ``run.gpu`` is checked against) is read without it."""
+
+import importlib
 
 __all__ = ["MemoryPlan", "PlanError", "RankPlan", "check_fits", "check_run", "plan_run"]
+
+_HOMES = {"PlanError": "check", "check_fits": "check", "check_run": "check",
+          "MemoryPlan": "memory", "RankPlan": "memory", "plan_run": "memory"}
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,61 +33,11 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from posttrain.ops.vocab import check_token_ranges
+from posttrain.config.rl import SamplingConfig
 
 __all__ = ["FinishReason", "Rollout", "RolloutEngine", "SamplingConfig", "stop_token_ids"]
 
 FinishReason = Literal["stop", "length"]
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How to sample completions.
-
-    temperature: 0 is greedy. top_p: nucleus mass in (0, 1], 1 is off. top_k: 0 is off.
-    max_new_tokens: completion tokens per sample, at most. stop_token_ids: a sampled id in this
-    set ends its sample (the stop token is kept in `completion_ids`, with its log-prob).
-    seed: seeds the engine's sampler; the same prompts, config and weights give the same rollouts.
-    allowed_token_ranges: ``(lo, hi)`` windows of the ids that may be sampled, ascending and
-    disjoint (module docstring); empty: every id of the vocabulary. Stop ids must be among them.
-    record_routing: an MoE model's engine returns each rollout's expert choices
-    (`Rollout.routing`, for routing replay: `posttrain.models.routing_replay`).
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 256
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int = 0
-    allowed_token_ranges: tuple[tuple[int, int], ...] = ()
-    record_routing: bool = False
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"SamplingConfig.temperature must be >= 0 (0: greedy), "
-                             f"got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingConfig.top_k must be >= 0 (0: off), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, "
-                             f"got {self.max_new_tokens}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        ranges = check_token_ranges(self.allowed_token_ranges,
-                                    key="SamplingConfig.allowed_token_ranges")
-        object.__setattr__(self, "allowed_token_ranges", ranges)
-        outside = [t for t in self.stop_token_ids
-                   if ranges and not any(lo <= t < hi for lo, hi in ranges)]
-        if outside:
-            raise ValueError(f"SamplingConfig.stop_token_ids {outside} are not among the allowed "
-                             f"ids {[list(r) for r in ranges]}: they could never be sampled")
-
-    @property
-    def logprob_temperature(self) -> float:
-        """The temperature the returned log-probs are computed at (1 when greedy)."""
-        return self.temperature if self.temperature > 0 else 1.0
 
 
 @dataclass

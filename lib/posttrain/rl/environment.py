@@ -38,14 +38,15 @@ isolated sandbox works).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from posttrain.config.loader import import_attribute
-from posttrain.errors import ConfigError
-from posttrain.rl.prompts import PromptRow
+from posttrain.config.rl import BUNDLED_ENVIRONMENTS, EnvironmentConfig
 from posttrain.rl.rewards import parse_number
+
+if TYPE_CHECKING:                       # prompts reads shards (pyarrow, torch): not needed here
+    from posttrain.rl.prompts import PromptRow
 
 __all__ = ["Environment", "EnvironmentConfig", "Message", "RetryEnvironment",
            "SingleTurnEnvironment", "StepResult", "Turn", "bundled_environments"]
@@ -121,90 +122,9 @@ class RetryEnvironment:
                           metrics={"wrong_answers": 1.0})
 
 
-# Name -> the environments that ship with posttrain, named as a user's are
-# (``package.module:attribute``): the tool environment builds on this module.
-BUNDLED_ENVIRONMENTS = {"single_turn": f"{__name__}:SingleTurnEnvironment",
-                        "retry": f"{__name__}:RetryEnvironment",
-                        "tools": "posttrain.rl.tools:ToolEnvironment"}
-
-
 def bundled_environments() -> dict[str, Callable[..., Any]]:
     """Name -> factory of the environments that ship with posttrain."""
     return {name: import_attribute(spec, f"environment.kind: {name}")
             for name, spec in BUNDLED_ENVIRONMENTS.items()}
 
 
-@dataclass(frozen=True)
-class EnvironmentConfig:
-    """The ``environment:`` section: a bundled `kind` or a user `module` (``pkg.mod:attr``,
-    a class or function making one episode's environment from `params`); `max_turns`
-    assistant turns per episode at most; `max_total_tokens` tokens after the prompt (the
-    model's and the environment's) at most, None: `max_turns` x the sampling budget;
-    `max_workers` threads stepping environments in parallel (0: one per CPU core)."""
-
-    kind: str | None = None
-    module: str | None = None
-    params: dict[str, Any] = field(default_factory=dict)
-    max_turns: int = 4
-    max_total_tokens: int | None = None
-    max_workers: int = 0
-
-    def __post_init__(self) -> None:
-        if self.kind is not None and self.module is not None:
-            raise ConfigError("environment: set kind (a bundled environment) or module (your "
-                              "own, 'package.module:attribute'), not both")
-        if self.max_turns < 1:
-            raise ConfigError(f"environment.max_turns must be >= 1, got {self.max_turns}")
-        if self.max_total_tokens is not None and self.max_total_tokens < 1:
-            raise ConfigError(f"environment.max_total_tokens must be >= 1, got "
-                              f"{self.max_total_tokens}")
-        if self.max_workers < 0:
-            raise ConfigError("environment.max_workers must be >= 0 (0: one per CPU core)")
-        factory = self.factory()
-        try:
-            inspect.signature(factory).bind(**self.params)
-        except TypeError as e:
-            raise ConfigError(f"environment.params: {e} (for {self.name})") from None
-        except ValueError:                  # no signature to check (a builtin): trust it
-            pass
-        check = getattr(factory, "check_params", None)    # what can only be checked here
-        if check is not None:
-            try:
-                check(**self.params)
-            except ValueError as e:
-                raise ConfigError(f"environment.params ({self.name}): {e}") from None
-
-    @property
-    def name(self) -> str:
-        return self.module or self.kind or "single_turn"
-
-    @property
-    def single_turn(self) -> bool:
-        return self.name == "single_turn"
-
-    @property
-    def turns(self) -> int:
-        """Assistant turns per episode at most (1 for the single-turn environment)."""
-        return 1 if self.single_turn else self.max_turns
-
-    def token_budget(self, max_new_tokens: int) -> int:
-        """Tokens after the prompt an episode may hold, the model's and the environment's,
-        given the sampling budget of one turn."""
-        return self.max_total_tokens or self.turns * max_new_tokens
-
-    def factory(self) -> Callable[..., Any]:
-        """What makes one episode's environment (called with `params`)."""
-        if self.module is not None:
-            factory = import_attribute(self.module, "environment.module")
-            if not callable(factory):
-                raise ConfigError(f"environment.module: {self.module!r} is not callable (a "
-                                  "class or function that makes an environment)")
-            return factory
-        if self.name not in BUNDLED_ENVIRONMENTS:
-            raise ConfigError(f"environment.kind: {self.kind!r} is not a bundled environment "
-                              f"({', '.join(sorted(BUNDLED_ENVIRONMENTS))}); name your own "
-                              "with environment.module: 'package.module:attribute'")
-        return import_attribute(BUNDLED_ENVIRONMENTS[self.name], "environment.kind")
-
-    def make(self) -> Environment:
-        return self.factory()(**self.params)

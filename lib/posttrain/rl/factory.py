@@ -8,87 +8,16 @@ pipeline never need it installed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from posttrain.config.loader import import_attribute
+from posttrain.config.rl import RolloutEngineConfig, engine_class
 from posttrain.errors import ConfigError
 from posttrain.models.args import DTYPES, ModelArgs
 from posttrain.rl.engine import RolloutEngine
 
 __all__ = ["RolloutEngineConfig", "build_rollout_engine", "load_engine"]
-
-
-@dataclass(frozen=True)
-class RolloutEngineConfig:
-    """Which engine generates the rollouts and where it runs.
-
-    kind: ``native`` (our KV-cache generator), ``vllm``, or ``package.module:Class``: an engine
-        of your own implementing `posttrain.rl.engine.RolloutEngine`, built as its docstring
-        says with `options` as further keyword arguments (imported when the config is built).
-    placement: ``colocated``: every trainer rank also hosts an engine on its device and the two
-        take turns (no extra devices; weights copied in process, a tensor at a time).
-        ``separate``: `num_engines` Ray actors with `resources_per_engine` each (e.g.
-        ``{num_gpus: 1}``) generate while the trainers own their devices; weights are gathered
-        per bucket and broadcast from trainer rank 0 to the engines over a process group of
-        their own (gloo on CPUs, NCCL on GPUs; `posttrain.rl.weight_sync`).
-    sync_bucket_mb: separate placement: the size of one broadcast bucket (trainer rank 0 holds
-        one bucket and one full tensor at a time, not the model).
-    max_batch_sequences: native engine: sequences decoded together, at most.
-    max_staleness: asynchronous rollouts (placement ``separate``): the engines generate the
-        batches of up to `max_staleness` steps ahead while the trainers update, so a batch is
-        trained at most that many policy versions after the one that sampled it (0: the
-        synchronous loop; `posttrain.rl.pipeline`).
-    vllm: keyword arguments of `posttrain.rl.vllm_engine.VLLMEngine` (gpu_memory_utilization,
-        tensor_parallel_size, kv_cache_memory_bytes, enforce_eager, ...).
-    options: keyword arguments of your own engine class (``kind: module:Class`` only).
-    release_memory: colocated: the engine gives back its memory (KV cache, weights) after
-        generating, so the trainers' update runs without it, and takes it back for the next
-        (then full) weight sync. vLLM sleeps (CUDA only; elsewhere it warns and keeps it).
-    """
-
-    kind: str = "native"                 # native | vllm | package.module:Class
-    placement: Literal["colocated", "separate"] = "colocated"
-    num_engines: int = 1
-    resources_per_engine: dict[str, float] = field(default_factory=dict)
-    sync_bucket_mb: float = 256.0
-    max_batch_sequences: int = 256
-    max_staleness: int = 0
-    vllm: dict[str, Any] = field(default_factory=dict)
-    options: dict[str, Any] = field(default_factory=dict)
-    release_memory: bool = True
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("native", "vllm"):
-            if ":" not in self.kind:
-                raise ConfigError(f"rollout.kind: {self.kind!r} is not native, vllm or an engine "
-                                  "class of your own named 'package.module:Class'")
-            engine_class(self.kind)
-            if self.vllm:
-                raise ValueError(f"rollout.vllm options are set but rollout.kind is "
-                                 f"{self.kind}; pass your engine's arguments as rollout.options")
-        elif self.options:
-            raise ValueError(f"rollout.options are for an engine class of your own "
-                             f"(rollout.kind: package.module:Class), not {self.kind}")
-        if self.num_engines < 1:
-            raise ValueError(f"rollout.num_engines must be >= 1, got {self.num_engines}")
-        if self.placement == "colocated" and self.num_engines != 1:
-            raise ValueError("rollout.num_engines applies to placement: separate; colocated "
-                             "runs one engine per trainer rank")
-        if self.sync_bucket_mb <= 0:
-            raise ValueError(f"rollout.sync_bucket_mb must be > 0, got {self.sync_bucket_mb}")
-        if self.max_staleness < 0:
-            raise ValueError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
-        if self.max_staleness and self.placement != "separate":
-            raise ValueError(f"rollout.max_staleness={self.max_staleness} generates while the "
-                             "trainers update, which needs engines of their own: set "
-                             "rollout.placement: separate")
-        if "release_memory" in self.vllm:
-            raise ValueError("rollout.vllm.release_memory: set rollout.release_memory instead")
-        if self.kind == "native" and self.vllm:
-            raise ValueError("rollout.vllm options are set but rollout.kind is native")
 
 
 def build_rollout_engine(cfg: RolloutEngineConfig, args: ModelArgs | None, hf_dir: str,
@@ -131,19 +60,6 @@ def native_engine(args: ModelArgs, device: torch.device | str, dtype: torch.dtyp
     for p in model.parameters():
         p.requires_grad_(False)
     return NativeEngine(model, max_batch_sequences=max_batch_sequences)
-
-
-def engine_class(kind: str) -> type:
-    """The engine class ``rollout.kind: package.module:Class`` names; a ConfigError naming the
-    key when it is not a class with the protocol's methods."""
-    cls = import_attribute(kind, "rollout.kind")
-    missing = [m for m in ("generate", "update_weights", "logprobs", "release_memory",
-                           "resume_memory") if not callable(getattr(cls, m, None))]
-    if not isinstance(cls, type) or missing:
-        what = f"lacks {missing}" if isinstance(cls, type) else "is not a class"
-        raise ConfigError(f"rollout.kind: {kind!r} {what}; name a class implementing "
-                          "posttrain.rl.engine.RolloutEngine")
-    return cls
 
 
 def _fallback_engine(cfg: RolloutEngineConfig, hf_dir: str, device: torch.device | str,

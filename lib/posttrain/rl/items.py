@@ -30,55 +30,25 @@ the shape of GRPO's text rewards (`posttrain.rl.rewards`: completions, what they
 rows' columns), with the same registry, weights, ``package.module:function`` names, config-time
 checks of params, and failure handling (a failing function scores 0 on the samples it fails
 on, counted, never stops the run). ``columns["future"][i]`` are the events after sample i's
-history. Built-in: `synthetic_dwell`, a business metric on the bundled synthetic world.
+history. Built-in: `synthetic_dwell`, a business metric on the bundled synthetic world
+(`posttrain.rl.item_rewards`, where item rewards are registered).
 """
 
 from __future__ import annotations
 
-import functools
-import random
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Literal, Sequence
+from typing import Callable, Sequence
 
-from posttrain.data.events import EventVocab
-from posttrain.errors import ConfigError, DataError
-from posttrain.ops.vocab import TokenRanges, check_token_ranges
+from posttrain.config.rl import EventEpisodesConfig
+from posttrain.data.event_vocab import EventVocab, item_ranges, stop_ids
+from posttrain.errors import DataError
 from posttrain.rl.engine import Rollout, SamplingConfig
+from posttrain.rl.item_rewards import ITEM_REWARDS, Event, register_items, synthetic_dwell
 from posttrain.rl.prompts import PromptRow, prompt_columns, shard_tables
-from posttrain.rl.rewards import CombinedReward, RewardOutput, register
+from posttrain.rl.rewards import CombinedReward, RewardOutput
 
 __all__ = ["EventEpisodesConfig", "ItemEpisodes", "ItemRollout", "ITEM_REWARDS", "item_ranges",
-           "read_history_rows", "synthetic_dwell"]
-
-Event = int | str
-# the names of the built-in rewards over items (the others in the registry score text)
-ITEM_REWARDS: set[str] = set()
-
-
-@dataclass(frozen=True)
-class EventEpisodesConfig:
-    """Sequence RL's ``events:`` section: how rows become histories, what may be generated."""
-
-    prompt_events: int = 8                 # events of a row given as its history, at most
-    cut: Literal["first", "random"] = "first"
-    min_prompt_events: int = 1             # cut: random: the fewest events of a history
-    seed: int = 0                          # cut: random: the draw of each row's cut
-    generate_semantic_ids: bool = False    # completions may hold semantic-ID codes too
-
-    def __post_init__(self) -> None:
-        if self.prompt_events < 1:
-            raise ValueError(f"events.prompt_events must be at least 1, got {self.prompt_events}")
-        if not 1 <= self.min_prompt_events <= self.prompt_events:
-            raise ValueError(f"events.min_prompt_events={self.min_prompt_events} must be in "
-                             f"[1, events.prompt_events={self.prompt_events}]")
-
-    def cut_length(self, index: int) -> int:
-        """How many events row `index` (of its split, manifest order) gives as its history."""
-        if self.cut == "first":
-            return self.prompt_events
-        span = self.prompt_events - self.min_prompt_events + 1
-        u = random.Random(self.seed * 1_000_003 + index).random()
-        return self.min_prompt_events + min(int(u * span), span - 1)
+           "read_history_rows", "register_items", "stop_ids", "synthetic_dwell"]
 
 
 # --------------------------------------------------------------------------- histories
@@ -124,36 +94,6 @@ def render(events: Sequence[Event]) -> str:
 
 
 # --------------------------------------------------------------------------- completions
-
-
-def item_ranges(vocab: EventVocab, *, semantic_ids: bool = False,
-                stop_ids: Sequence[int] = ()) -> TokenRanges:
-    """The ids a completion may hold: the items, the semantic-ID codes with `semantic_ids`,
-    and `stop_ids`, as ascending ``[lo, hi)`` windows (adjacent ones merged)."""
-    if semantic_ids and not vocab.semantic_tokens:
-        raise ConfigError("events.generate_semantic_ids: the model's event vocabulary has no "
-                          "semantic-ID codes")
-    end = vocab.vocab_size if semantic_ids else vocab.first_semantic_id
-    windows = sorted([(vocab.first_item, end), *((t, t + 1) for t in stop_ids)])
-    merged: list[tuple[int, int]] = []
-    for lo, hi in windows:
-        if merged and lo <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
-        else:
-            merged.append((lo, hi))
-    return check_token_ranges(merged, vocab.vocab_size)
-
-
-def stop_ids(vocab: EventVocab, names: Sequence[str]) -> tuple[int, ...]:
-    """The ids of `names` (``<eos>``: special tokens of the vocabulary); a ConfigError naming
-    ``sampling.stop_tokens`` for another name."""
-    out = []
-    for name in names:
-        if name not in vocab.special_ids:
-            raise ConfigError(f"sampling.stop_tokens: {name!r} is not a special token of the "
-                              f"event vocabulary ({', '.join(vocab.special_ids)})")
-        out.append(vocab.special_ids[name])
-    return tuple(dict.fromkeys(out))
 
 
 @dataclass
@@ -220,67 +160,3 @@ def item_metrics(rollouts: Sequence[Rollout], events: Callable[[Sequence[int]], 
             seen += sum(e in before for e in got) / len(got)
     n = max(len(rollouts), 1)
     return {"items/distinct_fraction": distinct / n, "items/seen_fraction": seen / n}
-
-
-# --------------------------------------------------------------------------- rewards
-
-
-def register_items(name: str, **kwargs: Any) -> Callable:
-    """`posttrain.rl.rewards.register` for a reward over items (module docstring)."""
-    def decorator(fn: Callable) -> Callable:
-        ITEM_REWARDS.add(name)
-        return register(name, **kwargs)(fn)
-    return decorator
-
-
-@functools.cache
-def _world(seed: int, num_items: int) -> Any:
-    from posttrain.data.synthetic import EventDatasetConfig, event_sequences
-    return event_sequences(0, EventDatasetConfig(num_items=num_items, seed=seed))[0]
-
-
-def _validate_dwell(*, seed: int = 0, num_items: int = 100, off_graph: float = 0.0) -> None:
-    from posttrain.data.synthetic import EventDatasetConfig
-    del off_graph
-    if not isinstance(seed, int) or not isinstance(num_items, int):
-        raise ValueError(f"params.seed and params.num_items are integers, got {seed!r}, "
-                         f"{num_items!r}")
-    EventDatasetConfig(num_items=num_items, seed=seed)
-
-
-@register_items("synthetic_dwell", validate=_validate_dwell)
-def synthetic_dwell(completions: list[list[Event]], histories: list[list[Event]],
-                    columns: dict[str, list[Any]], *, seed: int = 0, num_items: int = 100,
-                    off_graph: float = 0.0) -> list[float]:
-    """Engagement in the bundled synthetic world (`posttrain.data.synthetic`, the world of
-    `seed` and `num_items`, as ``assets/data/events`` was made): the mean, over a completion's
-    events, of
-
-        dwell(i_t)    if i_t is one of the graph successors of i_{t-1}
-        off_graph     otherwise (a jump, or a token that is not an item)
-
-    where i_{t-1} is the previous item (for the first, the history's last item) and dwell the
-    world's mean dwell time of an item (0.5 to 3.0); 0 for an empty completion. A user
-    follows a recommended session only along the graph, and stays as long as the items hold
-    them. The users of the data pick successors by their transition probabilities, not their
-    dwell: their own next 8 events after 8 score 1.74 on the held-out rows, always taking the
-    successor of highest dwell 2.39. So imitation is not the optimum and RL has to move the
-    policy (the tiny model of configs/sequence/tiny.yaml, sampled at temperature 1, starts at
-    1.17; 20 steps of configs/sequence_rl/tiny.yaml take it to about 2.1)."""
-    del columns
-    world = _world(seed, num_items)
-    out = []
-    for completion, history in zip(completions, histories):
-        items = [e for e in history if isinstance(e, int)]
-        previous = items[-1] if items else None
-        total = 0.0
-        for e in completion:
-            if (isinstance(e, int) and previous is not None
-                    and previous < len(world.successors) and e in world.successors[previous]):
-                total += world.dwell[e]
-            else:
-                total += off_graph
-            if isinstance(e, int):
-                previous = e
-        out.append(total / len(completion) if completion else 0.0)
-    return out

@@ -37,11 +37,13 @@ import operator
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from posttrain.rl.environment import Message, StepResult, Turn
-from posttrain.rl.prompts import PromptRow
 from posttrain.rl.sandbox import IsolationMode, SandboxLimits, require_isolation, run_python
+
+if TYPE_CHECKING:                       # prompts reads shards (pyarrow, torch): not needed here
+    from posttrain.rl.prompts import PromptRow
 
 __all__ = ["TOOL_SCHEMAS", "ToolCall", "ToolEnvironment", "calculator", "parse_tool_calls"]
 

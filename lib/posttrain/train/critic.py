@@ -45,49 +45,19 @@ Not supported (refused at launch): context parallelism (``train.parallel.cp > 1`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
 
+from posttrain.config.grpo import CriticConfig
 from posttrain.losses.ppo import (explained_variance, gae, masked_moments, terminal_rewards,
                                   value_loss, whiten)
 from posttrain.models.transformer import Transformer
 from posttrain.train.engine import Engine, EngineConfig, ModelConfig
-from posttrain.train.optim import OptimizerConfig, SchedulerConfig
 
 # the value loss root's stats: sums over trained tokens, divided by the token count
 _VALUE_STATS = ("value_loss", "value_clip_fraction", "value_abs_error")
-
-
-@dataclass(frozen=True)
-class CriticConfig:
-    """PPO's ``critic:`` section: where the value model starts, its training, and the knobs of
-    the advantage (GAE's gamma and lam, whitening) and of the value loss (its clip). Present
-    exactly when ``algorithm.advantage: gae``."""
-
-    hf_dir: str | None = None          # default: the policy's starting checkpoint
-    gamma: float = 1.0                 # discount per token
-    lam: float = 0.95                  # GAE's lambda: 1 Monte Carlo, 0 one-step TD
-    whiten_advantages: bool = True     # over the whole step's batch
-    value_clip: float | None = 0.2     # eps_v, in reward units; null: no value clipping
-    head_init_scale: float = 0.0       # x the engine's seeded init; 0: a zero value head
-    optimizer: OptimizerConfig = OptimizerConfig()
-    scheduler: SchedulerConfig = SchedulerConfig()
-    grad_clip_norm: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError(f"critic.gamma must be in [0, 1], got {self.gamma}")
-        if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"critic.lam must be in [0, 1], got {self.lam}")
-        if self.value_clip is not None and self.value_clip <= 0:
-            raise ValueError(f"critic.value_clip must be > 0 (or null: no clipping), got "
-                             f"{self.value_clip}")
-        if self.head_init_scale < 0:
-            raise ValueError(f"critic.head_init_scale must be >= 0, got {self.head_init_scale}")
-        if self.grad_clip_norm < 0:
-            raise ValueError("critic.grad_clip_norm must be >= 0 (0 disables clipping)")
 
 
 class ValueLoss(nn.Module):

@@ -33,14 +33,16 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from posttrain.config.model import LoraSettings, ModelConfig, ModelInitConfig
+from posttrain.config.train import EngineConfig
 from posttrain.distributed.env import build_mesh, dp_mesh, get_device
 from posttrain.distributed.materialize import materialize
 from posttrain.distributed.parallelize import (ParallelConfig, count_params, param_device,
@@ -51,8 +53,11 @@ from posttrain.models.families.base import VOCAB_PARAMS
 from posttrain.models.hf_io import grow_vocab_rows, iter_hf_tensors, load_hf
 from posttrain.models.transformer import LMHead, Transformer, build_model
 from posttrain.train.checkpoint import CheckpointConfig, CheckpointManager
-from posttrain.train.optim import (OptimizerConfig, SchedulerConfig, build_optimizer,
-                                   build_scheduler)
+from posttrain.train.optim import build_optimizer, build_scheduler
+
+__all__ = ["all_reduce_max", "all_reduce_sum", "build_sharded", "CausalLMLoss", "DataParallel",
+           "Engine", "EngineConfig", "LoraSettings", "ModelConfig", "ModelInitConfig",
+           "write_random_hf_model"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -108,94 +113,6 @@ class DataParallel:
         out: list = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)
         return out
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
-    # embedding and LM-head rows trained beside the adapters (PEFT's trainable_token_indices;
-    # `posttrain.models.trainable_tokens`): "added" (the tokens the tokenizer added:
-    # tokenizer.added_tokens, semantic_ids), "none", or a list of token ids. A run whose
-    # tokenizer added tokens that would stay frozen is refused.
-    trainable_tokens: str | tuple[int, ...] = "added"
-    # whole vocabulary modules trained beside the adapters (PEFT's modules_to_save): embed, head
-    modules_to_save: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        from posttrain.models.trainable_tokens import check_modules_to_save
-        if isinstance(self.trainable_tokens, str) and self.trainable_tokens not in ("added",
-                                                                                    "none"):
-            raise ConfigError(f"model.lora.trainable_tokens: {self.trainable_tokens!r} is not "
-                              "'added', 'none' or a list of token ids")
-        check_modules_to_save(self.modules_to_save)
-
-    def token_ids(self, added: Sequence[int]) -> tuple[int, ...]:
-        """The ids whose rows train, given the ids the tokenizer `added`."""
-        if self.trainable_tokens == "added":
-            return tuple(added)
-        return () if self.trainable_tokens == "none" else tuple(self.trainable_tokens)
-
-
-@dataclass(frozen=True)
-class ModelInitConfig:
-    """A random model from a config (tests and the bundled tiny run): never downloads."""
-
-    family: str
-    overrides: dict[str, Any] = field(default_factory=dict)   # HF config fields
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    hf_dir: str | None = None                 # local HF checkpoint directory
-    init: ModelInitConfig | None = None       # or a random init from a config
-    # the SFT recipe config whose export hf_dir is (e.g. configs/sft/arithmetic_tiny.yaml):
-    # when hf_dir does not exist, a flow starts from the newest successful SFTFlow run of that
-    # config, or trains it first; the CLI names the command that makes it
-    produced_by: str | None = None
-    dtype: Literal["float32", "bfloat16"] = "float32"     # master weights
-    vocab_multiple: int = 64
-    lora: LoraSettings | None = None
-    loss_chunk_tokens: int = 1024
-    # MoE models: the router's load-balancing loss (None: the checkpoint config's
-    # router_aux_loss_coef) and z-loss, added to the training loss with these weights
-    moe_aux_loss_coef: float | None = None
-    moe_z_loss_coef: float = 0.0
-    # routers with a score-correction bias (DeepSeek-V3): auxiliary-loss-free balancing moves
-    # the bias by this much per optimizer step (the paper's gamma, 0.001 in its pretraining;
-    # `posttrain.models.moe_balance.update_score_bias`); 0 keeps the checkpoint's bias, as
-    # transformers' training does
-    moe_bias_update_speed: float = 0.0
-
-    def __post_init__(self) -> None:
-        if (self.hf_dir is None) == (self.init is None):
-            raise ValueError("model: set exactly one of hf_dir (a checkpoint) or init "
-                             "(a random model from a config)")
-        if (self.moe_aux_loss_coef or 0.0) < 0 or self.moe_z_loss_coef < 0:
-            raise ValueError("model.moe_aux_loss_coef and model.moe_z_loss_coef must be >= 0")
-        if self.moe_bias_update_speed < 0:
-            raise ValueError("model.moe_bias_update_speed must be >= 0")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_steps: int
-    optimizer: OptimizerConfig = OptimizerConfig()
-    scheduler: SchedulerConfig = SchedulerConfig()
-    parallel: ParallelConfig = ParallelConfig()
-    grad_clip_norm: float = 1.0
-    seed: int = 0
-    checkpoint_every_steps: int = 50
-    keep_checkpoints: int = 2
-
-    def __post_init__(self) -> None:
-        if self.max_steps < 1:
-            raise ValueError("max_steps must be at least 1")
-        if self.grad_clip_norm < 0:
-            raise ValueError("grad_clip_norm must be >= 0 (0 disables clipping)")
 
 
 class CausalLMLoss(nn.Module):

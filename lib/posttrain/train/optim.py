@@ -8,40 +8,11 @@ decayed like other matrices unless `decay_embeddings` is false.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    lr: float = 2e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    decay_embeddings: bool = True
-    fused: bool = False                 # fused AdamW kernel (CUDA only)
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError("optimizer.lr must be positive")
-        if not (0 <= self.betas[0] < 1 and 0 <= self.betas[1] < 1):
-            raise ValueError("optimizer.betas must be in [0, 1)")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    kind: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0           # final lr as a fraction of the peak
-
-    def __post_init__(self) -> None:
-        if self.warmup_steps < 0:
-            raise ValueError("scheduler.warmup_steps must be >= 0")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError("scheduler.min_lr_ratio must be in [0, 1]")
+from posttrain.config.train import OptimizerConfig, SchedulerConfig
 
 
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:

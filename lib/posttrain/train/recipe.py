@@ -28,143 +28,30 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from posttrain.config.loader import build, inline
+from posttrain.config.loader import build
+from posttrain.config.train import (ExportConfig, RunConfig, TrainConfig, check_context_parallel,
+                                    check_eval_tasks, check_export, check_step_split)
 from posttrain.data.loader import (LoaderConfig, StreamLoader, TrainLoader,
                                    sources_from_manifest)
 from posttrain.data.prepared import local_view
 from posttrain.errors import ConfigError, DataError
 from posttrain.models.transformer import Transformer
-from posttrain.train.engine import CausalLMLoss, Engine, EngineConfig
+from posttrain.train.engine import CausalLMLoss, Engine
 from posttrain.train.metrics import batch_counts, device_peak_flops, step_metrics
+
+__all__ = ["check_context_parallel", "check_eval_tasks", "check_export", "check_step_split",
+           "eval_suite", "ExportConfig", "head_flops", "one_pass", "policy_flops", "Recipe",
+           "RecipeWorker", "RunConfig", "tokenizer_added_ids", "tokenizer_vocab", "TrainConfig"]
 
 log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- shared config parts
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """A recipe's ``train:`` section: the engine's config (inline) and how a step is fed."""
-
-    engine: EngineConfig = inline()
-    tokens_per_step: int                      # global token slots per optimizer step
-    loader: LoaderConfig = LoaderConfig()
-
-    MOVED_KEYS: ClassVar[dict[str, str]] = {
-        "dpo": "DPO's loss settings are the top-level `loss:` section (beta, loss_type, ...)",
-        "reference": "DPO's reference is the top-level `reference:` section"}
-
-    def __post_init__(self) -> None:
-        micro_tokens = self.loader.rows_per_batch * self.loader.packing.max_tokens_per_pack
-        if self.tokens_per_step % micro_tokens:
-            raise ValueError(f"tokens_per_step={self.tokens_per_step} must be a multiple of "
-                             f"rows_per_batch x max_tokens_per_pack = {micro_tokens}")
-
-    @property
-    def micro_batches_per_step(self) -> int:
-        return self.tokens_per_step // (self.loader.rows_per_batch *
-                                        self.loader.packing.max_tokens_per_pack)
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    dir: str = "runs/sft"
-    num_workers: int = 1
-    resources_per_worker: dict[str, float] = field(default_factory=dict)
-    launcher: Literal["ray", "inline"] = "ray"
-    num_nodes: int = 1                        # machines (Metaflow @metaflow_ray num_parallel)
-    tensorboard_dir: str | None = None        # also mirror metrics.jsonl as TensorBoard events
-    # the GPU kind each worker gets (h100-80g, h200, a100-40g, ...: `posttrain.plan.devices`):
-    # the memory plan is checked against it when a flow starts
-    gpu: str | None = None
-    # what a flow's start does when the memory plan does not fit (`posttrain.plan.check`):
-    # error (stop, naming the part and the knobs), warn (log and go on), off (no plan)
-    plan_check: Literal["error", "warn", "off"] = "error"
-
-    def __post_init__(self) -> None:
-        if self.gpu is not None:
-            from posttrain.plan.devices import gpu_bytes
-            gpu_bytes(self.gpu)
-        if self.num_workers < 1:
-            raise ValueError("run.num_workers must be at least 1")
-        if self.num_nodes < 1:
-            raise ValueError("run.num_nodes must be at least 1")
-        if self.num_nodes > 1 and self.launcher != "ray":
-            raise ValueError(f"run.num_nodes={self.num_nodes} needs run.launcher: ray (the "
-                             "trainer actors are placed over the Ray cluster of all nodes)")
-        if self.num_nodes > self.num_workers:
-            raise ValueError(f"run.num_nodes={self.num_nodes} is more than run.num_workers="
-                             f"{self.num_workers}: a node without a worker would sit idle")
-        if self.launcher == "inline" and self.num_workers != 1:
-            raise ValueError("run.launcher: inline runs one worker in the driver process; "
-                             "use launcher: ray for num_workers > 1")
-
-
-@dataclass(frozen=True)
-class ExportConfig:
-    format: Literal["full", "merged", "peft"] = "full"   # merged/peft need model.lora
-    dtype: Literal["float32", "bfloat16"] | None = None
-
-
-def check_export(export: ExportConfig, lora: Any) -> None:
-    """export.format must match whether the model has LoRA adapters, and a PEFT adapter must
-    be able to express them (`posttrain.models.lora.check_peft_export`)."""
-    if export.format in ("merged", "peft") and lora is None:
-        raise ValueError(f"export.format: {export.format} needs model.lora")
-    if export.format == "peft":
-        from posttrain.models.lora import check_peft_export
-        check_peft_export(lora.targets, lora.dropout)
-    if export.format == "full" and lora is not None:
-        # else the run would train, then fail in export on the adapter parameters
-        raise ValueError("export.format: full cannot write a LoRA model; set export.format "
-                         "to merged (full weights, adapters folded in) or peft (the adapter)")
-
-
-def check_step_split(micro_batches: int, run: RunConfig, parallel: Any, streams: int = 1
-                     ) -> None:
-    """A step's micro-batches must deal out evenly over the data-parallel ranks: run.num_workers
-    processes over `parallel.tp`-wide tensor-parallel groups (ranks of a group share data);
-    with `streams` S > 1, over the streams (G / S each), and the streams over the ranks."""
-    from posttrain.distributed.env import resolve_mesh_shape
-    dp_shard, tp = resolve_mesh_shape(run.num_workers, parallel.dp_shard, parallel.tp,
-                                      parallel.dp_replicate, parallel.cp, parallel.ep)
-    dp = parallel.dp_replicate * dp_shard
-    split = " x ".join(f"parallel.{k}={v}" for k, v in (("tp", tp), ("cp", parallel.cp))
-                       if v > 1)
-    ranks = (f"run.num_workers={run.num_workers}" if not split else
-             f"{dp} data-parallel ranks (run.num_workers={run.num_workers} / "
-             + (f"({split}))" if " x " in split else f"{split})"))
-    if micro_batches % dp:
-        raise ValueError(f"{micro_batches} micro-batches per step (tokens_per_step / "
-                         f"(rows_per_batch x max_tokens_per_pack)) do not split over {ranks}")
-    if streams > 1 and (micro_batches % streams or streams % dp):
-        raise ValueError(f"train.loader.streams={streams} must divide the {micro_batches} "
-                         f"micro-batches per step and be a multiple of the {ranks}: each rank "
-                         f"reads whole streams, each stream gives every step the same number "
-                         f"of micro-batches")
-
-
-def check_context_parallel(recipe: str, parallel: Any, loader: LoaderConfig) -> None:
-    """`parallel.cp > 1` cuts every packed row into 2 cp chunks: the recipe must take it (its
-    loss adds up over tokens) and its rows must have a fixed length that divides."""
-    if parallel.cp == 1:
-        return
-    if recipe not in ("sft",):
-        raise ValueError(f"parallel.cp={parallel.cp}: context parallelism is built for SFT "
-                         f"and GRPO (losses that add up over tokens); the {recipe} recipe "
-                         "needs parallel.cp=1")
-    pack = loader.packing.max_tokens_per_pack
-    if loader.mode != "packed" or pack % (2 * parallel.cp):
-        raise ValueError(f"parallel.cp={parallel.cp} cuts rows into {2 * parallel.cp} chunks: "
-                         f"use train.loader.mode: packed with max_tokens_per_pack a multiple "
-                         f"of {2 * parallel.cp} (got {loader.mode}, {pack})")
 
 
 def one_pass(cfg: LoaderConfig) -> LoaderConfig:
@@ -348,21 +235,6 @@ def eval_suite(cfg: Any, kind: str, options: Any = lambda i: {}, *,
     extra = tuple(getattr(cfg.eval, "tasks", ()))
     return SuiteConfig(tasks=tasks + extra, tokenizer=cfg.tokenizer, dtype=cfg.model.dtype,
                        **suite)
-
-
-def check_eval_tasks(sources: list, tasks: tuple) -> None:
-    """`eval.tasks` are suite tasks the evaluate step runs after the held-out ones (the
-    flows report the first held-out task's metrics): they need held-out `sources`, and no name
-    may repeat, theirs or the sources' (``eval<i>`` when unnamed)."""
-    if tasks and not sources:
-        raise ValueError("eval.tasks run beside the held-out evaluation, and this config has "
-                         "no held-out data (data.eval; KTO: eval.pairs): add some, or run the "
-                         "tasks as a suite (posttrain evaluate --suite)")
-    names = [src.name or f"eval{i}" for i, src in enumerate(sources)] + [t.name for t in tasks]
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise ValueError(f"eval.tasks: task names {repeated} repeat (the held-out data.eval "
-                         "sources are tasks of the evaluation too); rename them")
 
 
 def policy_flops(model: nn.Module, batch: dict, *, lora: Any = None, training: bool = True,

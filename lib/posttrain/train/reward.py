@@ -17,41 +17,19 @@ completion_text) -> float`` callable, usable as a GRPO reward.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from posttrain.config.recipes import DataConfig
-from posttrain.data.tokenizer import TokenizerConfig
+from posttrain.config.reward import RewardConfig
 from posttrain.losses.reward import bt_loss
 from posttrain.models.reward_model import HEAD_FILE, HEAD_JSON
 from posttrain.models.transformer import Transformer
 from posttrain.ops.cross_entropy import IGNORE_INDEX
-from posttrain.train.dpo import (PairEvalConfig, check_pair_recipe, pair_postfix, pair_result,
-                                 pair_summary)
-from posttrain.train.engine import ModelConfig
-from posttrain.train.recipe import (ExportConfig, Recipe, RunConfig, TrainConfig, eval_suite,
-                                    policy_flops)
-
-
-
-@dataclass(frozen=True)
-class RewardConfig:
-    tokenizer: TokenizerConfig
-    data: DataConfig
-    model: ModelConfig
-    train: TrainConfig
-    run: RunConfig = RunConfig(dir="runs/reward")
-    eval: PairEvalConfig = PairEvalConfig()
-    export: ExportConfig = ExportConfig()
-
-    def __post_init__(self) -> None:
-        if self.model.lora is not None:
-            raise ValueError("the reward model trains the full body: remove model.lora")
-        check_pair_recipe(self, "the reward model")
+from posttrain.train.dpo import pair_postfix, pair_result, pair_summary
+from posttrain.train.recipe import Recipe, eval_suite, policy_flops
 
 
 def last_response_index(labels_BT: torch.Tensor, sequence_ids_BT: torch.Tensor,
@@ -92,7 +70,6 @@ class RewardLoss(nn.Module):
         return loss, {"accuracy": m["accuracy"] * n, "margins": m["margin"] * n,
                       "rewards_chosen": chosen_P.detach().sum(),
                       "rewards_rejected": rejected_P.detach().sum()}
-
 
 
 def _hidden_size(model: nn.Module) -> int:

@@ -32,81 +32,25 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from posttrain.config.recipes import DataConfig, OutputConfig, PrepareConfig
-from posttrain.data.events import EventVocab, LabelConfig, VocabConfig, label_column
+from posttrain.config.sequence import HeadsConfig, SequenceConfig, SequenceEvalConfig
+from posttrain.data.events import EventVocab, label_column
 from posttrain.errors import DataError
 from posttrain.losses.sequence import head_loss_sum, labelled, shift_to_next
 from posttrain.losses.sft import sft_loss_sum
 from posttrain.models.heads import HEADS_FILE, HeadConfig, PositionHeads, save_heads
 from posttrain.models.transformer import Transformer
 from posttrain.ops.cross_entropy import IGNORE_INDEX, chunked_argmax
-from posttrain.train.engine import ModelConfig
-from posttrain.train.recipe import (ExportConfig, Recipe, RunConfig, TrainConfig, check_export,
-                                    check_context_parallel, check_step_split, policy_flops)
+from posttrain.train.recipe import Recipe, policy_flops
 
-
-@dataclass(frozen=True)
-class HeadsConfig:
-    """The model's outputs: the next item's loss weight, and the per-position heads by name
-    (each trained on the row label of that name)."""
-
-    next_item_weight: float = 1.0
-    per_position: dict[str, HeadConfig] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.next_item_weight < 0:
-            raise ValueError("heads.next_item_weight must be >= 0")
-
-    def labels(self) -> dict[str, LabelConfig]:
-        """The label fields the rows carry for the heads."""
-        return {name: LabelConfig(h.kind, h.num_classes) for name, h in self.per_position.items()}
-
-
-@dataclass(frozen=True)
-class SequenceEvalConfig:
-    max_batches: int = 50                     # held-out micro-batches
-
-
-@dataclass(frozen=True)
-class SequenceConfig:
-    vocab: VocabConfig
-    data: DataConfig
-    model: ModelConfig
-    train: TrainConfig
-    heads: HeadsConfig = HeadsConfig()
-    run: RunConfig = RunConfig(dir="runs/sequence")
-    eval: SequenceEvalConfig = SequenceEvalConfig()
-    export: ExportConfig = ExportConfig()
-
-    def __post_init__(self) -> None:
-        if self.data.format != "sequence":
-            raise ValueError(f"data.format: the sequence recipe reads event sequences "
-                             f"(sequence), not {self.data.format!r}")
-        if self.train.loader.format != "sequence":
-            raise ValueError("train.loader.format must be sequence")
-        if self.model.lora is not None:
-            raise ValueError("model.lora: the sequence recipe trains the whole model; remove it")
-        check_export(self.export, self.model.lora)
-        pad = EventVocab(self.vocab).pad_id
-        packing = self.train.loader.packing
-        if pad is not None and packing.pad_token_id != pad:
-            raise ValueError(f"train.loader.packing.pad_token_id={packing.pad_token_id} is not "
-                             f"the vocabulary's <pad> id {pad}; set it to {pad}")
-        check_step_split(self.train.micro_batches_per_step, self.run, self.train.engine.parallel,
-                         self.train.loader.streams)
-        check_context_parallel("sequence", self.train.engine.parallel, self.train.loader)
-
-    def prepare_config(self, output: OutputConfig) -> PrepareConfig:
-        """What the prepare step reads: the rows, with ids from `vocab` and the heads' labels."""
-        return PrepareConfig(tokenizer=None, data=self.data, output=output, vocab=self.vocab,
-                             labels=self.heads.labels())
+__all__ = ["export_sequence_model", "head_means", "head_targets", "HeadsConfig", "Sequence",
+           "SequenceConfig", "SequenceEvalConfig", "SequenceLoss", "target_key",
+           "write_special_ids"]
 
 
 def target_key(name: str) -> str:
