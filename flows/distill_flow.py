@@ -24,7 +24,7 @@ that does not share the student's tokenizer fails the distill step before any wo
 from _posttrain_flow import parse_config, ray_nodes, ship_repo
 from metaflow import Config, FlowSpec, card, current, retry, step
 
-DISTILL_SCHEMA = "posttrain.train.distill.DistillConfig"
+DISTILL_SCHEMA = "posttrain.config.distill.DistillConfig"
 
 
 @ship_repo("lib", "steps", "configs", "assets")

@@ -23,7 +23,7 @@ driver loop with this flow's train step.
 from _posttrain_flow import parse_config, ray_nodes, ship_repo
 from metaflow import Config, FlowSpec, card, current, retry, step
 
-DPO_SCHEMA = "posttrain.train.dpo.DPOConfig"
+DPO_SCHEMA = "posttrain.config.dpo.DPOConfig"
 
 
 @ship_repo("lib", "steps", "configs", "assets")

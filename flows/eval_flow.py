@@ -28,7 +28,7 @@ before any step runs. Generation uses the suite's rollout engine (native on CPU,
 from _posttrain_flow import build_config, parse_config, ship_repo
 from metaflow import Config, FlowSpec, Parameter, card, current, step, trigger_on_finish
 
-SUITE_SCHEMA = "posttrain.eval.suites.SuiteConfig"
+SUITE_SCHEMA = "posttrain.config.eval.SuiteConfig"
 
 
 @trigger_on_finish(flow="GRPOFlow")

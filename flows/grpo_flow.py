@@ -34,8 +34,8 @@ from _posttrain_flow import parse_config, ray_nodes, ship_repo
 from metaflow import (Config, FlowSpec, Parameter, card, current, retry, step,
                       trigger_on_finish)
 
-GRPO_SCHEMA = "posttrain.train.grpo.GRPOConfig"
-SFT_SCHEMA = "posttrain.train.sft.SFTConfig"
+GRPO_SCHEMA = "posttrain.config.grpo.GRPOConfig"
+SFT_SCHEMA = "posttrain.config.sft.SFTConfig"
 
 
 @trigger_on_finish(flow="SFTFlow")

@@ -17,9 +17,9 @@ with every intermediate checkpoint an artifact of one run:
 from _posttrain_flow import build_config, parse_config, ship_repo
 from metaflow import Config, FlowSpec, card, current, retry, step
 
-SFT_SCHEMA = "posttrain.train.sft.SFTConfig"
-GRPO_SCHEMA = "posttrain.train.grpo.GRPOConfig"
-SUITE_SCHEMA = "posttrain.eval.suites.SuiteConfig"
+SFT_SCHEMA = "posttrain.config.sft.SFTConfig"
+GRPO_SCHEMA = "posttrain.config.grpo.GRPOConfig"
+SUITE_SCHEMA = "posttrain.config.eval.SuiteConfig"
 
 
 @ship_repo("lib", "steps", "configs", "assets")

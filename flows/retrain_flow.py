@@ -16,7 +16,7 @@ from _posttrain_flow import parse_config, ship_repo
 from metaflow import Config, FlowSpec, card, current, retry, schedule, step
 
 RETRAIN_SCHEMA = "posttrain.retrain.RetrainConfig"
-SFT_SCHEMA = "posttrain.train.sft.SFTConfig"
+SFT_SCHEMA = "posttrain.config.sft.SFTConfig"
 PROMOTED = "promoted"
 
 

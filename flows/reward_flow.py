@@ -18,7 +18,7 @@ Load the result as a GRPO reward with `posttrain.train.reward.load_reward_model(
 from _posttrain_flow import parse_config, ray_nodes, ship_repo
 from metaflow import Config, FlowSpec, card, current, retry, step
 
-REWARD_SCHEMA = "posttrain.train.reward.RewardConfig"
+REWARD_SCHEMA = "posttrain.config.reward.RewardConfig"
 
 
 @ship_repo("lib", "steps", "configs", "assets")

@@ -26,7 +26,7 @@ Load the result with `transformers.AutoModelForCausalLM.from_pretrained(<hf_uri>
 from _posttrain_flow import parse_config, ray_nodes, ship_repo
 from metaflow import Config, FlowSpec, card, current, retry, step
 
-SEQUENCE_SCHEMA = "posttrain.train.sequence.SequenceConfig"
+SEQUENCE_SCHEMA = "posttrain.config.sequence.SequenceConfig"
 
 
 @ship_repo("lib", "steps", "configs", "assets")

@@ -30,7 +30,7 @@ A thin composition of the steps `tests/steps/test_train_sequence_rl.py` tests (t
 from _posttrain_flow import parse_config, ray_nodes, ship_repo
 from metaflow import Config, FlowSpec, Parameter, card, current, retry, step
 
-SCHEMA = "posttrain.train.sequence_rl.SequenceRLConfig"
+SCHEMA = "posttrain.config.sequence_rl.SequenceRLConfig"
 
 
 @ship_repo("lib", "steps", "configs", "assets")

@@ -26,7 +26,7 @@ fails before any step runs. Weights and datasets go to storage; artifacts hold t
 from _posttrain_flow import parse_config, ray_nodes, ship_repo
 from metaflow import Config, FlowSpec, card, current, retry, step
 
-SFT_SCHEMA = "posttrain.train.sft.SFTConfig"
+SFT_SCHEMA = "posttrain.config.sft.SFTConfig"
 
 
 @ship_repo("lib", "steps", "configs", "assets")

@@ -16,17 +16,17 @@ import yaml
 
 # kind -> (dotted schema class, the command that runs such a config)
 KINDS: dict[str, tuple[str, str]] = {
-    "sft": ("posttrain.train.sft.SFTConfig", "posttrain train-sft --config {}"),
-    "dpo": ("posttrain.train.dpo.DPOConfig", "posttrain train-dpo --config {}"),
-    "reward": ("posttrain.train.reward.RewardConfig", "posttrain train-reward --config {}"),
-    "distill": ("posttrain.train.distill.DistillConfig", "posttrain train-distill --config {}"),
-    "sequence": ("posttrain.train.sequence.SequenceConfig",
+    "sft": ("posttrain.config.sft.SFTConfig", "posttrain train-sft --config {}"),
+    "dpo": ("posttrain.config.dpo.DPOConfig", "posttrain train-dpo --config {}"),
+    "reward": ("posttrain.config.reward.RewardConfig", "posttrain train-reward --config {}"),
+    "distill": ("posttrain.config.distill.DistillConfig", "posttrain train-distill --config {}"),
+    "sequence": ("posttrain.config.sequence.SequenceConfig",
                  "posttrain train-sequence --config {}"),
-    "grpo": ("posttrain.train.grpo.GRPOConfig", "posttrain train-grpo --config {}"),
-    "sequence_rl": ("posttrain.train.sequence_rl.SequenceRLConfig",
+    "grpo": ("posttrain.config.grpo.GRPOConfig", "posttrain train-grpo --config {}"),
+    "sequence_rl": ("posttrain.config.sequence_rl.SequenceRLConfig",
                     "posttrain train-sequence-rl --config {}"),
     "prepare": ("posttrain.config.recipes.PrepareConfig", "posttrain prepare --config {}"),
-    "eval": ("posttrain.eval.suites.SuiteConfig",
+    "eval": ("posttrain.config.eval.SuiteConfig",
              "posttrain evaluate --suite {} --model DIR --baseline DIR"),
     "retrain": ("posttrain.retrain.RetrainConfig", "python flows/retrain_flow.py --config "
                                                     "config {} run"),
