@@ -25,7 +25,7 @@ _FILE_EXT = (".py", ".yaml", ".yml", ".md", ".json", ".jsonl", ".sh", ".txt", ".
 # Files a run writes (not in the repository), or an example name the docs make up.
 _NOT_IN_REPO = {"result.json", "metrics.jsonl", "lineage.json", "event_vocab.json", "heads.json",
                 "meta.json", "manifest.json", "my_envs.py", "my_rewards.py",
-                "gpu_suite.jsonl", "mmlu_test.jsonl", "rank-*.json"}
+                "gpu_suite.jsonl", "mmlu_test.jsonl", "rank-*.json", "trackers.json"}
 
 
 def _split(text: str) -> tuple[list[str], list[str]]:
@@ -123,7 +123,8 @@ def test_links_and_paths_resolve(page: Path, basenames: set[str]) -> None:
                 broken.append(f"link {target}: no heading #{anchor} in {dest.name}")
     for token in sorted(_path_tokens(prose, code)):
         if not _path_exists(token, basenames):
-            broken.append(f"path `{token}`: not in the repository")
+            broken.append(f"path `{token}`: not in the repository (a file a run writes: "
+                          "add it to _NOT_IN_REPO)")
     assert not broken, f"{page.relative_to(ROOT)}:\n" + "\n".join(broken)
 
 
