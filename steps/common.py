@@ -297,7 +297,7 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
             drop_metrics_after(metrics_path, start)
             trackers = open_run_trackers(cfg, recipe.name, start, state_dir=state_dir,
                                          run_dir=run_dir, prepared_dir=local, hf_dir=hf_dir,
-                                         context=lineage)
+                                         context=lineage, history=metrics_path)
             writer.add_mirror(trackers)
             log.info("%s: %s params (%s trainable) on %d worker(s), from step %d", recipe.name,
                      f"{info['params']:,}", f"{info['trainable_params']:,}", info["world_size"],
@@ -333,11 +333,13 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
 
 
 def open_run_trackers(cfg: Any, recipe: str, start: int, *, state_dir: str, run_dir: Path,
-                      prepared_dir: str, hf_dir: str, context: dict[str, str] | None) -> Any:
-    """The run's `run.trackers`, started (or resumed past checkpoint `start`) and tagged with
-    its lineage; None without trackers."""
+                      prepared_dir: str, hf_dir: str, context: dict[str, str] | None,
+                      history: Path) -> Any:
+    """The run's `run.trackers`, started (or resumed past checkpoint `start`, with the metrics
+    `history` up to it) and tagged with its lineage; None without trackers."""
     if not cfg.run.trackers:
         return None
+    from posttrain.train.metrics import read_metrics
     from posttrain.train.trackers import open_trackers, run_lineage
     config = to_dict(cfg)
     base = hf_dir if cfg.model.hf_dir else f"random init ({cfg.model.init.family})"
@@ -345,7 +347,8 @@ def open_run_trackers(cfg: Any, recipe: str, start: int, *, state_dir: str, run_
                           base_model=base, code_root=Path(__file__).resolve().parents[1],
                           context=context)
     return open_trackers(cfg.run.trackers, state_dir=state_dir, run_dir=str(run_dir),
-                         start_step=start, config=config, lineage=lineage)
+                         start_step=start, config=config, lineage=lineage,
+                         history=read_metrics(history) if start and history.is_file() else [])
 
 
 def summarize(recipe: Any, result: dict, seconds: float) -> str:

@@ -14,7 +14,8 @@ rank 0's view; the workers never talk to a tracker):
 - every record of `metrics.jsonl` at its ``step``, its numbers only (text and lists stay in
   the file): each optimizer step's metrics, and the run's held-out evaluation at the last step
   (GRPO's baseline evaluation at step 0). A flow's evaluate step adds its suite's table to the
-  same tracker runs (`log_evaluation`), at the last step, as ``suite/<task>/<metric>``.
+  same tracker runs (`log_evaluation`), at the last step, as ``suite/<task>/<metric>``
+  (and ``suite_baseline/...``, ``suite_delta/...``).
 - the resolved config: MLflow params (flattened, ``train.optimizer.lr``), W&B config (nested).
 - the run's lineage (`run_lineage`): MLflow tags ``posttrain.recipe``, ``posttrain.config_hash``,
   ``posttrain.dataset_hash`` (the prepared data's content hash), ``posttrain.base_model``,
@@ -38,9 +39,14 @@ continues those runs: MLflow's run (status back to RUNNING), W&B's run id (``res
 offline, each attempt is a directory of its own under the same id, which ``wandb sync`` joins).
 The steps after the checkpoint that the interrupted attempt had already logged are logged
 again, as `metrics.jsonl` has them again: MLflow keeps both values at such a step (the same
-numbers but the timings, since resume is bit-identical), W&B online keeps the first (it refuses
-a step below its current one, so those are not sent). A run that starts at step 0 (no
-checkpoint) starts new tracker runs; an MLflow run a previous attempt left is marked KILLED.
+numbers but the timings, since resume is bit-identical); W&B keeps the first, as it refuses
+a step below the run's current one (online those are not even sent; offline, ``wandb sync``
+replays the attempts' files in order into the one run: not tested here, there is no server).
+W&B writes what it is given every 15 s, so a killed attempt loses its last records, also
+ones before the checkpoint: the resumed run logs `metrics.jsonl`'s records up to the
+checkpoint again to W&B, which fills that gap and keeps the rest as it was. A run that starts
+at step 0 (no checkpoint) starts new tracker runs; an MLflow run a previous attempt left is
+marked KILLED.
 
 Failure policy. A tracker that cannot start (package not installed, server unreachable, not
 logged in, the run to resume not found) stops the run before its first step with a
@@ -278,6 +284,9 @@ class MLflowTracker:
             self.client.log_batch(self.record["run_id"],
                                   metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
 
+    def replay(self, history: list[Mapping[str, Any]], start_step: int) -> None:
+        """Nothing to replay: each `log` call was stored when it returned."""
+
     def close(self, ok: bool) -> None:
         self.client.set_terminated(self.record["run_id"], "FINISHED" if ok else "FAILED")
 
@@ -347,6 +356,16 @@ class WandbTracker:
     def log(self, values: Mapping[str, int | float], step: int) -> None:
         if step >= self.first_step:
             self.run.log(dict(values), step=step)
+
+    def replay(self, history: list[Mapping[str, Any]], start_step: int) -> None:
+        """Log again the records up to the checkpoint: W&B writes what it was given every
+        15 s (`x_transaction_log_flush_interval`), so a killed attempt loses its last steps,
+        also ones before the checkpoint. Online, the steps the server has are skipped
+        (`first_step`); offline, `wandb sync` keeps the first value of a step."""
+        for record in history:
+            step = int(record.get("step", 0))
+            if step <= start_step:
+                self.log(numbers(record), step)
 
     def close(self, ok: bool) -> None:
         self.run.finish(exit_code=0 if ok else 1)
@@ -448,11 +467,13 @@ def _make(cfg: TrackerConfig, where: str, run_dir: str) -> Any:
 
 
 def open_trackers(configs: tuple[TrackerConfig, ...], *, state_dir: str, run_dir: str,
-                  start_step: int, config: Mapping[str, Any], lineage: Mapping[str, str]
-                  ) -> Trackers | None:
+                  start_step: int, config: Mapping[str, Any], lineage: Mapping[str, str],
+                  history: list[Mapping[str, Any]] = ()) -> Trackers | None:
     """Start (or, when the run continues from checkpoint `start_step` > 0, resume) the runs of
     the configured trackers; their ids go to ``<state_dir>/trackers.json``. None without
-    trackers. A tracker that cannot start raises `TrackerError` (the others are ended)."""
+    trackers. A tracker that cannot start raises `TrackerError` (the others are ended).
+    `history` (metrics.jsonl up to the checkpoint) is logged again to a resumed tracker that
+    may have lost the interrupted attempt's last records (W&B)."""
     if not configs:
         return None
     path = _state_path(state_dir)
@@ -475,6 +496,8 @@ def open_trackers(configs: tuple[TrackerConfig, ...], *, state_dir: str, run_dir
             tracker.start(previous, name=name, config=config, lineage=lineage,
                           start_step=start_step)
             started.append(tracker)
+            if previous:
+                tracker.replay(list(history), start_step)
     except BaseException:
         for tracker in started:
             Trackers._close(tracker, ok=False)
@@ -487,14 +510,15 @@ def open_trackers(configs: tuple[TrackerConfig, ...], *, state_dir: str, run_dir
 
 def suite_metrics(table: list[Mapping[str, Any]]) -> dict[str, float]:
     """An evaluation suite's table (`SuiteResult.table`) as tracker metrics:
-    ``suite/<task>/<metric>`` (the model), with ``/baseline`` and ``/delta`` when compared."""
+    ``suite/<task>/<metric>`` (the model), ``suite_baseline/...`` and ``suite_delta/...`` when
+    compared (not ``.../<metric>/baseline``: a file store keeps a metric as a file, which
+    then could not also be a directory)."""
     out: dict[str, float] = {}
     for row in table:
-        key = f"suite/{row['task']}/{row['metric']}"
-        for part, value in (("", row["model"]), ("/baseline", row.get("baseline")),
-                            ("/delta", row.get("delta"))):
+        for prefix, value in (("suite", row["model"]), ("suite_baseline", row.get("baseline")),
+                              ("suite_delta", row.get("delta"))):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                out[key + part] = value
+                out[f"{prefix}/{row['task']}/{row['metric']}"] = value
     return out
 
 

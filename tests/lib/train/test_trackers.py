@@ -26,7 +26,7 @@ from posttrain.errors import ConfigError
 from posttrain.lineage import SHORT, config_hash
 from posttrain.train.sft import SFTConfig
 from posttrain.train.trackers import (MAX_FAILURES, TrackerConfig, TrackerError, flatten,
-                                      log_evaluation, open_trackers)
+                                      log_evaluation, open_trackers, suite_metrics)
 
 ROOT = Path(__file__).resolve().parents[3]
 STEPS = 3
@@ -83,8 +83,10 @@ def run(tmp_path_factory):
         last = Path(first["run_dir"]) / "checkpoints" / f"step-{STEPS:08d}"
         shutil.rmtree(last)                              # died after logging step 3
         second = train_sft.run(build(SFTConfig, cfg), show_progress=False)
+        table = [{"task": "chat", "metric": "loss", "model": 1.25, "baseline": 1.5,
+                  "delta": -0.25}]                   # a flow's evaluate step's suite table
         evaluated = log_evaluation(build(SFTConfig, cfg).run.trackers, first["run_dir"],
-                                   {"suite/chat/loss": 1.25})
+                                   suite_metrics(table))
     records = [json.loads(x) for x in Path(second["metrics_path"]).read_text().splitlines()]
     return {"tmp": tmp, "first": first, "second": second, "records": records,
             "evaluated": evaluated}
@@ -125,7 +127,10 @@ def test_mlflow_has_every_metric_the_config_and_the_lineage(run):
     assert [s for s, _ in history["loss"]] == [1, 2, 3, 3]
     assert history["loss"][2][1] == history["loss"][3][1]
     assert [v for s, v in history["eval_loss"] if s == 3][-1] == expected[(3, "eval_loss")]
-    assert client.get_metric_history(found.info.run_id, "suite/chat/loss")[0].step == 3
+    for key, value in (("suite/chat/loss", 1.25), ("suite_baseline/chat/loss", 1.5),
+                       ("suite_delta/chat/loss", -0.25)):
+        assert [(m.step, m.value) for m in client.get_metric_history(found.info.run_id, key)
+                ] == [(3, value)]
     params = found.data.params
     assert params == flatten(run["second"]["config"])
     assert params["train.optimizer.lr"] == "0.003" and params["model.dtype"] == "float32"
@@ -164,10 +169,12 @@ def test_wandb_offline_has_every_metric_the_config_and_the_lineage(run):
         steps.append([row["_step"] for row in rows])
         for row in rows:
             got.update({(row["_step"], k): v for k, v in row.items() if not k.startswith("_")})
-    assert steps == [[1, 2, 3], [3], [3]]
+    # the continued attempt logs steps 1-2 again from metrics.jsonl (a killed attempt's last
+    # W&B records can be lost), then step 3; the evaluation logs at step 3
+    assert steps == [[1, 2, 3], [1, 2, 3], [3]]
     expected = _expected(run["records"])
     assert {k: got[k] for k in expected} == expected
-    assert got[(3, "suite/chat/loss")] == 1.25
+    assert (got[(3, "suite/chat/loss")], got[(3, "suite_delta/chat/loss")]) == (1.25, -0.25)
     (start,) = [r["run"] for r in logs[0] if r["type"] == "run"]
     config = run["second"]["config"]
     lineage = start["config"]["update"]["posttrain"]
