@@ -25,9 +25,9 @@ import torch
 
 
 def _model(shape: dict):
-    from posttrain.models import ModelArgs, build_model
+    from posttrain.models import args_from_hf_config, build_model
     from posttrain.models.verify import tiny_hf_config
-    args = ModelArgs.from_hf_config(tiny_hf_config("qwen3_moe", **shape).to_dict())
+    args = args_from_hf_config(tiny_hf_config("qwen3_moe", **shape).to_dict())
     torch.manual_seed(0)
     model = build_model(args, device="cpu")
     model.init_weights()

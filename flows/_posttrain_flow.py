@@ -446,7 +446,7 @@ def heldout_metrics(metrics: dict, model_uri: str, root: str, card: Any, *,
 def train_summary(result: dict, *extra: str) -> dict[str, Any]:
     """The small `train_result` artifact of a driver's result: steps, throughput, evaluation."""
     keys = ("steps", "started_at_step", "final_loss", "mean_real_tokens_per_s", "mean_mfu",
-            "eval", "model", *extra)
+            "eval", "model", "seconds", *extra)
     return {k: result.get(k) for k in keys}
 
 

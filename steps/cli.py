@@ -9,6 +9,7 @@
     posttrain train-sequence --config configs/sequence/tiny.yaml
     posttrain train-sequence-rl --config configs/sequence_rl/tiny.yaml
     posttrain verify-model --hf-dir path/to/model
+    posttrain validate --config configs/grpo/tools_tiny.yaml
     posttrain plan --config configs/sft/qwen3_0p6b_lora_1gpu.yaml --gpu h100-80g [--json]
     posttrain evaluate --suite configs/eval/tiny.yaml --model DIR --baseline DIR
     posttrain evaluate --recipe dpo --config configs/dpo/tiny.yaml --model DIR --baseline DIR
@@ -21,6 +22,7 @@ trace is only shown with POSTTRAIN_DEBUG=1.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -28,97 +30,14 @@ import sys
 from posttrain.errors import PosttrainError
 
 
-def _prepare(args: argparse.Namespace) -> int:
-    from steps import prepare
-    return prepare.main(args)
-
-
-def _train_sft(args: argparse.Namespace) -> int:
-    from steps import train_sft
-    return train_sft.main(args)
-
-
-def _train_distill(args: argparse.Namespace) -> int:
-    from steps import train_distill
-    return train_distill.main(args)
-
-
-def _train_dpo(args: argparse.Namespace) -> int:
-    from steps import train_dpo
-    return train_dpo.main(args)
-
-
-def _train_reward(args: argparse.Namespace) -> int:
-    from steps import train_reward
-    return train_reward.main(args)
-
-
-def _train_grpo(args: argparse.Namespace) -> int:
-    from steps import train_grpo
-    return train_grpo.main(args)
-
-
-def _train_sequence(args: argparse.Namespace) -> int:
-    from steps import train_sequence
-    return train_sequence.main(args)
-
-
-def _train_sequence_rl(args: argparse.Namespace) -> int:
-    from steps import train_sequence_rl
-    return train_sequence_rl.main(args)
-
-
-def _plan(args: argparse.Namespace) -> int:
-    from steps import plan
-    return plan.main(args)
-
-
-def _lineage(args: argparse.Namespace) -> int:
-    from steps import lineage
-    return lineage.main(args)
-
-
-def _evaluate(args: argparse.Namespace) -> int:
-    from steps import evaluate
-    return evaluate.main(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from steps import prepare
-    from steps.common import add_arguments
+    from steps.arguments import COMMANDS
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare", help="tokenize raw data into Parquet shards")
-    prepare.add_arguments(p)
-    p.set_defaults(func=_prepare)
-    t = sub.add_parser("train-sft", help="supervised fine-tuning on Ray trainer workers")
-    add_arguments(t)
-    t.set_defaults(func=_train_sft)
-    d = sub.add_parser("train-distill", help="knowledge distillation from a frozen teacher")
-    add_arguments(d)
-    d.set_defaults(func=_train_distill)
-    for name, func, text in (("train-dpo", _train_dpo, "direct preference optimization"),
-                             ("train-reward", _train_reward, "a Bradley-Terry reward model"),
-                             ("train-grpo", _train_grpo, "on-policy RL (GRPO) with rollouts"),
-                             ("train-sequence", _train_sequence,
-                              "pretraining from scratch on event sequences, with heads"),
-                             ("train-sequence-rl", _train_sequence_rl,
-                              "RL (GRPO) on a sequence model: histories in, items out")):
-        r = sub.add_parser(name, help=f"{text} on Ray trainer workers")
-        add_arguments(r)
-        r.set_defaults(func=func)
-    from steps import plan
-    m = sub.add_parser("plan", help="per-rank memory by part, predicted peak, FLOPs per step")
-    plan.add_arguments(m)
-    m.set_defaults(func=_plan)
-    from steps import lineage
-    g = sub.add_parser("lineage", help="the runs, datasets, configs and code behind a run")
-    lineage.add_arguments(g)
-    g.set_defaults(func=_lineage)
-    from steps import evaluate
-    e = sub.add_parser("evaluate", help="a model against a baseline on an eval suite")
-    evaluate.add_arguments(e)
-    e.set_defaults(func=_evaluate)
+    for name, (module, text, arguments) in COMMANDS.items():
+        p = sub.add_parser(name, help=text)
+        arguments(p)
+        p.set_defaults(module=module)
     sub.add_parser("verify-model", add_help=False,
                    help="compare a native model's logits with transformers'")
     return parser
@@ -138,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         command, run = "verify-model", lambda: verify_main(argv[1:])
     else:
         args = build_parser().parse_args(argv)
-        command, run = args.command, lambda: args.func(args)
+        command, run = args.command, lambda: importlib.import_module(args.module).main(args)
     try:
         return run()
     except PosttrainError as e:

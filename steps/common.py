@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import yaml
 from tqdm.auto import tqdm
 
 from posttrain.config.loader import to_dict
@@ -36,37 +35,9 @@ from posttrain.data.prepared import local_view
 from posttrain.errors import ConfigError
 from posttrain.train.engine import write_random_hf_model
 from posttrain.train.metrics import MetricsWriter
+from steps.arguments import overrides_from
 
 log = logging.getLogger("posttrain.driver")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="recipe YAML")
-    parser.add_argument("--run-dir", help="override run.dir")
-    parser.add_argument("--launcher", choices=["ray", "inline"], help="override run.launcher")
-    parser.add_argument("--num-workers", type=int, help="override run.num_workers")
-    parser.add_argument("--max-steps", type=int, help="override train.max_steps")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override any config key, dotted (rollout.max_staleness=1); the "
-                             "value is read as YAML; repeatable")
-    parser.add_argument("--no-progress", action="store_true")
-
-
-def overrides_from(args: argparse.Namespace) -> dict:
-    """The dotted config overrides given on the command line."""
-    out = {k: v for k, v in {"run.dir": args.run_dir, "run.launcher": args.launcher,
-                             "run.num_workers": args.num_workers,
-                             "train.max_steps": args.max_steps}.items() if v is not None}
-    for item in getattr(args, "set", None) or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. "
-                              "rollout.max_staleness=1")
-        try:
-            out[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--set {item!r}: the value is not YAML: {e}") from None
-    return out
 
 
 def drop_metrics_after(path: Path, step: int) -> None:
@@ -106,12 +77,13 @@ def ensure_prepared(cfg: Any, out_dir: str, show_progress: bool = True) -> str:
 
 def check_base_model(model: Any) -> None:
     """A local `model.hf_dir` that does not exist is reported with what would make it."""
+    from posttrain.config.registry import command
     from posttrain.data.prepared import is_remote
     hf_dir = model.hf_dir
     if is_remote(hf_dir) or (Path(hf_dir) / "config.json").is_file():
         return
-    how = (f"it is the export of {model.produced_by}: train it first with `posttrain train-sft "
-           f"--config {model.produced_by}` (a flow run finds the newest SFTFlow run of it, "
+    how = (f"it is the export of {model.produced_by}: train it first with "
+           f"`{command(model.produced_by)}` (a flow run finds the newest run of it, "
            "or trains it)" if model.produced_by else
            "point model.hf_dir at a Hugging Face checkpoint directory")
     raise ConfigError(f"model.hf_dir: {hf_dir}/config.json not found; {how}")
@@ -277,6 +249,8 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
            else load_recipe(config, recipe.config_cls, overrides))
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.model.hf_dir:
+        check_base_model(cfg.model)         # before any work: a missing base names its maker
     prepared_dir = prepared_dir or ensure_prepared(cfg, str(run_dir / "prepared"), show_progress)
     local = local_view(prepared_dir)
     hf_dir = base_model_dir(cfg, local, run_dir)
@@ -287,37 +261,47 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
     args = (to_dict(cfg), hf_dir, prepared_dir, state_dir, model_dirs)
     if worker is None:                  # the kernel's worker runs the recipe it is given
         worker, args = RecipeWorker, (recipe, *args)
+    seconds = Seconds()
+    seconds.start("workers")                # Ray (when started here), actors, model build
     with launch_workers(cfg.run, worker, args) as group:
         info = group.call("describe")[0]
+        seconds.stop("workers")
         ctl = controller(cfg, group, {"hf_dir": hf_dir, "prepared_dir": prepared_dir,
                                       "writer": writer, "info": info})
         try:
-            before = ctl.before_training()
-            start = ctl.resume()
-            drop_metrics_after(metrics_path, start)
-            trackers = open_run_trackers(cfg, recipe.name, start, state_dir=state_dir,
-                                         run_dir=run_dir, prepared_dir=local, hf_dir=hf_dir,
-                                         context=lineage, history=metrics_path)
-            writer.add_mirror(trackers)
-            log.info("%s: %s params (%s trainable) on %d worker(s), from step %d", recipe.name,
-                     f"{info['params']:,}", f"{info['trainable_params']:,}", info["world_size"],
-                     start)
-            before.update(ctl.after_resume(start))
-            history = step_loop(group, name=recipe.name, start=start,
-                                max_steps=cfg.train.engine.max_steps,
-                                checkpoint_every=cfg.train.engine.checkpoint_every_steps,
-                                writer=writer, show_progress=show_progress,
-                                postfix=recipe.postfix, step_fn=ctl.step, save_fn=ctl.save)
-            evaluation = ctl.evaluate()
+            with seconds("before_training"):    # resume; reference passes, engines
+                before = ctl.before_training()
+                start = ctl.resume()
+                drop_metrics_after(metrics_path, start)
+                trackers = open_run_trackers(cfg, recipe.name, start, state_dir=state_dir,
+                                             run_dir=run_dir, prepared_dir=local,
+                                             hf_dir=hf_dir, context=lineage,
+                                             history=metrics_path)
+                writer.add_mirror(trackers)
+                log.info("%s: %s params (%s trainable) on %d worker(s), from step %d",
+                         recipe.name, f"{info['params']:,}", f"{info['trainable_params']:,}",
+                         info["world_size"], start)
+                before.update(ctl.after_resume(start))
+            with seconds("training"):
+                history = step_loop(group, name=recipe.name, start=start,
+                                    max_steps=cfg.train.engine.max_steps,
+                                    checkpoint_every=cfg.train.engine.checkpoint_every_steps,
+                                    writer=writer, show_progress=show_progress,
+                                    postfix=recipe.postfix, step_fn=ctl.step, save_fn=ctl.save)
+            with seconds("in_loop_evaluation"):
+                evaluation = ctl.evaluate()
             if evaluation:
                 writer.write({"step": start + len(history), **evaluation})
             export_dir = str(run_dir / "hf")
-            group.call("export", export_dir)
+            with seconds("export"):
+                group.call("export", export_dir)
         except BaseException:
             writer.close(ok=False)
             raise
         finally:
             ctl.close()
+            seconds.start("shutdown")
+    seconds.stop("shutdown")
     writer.close()
     result = {"recipe": recipe.name, "run_dir": str(run_dir), "hf_dir": export_dir,
               "prepared_dir": prepared_dir, "base_model_dir": hf_dir,
@@ -327,7 +311,7 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
               "started_at_step": start, "steps": start + len(history), "eval": evaluation,
               "model": info, "config": to_dict(cfg), **before, **ctl.result(),
               **({"trackers": trackers.runs} if trackers else {}),
-              **recipe.result(history)}
+              **recipe.result(history), "seconds": seconds.parts}
     (run_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
     return result
 
@@ -349,6 +333,30 @@ def open_run_trackers(cfg: Any, recipe: str, start: int, *, state_dir: str, run_
     return open_trackers(cfg.run.trackers, state_dir=state_dir, run_dir=str(run_dir),
                          start_step=start, config=config, lineage=lineage,
                          history=read_metrics(history) if start and history.is_file() else [])
+
+
+class Seconds:
+    """Wall seconds of a driver's parts, by name (`with seconds("export"): ...`, or
+    `start`/`stop` where a part ends inside another's block)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self._started: dict[str, float] = {}
+
+    def start(self, name: str) -> None:
+        self._started[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        if name in self._started:
+            self.parts[name] = round(time.perf_counter() - self._started.pop(name), 3)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.start(name)
+        try:
+            yield
+        finally:
+            self.stop(name)
 
 
 def summarize(recipe: Any, result: dict, seconds: float) -> str:

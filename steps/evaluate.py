@@ -1,17 +1,19 @@
 """Evaluate a checkpoint against a baseline on a suite of tasks: the one evaluation step.
 
 A suite (`posttrain.eval.suites`) lists tasks: held-out loss, generation graded by exact match,
-number match or regex, preference accuracy, RL rewards, KL to a teacher, reward-model pair
-accuracy. The checkpoint and the baseline (optional) run every task with the same rows and
-seeds; the printed table has one row per (task, metric) with the model's value, the
-baseline's and the difference, and ``--out`` writes the whole result (the table and every
-task's per-sample records) as JSON.
+number match, regex or GSM8K's answer (with pass@k), multiple choice by log-likelihood (MMLU,
+ARC, HellaSwag: ``configs/eval/standard_tiny.yaml``), preference accuracy, RL rewards, KL to a
+teacher, reward-model pair accuracy. The checkpoint and the baseline (optional) run every task
+with the same rows and seeds; the printed table has one row per (task, metric) with the model's
+value, the baseline's and the difference, and ``--out`` writes the whole result (the table and
+every task's per-sample records) as JSON.
 
 The suite is a YAML file (``--suite configs/eval/tiny.yaml``), or a recipe's own held-out
 evaluation built from its config (``--recipe dpo --config configs/dpo/tiny.yaml``:
 `Recipe.eval_suite`; SFT: held-out loss and a few answers, DPO: implicit-reward accuracy
 against the starting model, reward model: pair accuracy of its scores, distillation: KL to
-the teacher, GRPO: held-out rewards). The recipe flows run their evaluate step through `run`.
+the teacher, GRPO: held-out rewards), followed by the tasks of its `eval.tasks`. The recipe
+flows run their evaluate step through `run`.
 
     posttrain evaluate --suite configs/eval/tiny.yaml \\
         --model runs/sft_arithmetic/hf --baseline runs/sft_arithmetic/base_model --out eval.json
@@ -33,17 +35,16 @@ from typing import Any
 
 from posttrain.errors import ConfigError
 from posttrain.eval.suites import SuiteConfig, SuiteResult, load_suite, run_suite
-
-RECIPES = ("sft", "dpo", "reward", "distill", "grpo")
+from steps.arguments import EVAL_RECIPES
 
 
 def recipe_suite(recipe: str, config: Any, models: dict[str, str] | None = None,
                  overrides: dict | None = None) -> SuiteConfig:
-    """The held-out evaluation suite of `recipe` (a name in RECIPES) for its config (a config
-    object or a YAML path); `models` are the run's other model directories (a teacher)."""
+    """The held-out evaluation suite of `recipe` (one of EVAL_RECIPES) for its config (a
+    config object or a YAML path); `models` are the run's other model directories (a teacher)."""
     from posttrain.config.recipes import load_recipe
-    if recipe not in RECIPES:
-        raise ConfigError(f"--recipe {recipe!r}: one of {', '.join(RECIPES)}")
+    if recipe not in EVAL_RECIPES:
+        raise ConfigError(f"--recipe {recipe!r}: one of {', '.join(EVAL_RECIPES)}")
     cls = importlib.import_module(f"steps.train_{recipe}").RECIPE
     cfg = config if isinstance(config, cls.config_cls) else \
         load_recipe(config, cls.config_cls, overrides)
@@ -78,18 +79,6 @@ def summarize(result: SuiteResult) -> str:
         lines.append(f"{r['task']:<26}{r['metric']:<30}{r['model']:>12.4g}{base:>12}"
                      f"{delta:>12}")
     return "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    what = p.add_mutually_exclusive_group()
-    what.add_argument("--suite", help="suite YAML (default configs/eval/tiny.yaml)")
-    what.add_argument("--recipe", choices=RECIPES,
-                      help="evaluate as this recipe's flow does, from --config")
-    p.add_argument("--config", help="the recipe config (with --recipe)")
-    p.add_argument("--model", required=True, help="HF checkpoint directory to evaluate")
-    p.add_argument("--baseline", help="HF checkpoint directory to compare with")
-    p.add_argument("--teacher", help="the teacher's checkpoint (--recipe distill)")
-    p.add_argument("--out", help="write the full result (table and records) as JSON here")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -47,13 +47,6 @@ def run(pathspec: str) -> dict[str, Any]:
     return walk(pathspec, load_from_metaflow)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("pathspec", help="a run, FlowName/RunID (e.g. SFTFlow/1733000000000000)")
-    out = parser.add_mutually_exclusive_group()
-    out.add_argument("--json", action="store_true", help="print the tree as JSON")
-    out.add_argument("--brief", action="store_true", help="one line per run, no details")
-
-
 def main(args: argparse.Namespace) -> int:
     tree = run(args.pathspec)
     if args.json:
@@ -65,10 +58,6 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     import sys
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(p)
-    try:
-        sys.exit(main(p.parse_args()))
-    except LineageError as e:
-        print(f"lineage: error: {e}", file=sys.stderr)
-        sys.exit(2)
+
+    from steps.cli import main as cli_main
+    sys.exit(cli_main(["lineage", *sys.argv[1:]]))

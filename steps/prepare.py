@@ -10,6 +10,12 @@ assistant turns), applies the over-long policy, and writes
     <output.dir>/manifest.json                         counts, content hashes, length histograms
     <output.dir>/rejects.jsonl                         every rejected row: file, line, field, reason
 
+Each source's rows may come in any shape its format reads (`posttrain.data.shapes`: for chat,
+``messages``, ShareGPT, Alpaca, prompt/completion or ``text`` rows; ``.json`` files may hold one
+array of rows): the shape is decided by the source's first row, or forced with ``shape:`` on
+the source entry, and the manifest records it per source. A source whose first row fits no
+shape stops the run (``unknown_shape``), with or without ``on_bad_row: skip``.
+
 A bad row stops the run with a message naming file, line and field, or, with
 ``data.on_bad_row: skip``, is counted and reported. Invariant: rows read = written + rejected.
 Besides malformed rows, these are bad rows: a row nested too deep (``too_deep``), a NaN or
@@ -47,7 +53,8 @@ from posttrain.config.loader import to_dict
 from posttrain.config.recipes import PrepareConfig, load_recipe
 from posttrain.data.encode import EncodedRow, RecordEncoder
 from posttrain.data.events import EventEncoder, EventVocab
-from posttrain.data.formats import parse_row
+from posttrain.data.formats import RowParser
+from posttrain.data.shapes import UnknownShape
 from posttrain.data.shards import ShardWriter, join_uri
 from posttrain.data.sources import RowStream, SourceConfig, expand_paths
 from posttrain.data.tokenizer import ChatTokenizer
@@ -61,6 +68,7 @@ class SourceReport:
     split: str
     name: str
     files: list[str]
+    shape: str | None = None        # the rows' shape (posttrain.data.shapes); None: no rows
     rows_read: int = 0
     rows_written: int = 0
     rows_rejected: int = 0
@@ -104,15 +112,20 @@ def run(config: PrepareConfig | str | Path, *, overrides: dict | None = None,
 
 
 class _TextEncoder:
-    """Rows validated for the format (`parse_row`), then tokenized (`RecordEncoder`)."""
+    """Rows validated for the format in their source's shape (`RowParser`, one per source:
+    `start_source`), then tokenized (`RecordEncoder`)."""
 
     def __init__(self, cfg: PrepareConfig, tokenizer: ChatTokenizer):
-        self.fmt = cfg.data.format_config()
+        self.fmt = cfg.data.format_config().with_template(tokenizer.hf)
         self.records = RecordEncoder(tokenizer, cfg.data.format, cfg.data.length_config())
         self.schema = self.records.schema
+        self.rows = RowParser(self.fmt)
+
+    def start_source(self, source: SourceConfig) -> None:
+        self.rows = RowParser(self.fmt, source.shape)
 
     def encode_row(self, row: dict, *, file: str, line: int) -> EncodedRow:
-        record = parse_row(row, self.fmt, file=file, line=line)
+        record = self.rows.parse(row, file=file, line=line)
         return self.records.encode(record, file=file, line=line)
 
     def encode_rows(self, raws: list) -> list[EncodedRow | DataError]:
@@ -124,7 +137,7 @@ class _TextEncoder:
             try:
                 if raw.error is not None:
                     raise raw.error
-                records.append((parse_row(raw.data, self.fmt, file=raw.file, line=raw.line),
+                records.append((self.rows.parse(raw.data, file=raw.file, line=raw.line),
                                 raw.file, raw.line))
                 out.append(None)
             except DataError as err:
@@ -176,6 +189,8 @@ def _prepare_source(cfg: PrepareConfig, split: str, name: str, source: SourceCon
     writer = ShardWriter(join_uri(cfg.output.dir, split, name), encoder.schema,
                          rows_per_shard=cfg.output.rows_per_shard)
     stream = RowStream(files, fmt=source.format, cache=cfg.cache)
+    if isinstance(encoder, _TextEncoder):
+        encoder.start_source(source)
     bar = tqdm(desc=f"prepare {split}/{name}", unit=" rows", disable=not show_progress,
                mininterval=1.0)
     try:
@@ -184,6 +199,8 @@ def _prepare_source(cfg: PrepareConfig, split: str, name: str, source: SourceCon
             bar.update()
             if isinstance(encoded, DataError):
                 err = encoded
+                if isinstance(err, UnknownShape):    # the whole source: skipping cannot help
+                    raise err
                 if cfg.data.on_bad_row == "error":
                     raise DataError(f"{err.detail} (set data.on_bad_row: skip to count and "
                                     f"skip such rows)", file=err.file, line=err.line,
@@ -201,6 +218,7 @@ def _prepare_source(cfg: PrepareConfig, split: str, name: str, source: SourceCon
         close = getattr(stream, "close", None)
         if close:
             close()
+    report.shape = encoder.rows.shape if isinstance(encoder, _TextEncoder) else "sequence"
     report.shards = [s.__dict__ for s in writer.close()]
     report.num_tokens, report.num_loss_tokens = writer.num_tokens, writer.num_loss_tokens
     report.content_hash = writer.content_hash
@@ -242,10 +260,11 @@ def _manifest(cfg: PrepareConfig, tokenizer: ChatTokenizer | EventVocab,
 def summarize(manifest: dict) -> str:
     """A short human-readable table of what was produced."""
     lines = [f"prepared {manifest['format']} data -> {manifest['output_dir']}",
-             f"{'split/source':<28}{'read':>8}{'written':>9}{'rejected':>10}{'truncated':>11}"
-             f"{'tokens':>11}{'loss tok':>10}"]
+             f"{'split/source':<28}{'shape':<18}{'read':>8}{'written':>9}{'rejected':>10}"
+             f"{'truncated':>11}{'tokens':>11}{'loss tok':>10}"]
     for s in manifest["sources"]:
-        lines.append(f"{s['split'] + '/' + s['name']:<28}{s['rows_read']:>8}"
+        lines.append(f"{s['split'] + '/' + s['name']:<28}{s['shape'] or '-':<18}"
+                     f"{s['rows_read']:>8}"
                      f"{s['rows_written']:>9}{s['rows_rejected']:>10}{s['rows_truncated']:>11}"
                      f"{s['num_tokens']:>11}{s['num_loss_tokens']:>10}")
         if s["rejected_by_reason"]:
@@ -261,12 +280,6 @@ def summarize(manifest: dict) -> str:
               f"manifest: {manifest['output_dir']}/manifest.json  "
               f"rejects: {manifest['output_dir']}/rejects.jsonl"]
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="prepare recipe YAML")
-    parser.add_argument("--output-dir", help="override output.dir (local path or s3:// URI)")
-    parser.add_argument("--no-progress", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:

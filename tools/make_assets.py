@@ -410,6 +410,9 @@ def main(argv: list[str] | None = None) -> None:
     make_tokenizer(corpus, out / "tokenizer")
     from posttrain.data.synthetic import write_event_dataset   # no text: not in the corpus
     write_event_dataset(out / "data" / "events")
+    from eval_samples import GSM8K_SAMPLE, MC_SAMPLE           # hand-written; not in the corpus
+    write_jsonl(out / "data" / "eval" / "gsm8k_sample.jsonl", GSM8K_SAMPLE)
+    write_jsonl(out / "data" / "eval" / "mc_sample.jsonl", MC_SAMPLE)
     for path in sorted(out.rglob("*")):
         if path.is_file():
             print(f"{path.relative_to(out)}  {path.stat().st_size:>9,d} bytes")

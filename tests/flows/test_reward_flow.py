@@ -15,7 +15,7 @@ TINY_REWARD = REPO / "configs" / "reward" / "tiny.yaml"
 def test_reward_flow_end_to_end_local(sandbox, monkeypatch):
     from metaflow import Runner
 
-    from posttrain.train.reward import load_reward_model
+    from posttrain.models.reward_model import load_reward_model
     monkeypatch.setenv("USER", sandbox.env["USER"])      # the client reads the run here
     config = sandbox.config(TINY_REWARD, **{
         "train.max_steps": 24, "train.checkpoint_every_steps": 12, "eval.max_batches": 8})

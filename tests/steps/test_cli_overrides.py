@@ -11,7 +11,7 @@ from posttrain.config.recipes import load_recipe
 from posttrain.errors import ConfigError
 from posttrain.train.grpo import GRPOConfig
 from steps.cli import build_parser
-from steps.common import overrides_from
+from steps.arguments import overrides_from
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs/grpo/tiny.yaml"

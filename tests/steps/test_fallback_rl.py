@@ -335,7 +335,7 @@ def test_reward_model_on_a_transformers_body(reward_run):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from posttrain.train.reward import load_reward_model
+    from posttrain.models.reward_model import load_reward_model
     tmp, result = reward_run
     losses = [m["loss"] for m in _metrics(Path(result["run_dir"])).values()]
     assert losses[-1] < losses[0], losses

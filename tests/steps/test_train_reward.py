@@ -19,7 +19,8 @@ import pytest
 import torch
 import yaml
 
-from posttrain.train.reward import last_response_index, load_reward_model
+from posttrain.models.reward_model import load_reward_model
+from posttrain.train.reward import last_response_index
 
 from .conftest import run_and_kill, run_to_end, safetensors
 from .golden import check_golden

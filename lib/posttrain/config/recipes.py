@@ -16,6 +16,7 @@ from posttrain.config.loader import build, load_yaml
 from posttrain.data.encode import LengthConfig
 from posttrain.data.events import LabelConfig, VocabConfig
 from posttrain.data.formats import DEFAULT_ROLES, FormatConfig, FormatName
+from posttrain.data.shapes import DEFAULT_ROLE_MAP, check_shape
 from posttrain.data.sources import CacheConfig, SourceConfig
 from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.errors import ConfigError
@@ -29,8 +30,9 @@ class ColumnNames:
     prompt: str = "prompt"
     chosen: str = "chosen"
     rejected: str = "rejected"
-    completion: str = "completion"          # format: unpaired
+    completion: str = "completion"          # format: unpaired; chat prompt/completion rows
     label: str = "label"                    # format: unpaired; true = desirable
+    text: str = "text"                      # format: chat; documents for language modelling
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,10 @@ class DataConfig:
     `required_columns` are extra columns every prompt row must have: the GRPO recipe adds the
     ones its reward functions read (`RewardConfig.required_columns`), so a row that would
     score 0 for want of its answer is a bad row at prepare time instead.
+
+    Each source's rows may come in any shape of the format (`posttrain.data.shapes`; a
+    source's `shape` forces one). `role_map` maps ShareGPT speakers to roles, over
+    `shapes.DEFAULT_ROLE_MAP` (human -> user, gpt -> assistant, observation -> tool, ...).
     """
 
     train: list[SourceConfig]
@@ -47,6 +53,7 @@ class DataConfig:
     format: FormatName = "chat"
     columns: ColumnNames = ColumnNames()
     roles: list[str] = field(default_factory=lambda: list(DEFAULT_ROLES))
+    role_map: dict[str, str] = field(default_factory=dict)   # ShareGPT speaker -> role
     on_bad_row: Literal["error", "skip"] = "error"
     max_tokens_per_sample: int = 4096
     overlong: Literal["truncate", "drop", "error"] = "truncate"
@@ -67,13 +74,21 @@ class DataConfig:
             if getattr(self, key) and self.format != fmt:
                 raise ValueError(f"data.{key} applies to data.format: {fmt}, not "
                                  f"{self.format!r}")
+        for split in ("train", "eval"):
+            for i, source in enumerate(getattr(self, split)):
+                check_shape(self.format, source.shape, f"data.{split}[{i}].shape")
+        for speaker, role in self.role_map.items():
+            if role not in self.roles:
+                raise ValueError(f"data.role_map: {speaker!r} maps to {role!r}, which is not one "
+                                 f"of data.roles {self.roles}")
 
     def format_config(self) -> FormatConfig:
         c = self.columns
         return FormatConfig(format=self.format, messages_field=c.messages, prompt_field=c.prompt,
                             chosen_field=c.chosen, rejected_field=c.rejected,
                             completion_field=c.completion, label_field=c.label,
-                            roles=tuple(self.roles),
+                            text_field=c.text, roles=tuple(self.roles),
+                            role_map=tuple({**DEFAULT_ROLE_MAP, **self.role_map}.items()),
                             required_columns=tuple(self.required_columns),
                             allow_identical_pairs=self.allow_identical_pairs)
 

@@ -5,6 +5,12 @@ what the tokenized Parquet shards hold. Over-long samples are truncated (keeping
 for preference pairs the responses are cut, never the shared prompt), dropped, or refused, per
 `LengthConfig`; a sample left with no loss token is refused, because it would teach nothing and
 skew the token-weighted loss.
+
+A ``text`` row of format chat (`SequenceRecord.as_document`) is a document for language
+modelling, tokenized as TRL's SFTTrainer tokenizes its language-modelling rows: the text with
+the tokenizer's own special tokens (a BOS where its post-processor adds one: Llama 3, Gemma;
+none for Qwen), then the EOS token appended unless the text already ends with it; every token
+is trained and no chat template is applied.
 """
 
 from __future__ import annotations
@@ -99,6 +105,9 @@ class RecordEncoder:
         if isinstance(record, ChatRecord):
             enc = self.tok.encode_chat(record.messages, source=file, line=line)
             return self._single(enc, file, line, field="messages")
+        if isinstance(record, SequenceRecord) and record.as_document:
+            ids = self._document_ids(record.text)
+            return self._single(Encoded(ids, [1] * len(ids)), file, line, field="text")
         if isinstance(record, SequenceRecord):
             ids = record.tokens if record.tokens is not None else self.tok.encode_text(record.text)
             enc = Encoded(list(ids), [1] * len(ids))
@@ -134,6 +143,14 @@ class RecordEncoder:
             except DataError as err:
                 out.append(err)
         return out
+
+    def _document_ids(self, text: str) -> list[int]:
+        """A language-modelling document's ids (module docstring)."""
+        ids = list(self.tok.hf(text, add_special_tokens=True, verbose=False)["input_ids"])
+        eos = self.tok.eos_token_id
+        if eos is not None and (not ids or ids[-1] != eos):
+            ids.append(eos)
+        return ids
 
     def _fit(self, enc: Encoded, file, line, field) -> tuple[Encoded, bool]:
         keep = fitted_length(len(enc.input_ids), self.lengths, file, line, field)

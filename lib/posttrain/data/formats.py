@@ -22,14 +22,24 @@ Five formats cover the recipes:
 
 A prompt (and a chat conversation) may also be given as a plain string, meaning one user turn.
 Validation never changes content; it only normalizes shapes (string -> one message).
+
+Each format also reads the row layouts datasets are downloaded in (`posttrain.data.shapes`):
+ShareGPT and Alpaca rows, TRL's prompt/completion and ``text`` rows for ``chat`` (a ``text`` row
+is a document for language modelling: a `SequenceRecord` with ``as_document``), ShareGPT and
+Alpaca prompts for ``prompt``, implicit-prompt pairs for ``preference``, and OpenAI content
+parts in any message list. `parse_row` detects a row's shape from its keys, or takes the one it
+is given; `RowParser` keeps one shape per source, decided by its first row, as `prepare` and the
+evaluation suites read sources.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from posttrain.data.shapes import (DEFAULT_ROLE_MAP, SHAPES, SourceShape, detect,
+                                   template_strips_parts, to_canonical)
 from posttrain.errors import DataError
 
 FormatName = Literal["chat", "preference", "unpaired", "prompt", "sequence"]
@@ -47,7 +57,18 @@ class FormatConfig:
     rejected_field: str = "rejected"
     completion_field: str = "completion"
     label_field: str = "label"
+    text_field: str = "text"                 # chat: a document for language modelling
     roles: tuple[str, ...] = DEFAULT_ROLES
+    # ShareGPT speaker -> role (`shapes.DEFAULT_ROLE_MAP` and data.role_map)
+    role_map: tuple[tuple[str, str], ...] = tuple(DEFAULT_ROLE_MAP.items())
+    # content parts: strip each text part before joining, as the tokenizer's template does
+    # (Gemma 3, 4); set from the tokenizer by `with_template`
+    strip_text_parts: bool = False
+
+    def with_template(self, hf_tokenizer: Any) -> FormatConfig:
+        """This config with `strip_text_parts` as the tokenizer's chat template joins content
+        parts (`shapes.template_strips_parts`)."""
+        return replace(self, strip_text_parts=template_strips_parts(hf_tokenizer))
     required_columns: tuple[str, ...] = ()   # prompt rows: extra columns each row must have
     allow_identical_pairs: bool = False      # preference rows: keep chosen == rejected
 
@@ -79,8 +100,13 @@ class PromptRecord:
 
 @dataclass
 class SequenceRecord:
+    """Token ids or a text, every token a target. `as_document`: a ``text`` row of format
+    chat, tokenized as TRL tokenizes language-modelling rows (the tokenizer's own BOS where it
+    adds one, EOS appended; `posttrain.data.encode`)."""
+
     tokens: list[int] | None = None
     text: str | None = None
+    as_document: bool = False
 
 
 Record = ChatRecord | PreferenceRecord | UnpairedRecord | PromptRecord | SequenceRecord
@@ -96,13 +122,41 @@ class _Where:
         return DataError(message, file=self.file, line=self.line, field=field_path, reason=reason)
 
 
-def parse_row(row: dict[str, Any], cfg: FormatConfig, *, file: str | None = None,
-              line: int | None = None) -> Record:
-    """Validate one raw row for `cfg.format`; raise `DataError` naming file, line and field."""
+class RowParser:
+    """The rows of one source: each given the source's shape (`shapes.SourceShape`: forced by
+    `shape`, or decided by the first row) and parsed (`parse_row`). `shape` is the shape in
+    use, for the manifest."""
+
+    def __init__(self, cfg: FormatConfig, shape: str | None = None):
+        self.cfg = cfg
+        self._shapes = SourceShape(cfg, shape)
+
+    @property
+    def shape(self) -> str | None:
+        return self._shapes.shape
+
+    def parse(self, row: Any, *, file: str | None = None, line: int | None = None) -> Record:
+        shape = self._shapes.of(row, file, line)
+        return parse_row(row, self.cfg, shape=shape, file=file, line=line)
+
+
+def parse_row(row: dict[str, Any], cfg: FormatConfig, *, shape: str | None = None,
+              file: str | None = None, line: int | None = None) -> Record:
+    """Validate one raw row for `cfg.format`; raise `DataError` naming file, line and field.
+
+    `shape` is the row's layout (`posttrain.data.shapes`); None detects it from this row's keys
+    (the format's own shape when none fits, so the error names the missing field).
+    """
     where = _Where(file, line)
     if not isinstance(row, dict):
         raise where.error("<row>", f"expected a JSON object, got {type(row).__name__}",
                           "not_an_object")
+    shape = shape or detect(row, cfg) or SHAPES[cfg.format][0]
+    row = to_canonical(row, shape, cfg, file=file, line=line)
+    if cfg.format == "chat" and shape == "text":
+        return _document(row, cfg.text_field, where)
+    if cfg.format == "chat" and shape == "prompt_completion":
+        return _prompt_completion(row, cfg, where)
     if cfg.format == "chat":
         messages = _messages(_require(row, cfg.messages_field, where), cfg.messages_field,
                              cfg.roles, where)
@@ -144,6 +198,28 @@ def parse_row(row: dict[str, Any], cfg: FormatConfig, *, file: str | None = None
     if cfg.format == "sequence":
         return _sequence(row, where)
     raise AssertionError(f"unknown format {cfg.format}")
+
+
+def _prompt_completion(row: dict, cfg: FormatConfig, where: _Where) -> ChatRecord:
+    """prompt + completion as one conversation trained on the completion only: the prompt's
+    assistant turns (a multi-turn prompt) are marked ``train: false``."""
+    prompt = _messages(_require(row, cfg.prompt_field, where), cfg.prompt_field, cfg.roles,
+                       where, string_role="user")
+    completion = _response(_require(row, cfg.completion_field, where), cfg.completion_field,
+                           cfg, where)
+    frozen = [{**m, "train": False} if m["role"] == "assistant" else m for m in prompt]
+    messages = [*frozen, *completion]
+    _require_assistant(messages, cfg.completion_field, where)
+    return ChatRecord(messages)
+
+
+def _document(row: dict, name: str, where: _Where) -> SequenceRecord:
+    text = _require(row, name, where)
+    if not isinstance(text, str):
+        raise where.error(name, f"must be a string, got {type(text).__name__}", "wrong_type")
+    if not text.strip():
+        raise where.error(name, "empty text", "empty")
+    return SequenceRecord(text=text, as_document=True)
 
 
 def _require(row: dict, key: str, where: _Where) -> Any:

@@ -4,9 +4,13 @@ A *source* is one or more paths (files, directories, globs, ``s3://`` URIs). `ex
 turns them into a sorted file list, and `RowStream` reads that list row by row:
 
 * **Formats.** JSONL is read line by line from a binary stream and each line is decoded
-  strictly as UTF-8, so one bad line never costs more than one row. Parquet is read one row
-  group at a time, in batches, with ``ParquetFile.iter_batches``. Nothing holds a whole file
-  in memory.
+  strictly as UTF-8, so one bad line never costs more than one row. A JSON file that holds one
+  array of rows (its first character, after a BOM and blanks, is ``[``) is read element by
+  element (`posttrain.data.jsonarray`): memory holds a chunk of the file and the row being
+  decoded, never the whole file; its rows are numbered 1, 2, ... in the array, and since
+  nothing marks where the next row starts, malformed JSON inside the array stops the read with
+  a `DataError` naming the row. Parquet is read one row group at a time, in batches, with
+  ``ParquetFile.iter_batches``. Nothing holds a whole file in memory.
 * **Bad rows are data, not exceptions.** A malformed JSONL line becomes a `RawRow` with
   ``data=None`` and a `DataError` that names file, line and reason (``invalid_json``,
   ``invalid_utf8``, ``not_an_object``, ``too_deep``), so that the caller can write a
@@ -17,7 +21,7 @@ turns them into a sorted file list, and `RowStream` reads that list row by row:
   run out of Python's recursion limit on it.
 * **Sharding.** Ranks and loader workers split the data deterministically (see `RowStream`),
   and all shards together yield every row exactly once.
-* **Resumption.** `RowStream.state_dict` records the position (file, row, JSONL byte offset),
+* **Resumption.** `RowStream.state_dict` records the position (file, row, JSON byte offset),
   and a fresh stream given that state yields exactly what the original would have yielded next.
 * **Remote files.** Remote files are streamed directly, or, with a `CacheConfig`, downloaded a
   few files ahead by a background thread into a size-capped local cache, so that training
@@ -52,7 +56,9 @@ import fsspec.compression
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from posttrain.data.jsonarray import JsonArray, is_json_array
 from posttrain.data.prefetch import CacheConfig, Prefetcher, filesystem, is_local
+from posttrain.data.shapes import ALL_SHAPES
 from posttrain.errors import ConfigError, DataError
 from posttrain.retry import Backoff, RetryConfig, RetryError, is_transient
 from posttrain.retry import call as retry_call
@@ -79,18 +85,26 @@ class SourceConfig:
     """One data source: paths, their format, and its weight in a mixture.
 
     ``format: auto`` picks the reader by extension: ``.jsonl``, ``.json``, ``.ndjson`` (also
-    gzipped, ``.jsonl.gz``) are JSON Lines, one object per line; ``.parquet`` and ``.pq`` are
-    Parquet.
+    gzipped, ``.jsonl.gz``) are JSON, one object per line or one array of objects (a file whose
+    first character is ``[``, see `RowStream`); ``.parquet`` and ``.pq`` are Parquet.
+
+    `shape` forces the layout of the source's rows (``messages``, ``sharegpt``, ``alpaca``,
+    ``prompt_completion``, ``text``, ...: `posttrain.data.shapes`); by default it is detected
+    from the first row.
     """
 
     path: str | list[str]
     format: Format = "auto"
     weight: float = 1.0
     name: str | None = None
+    shape: str | None = None
 
     def __post_init__(self) -> None:
         if not self.path:
             raise ConfigError("source.path is empty: give a file, directory, glob or s3:// URI")
+        if self.shape is not None and self.shape not in ALL_SHAPES:
+            raise ValueError(f"shape: {self.shape!r} is not a shape (shapes: "
+                             f"{', '.join(ALL_SHAPES)})")
         if not (math.isfinite(self.weight) and self.weight > 0):
             raise ConfigError(f"source.weight must be a positive number, got {self.weight}")
 
@@ -202,7 +216,7 @@ class RawRow:
     """One row as read: `data` is None exactly when `error` says why the row is unusable.
 
     `line` is the 1-based line number for JSON Lines (blank lines included) and the 1-based row
-    number for Parquet.
+    number for Parquet and for a JSON array (its element index + 1).
     """
 
     data: dict | None
@@ -248,9 +262,14 @@ def _parse_jsonl_line(raw: bytes, file: str, line: int) -> RawRow:
     except RecursionError:
         return _bad_row(file, line, "too_deep", f"nested more than {MAX_JSON_DEPTH} levels deep "
                         "(too deep for the JSON decoder); flatten the row")
+    return _object_row(value, file, line, "one JSON object per line")
+
+
+def _object_row(value: Any, file: str, line: int, expected: str) -> RawRow:
+    """A decoded row: a bad row unless it is an object no deeper than `MAX_JSON_DEPTH`."""
     if not isinstance(value, dict):
         return _bad_row(file, line, "not_an_object",
-                        f"expected one JSON object per line, got a JSON {_json_kind(value)}")
+                        f"expected {expected}, got a JSON {_json_kind(value)}")
     deep = _too_deep_key(value)
     if deep is not None:
         return _bad_row(file, line, "too_deep",
@@ -282,8 +301,8 @@ class _Position:
     """Where a stream is; all counts are of what has been consumed so far."""
 
     file_index: int = 0  # into the stream's own file list
-    line: int = 0  # JSONL: physical lines of the current file; Parquet: its rows
-    offset: int = 0  # JSONL: bytes of the current file
+    line: int = 0  # JSONL: physical lines of the current file; Parquet, JSON array: its rows
+    offset: int = 0  # JSONL, JSON array: bytes of the current file
     global_row: int = 0  # rows (not blank lines) before this point in the files read
 
 
@@ -481,6 +500,9 @@ class RowStream:
         return row
 
     def _jsonl_rows(self, f: IO[bytes], uri: str) -> Iterator[RawRow]:
+        if is_json_array(f, uri):
+            yield from self._json_array_rows(f, uri)
+            return
         pos = self._pos
         if pos.offset:
             f.seek(pos.offset)
@@ -493,6 +515,16 @@ class RowStream:
             pos.global_row += 1
             if self._mine(pos.global_row - 1):
                 yield self._emit(_parse_jsonl_line(raw, uri, pos.line))
+
+    def _json_array_rows(self, f: IO[bytes], uri: str) -> Iterator[RawRow]:
+        pos = self._pos
+        for value, end in JsonArray(f, uri, pos.offset, pos.line):
+            pos.offset = end
+            pos.line += 1
+            pos.global_row += 1
+            if self._mine(pos.global_row - 1):
+                yield self._emit(_object_row(value, uri, pos.line,
+                                             "each element of the array to be a JSON object"))
 
     def _parquet_rows(self, f: IO[bytes], uri: str) -> Iterator[RawRow]:
         parquet = _parquet_file(f, uri)

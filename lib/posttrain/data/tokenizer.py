@@ -6,10 +6,10 @@ the way `apply_chat_template(tokenize=True)` does (no added BOS/EOS), so the ids
 the ids an inference server (vLLM) builds from the same messages.
 
 Loss masks work for any template, including the real families' templates that carry no
-``{% generation %}`` markers (Qwen3, Qwen3.5, Llama 3.x, Gemma 3, Gemma 4, DeepSeek-V3.1,
-GPT-OSS's harmony format). Rendering each prefix of the conversation does not work for them:
-Qwen3 and harmony drop the reasoning of earlier assistant turns, so a prefix render is not a
-prefix of the full render. Instead:
+``{% generation %}`` markers (Qwen3, Qwen3.5, Llama 3.x, Gemma 3, Gemma 4, DeepSeek-V3 / V3-0324 /
+V3.1 / R1 / R1-Distill, Phi-3 / 3.5, Cohere2, GPT-OSS's harmony format). Rendering each prefix
+of the conversation does not work for them: Qwen3 and harmony drop the reasoning of earlier
+assistant turns, so a prefix render is not a prefix of the full render. Instead:
 
 1. Once per tokenizer, small probe conversations reveal the template's *turn layout*: the header
    that opens an assistant turn (``<|im_start|>assistant\\n``, ``<start_of_turn>model\\n``,
@@ -17,28 +17,45 @@ prefix of the full render. Instead:
    token boundary) and the end-of-turn markers that close one (the first special token after
    the content, in a middle turn and in the final one: ``<|im_end|>``, ``<|eot_id|>``,
    ``<end_of_turn>``; harmony closes earlier turns with ``<|end|>`` and the final one with
-   ``<|return|>``).
+   ``<|return|>``). The generation prompt is what ``add_generation_prompt=True`` appends after a
+   user turn; a template may instead render it as part of the user turn (DeepSeek-V3-0324 ends
+   every user turn with ``<｜Assistant｜>``) or put it where the conversation would otherwise
+   end with EOS (Phi-3's ``<|endoftext|>``). When the token that closes a user turn follows an
+   assistant turn's own closing token at once, it closes that turn too and is part of its end
+   (Cohere2's ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>``: a model that never learns
+   ``<|END_OF_TURN_TOKEN|>`` does not stop).
 2. Per conversation, the full render R is scanned forward: each assistant message's region runs
    from the end of its header to the end of the first end-of-turn marker. When the header
    follows that marker at once and the next message is not an assistant's, the same message
    goes on (harmony renders a final turn's analysis and final channels as two headed parts,
    ``<|channel|>analysis<|message|>..<|end|><|start|>assistant<|channel|>final<|message|>..``),
-   and so does the region, to the next marker. A region must contain the message's (visible)
-   content and may not run into another turn, else the row is rejected with a `DataError`.
+   and so does the region, to the next marker. A turn that the next turn's opening token
+   follows right after a special token ends with that token (harmony closes a tool call with
+   ``<|call|>``, which the tool's ``<|start|>functions.NAME`` turn follows). An assistant message
+   that follows a tool result starts where the generation prompt for that point ends, when the
+   conversation so far renders as a prefix of R and that prompt has no header of its own
+   (DeepSeek's templates go on after ``<｜tool▁outputs▁end｜>``). A region must contain the
+   message's (visible) content and the names of its tool calls, may not run into another turn
+   nor over the result of its own tool call, else the row is rejected with a `DataError` that
+   says why.
 3. R is tokenized once with offsets; a token is trained when it starts inside a trained region.
 
 So the mask covers exactly what the model generates in a turn: its content, any ``<think>``
-block or analysis channel the template renders for it (channel tags included), and the
-end-of-turn token; not role headers, not the template's glue after the end-of-turn token (e.g.
-the trailing newline), not other roles.
+block or analysis channel the template renders for it (channel tags included), its tool calls
+(harmony's ``to=functions.NAME`` recipient included), and the end-of-turn token; not role
+headers nor anything else the generation prompt holds, not the template's glue after the
+end-of-turn token (the trailing newline, Phi-3's final ``<|endoftext|>``), not other roles.
 Content that contains a special token's text is rejected: it would render as a control token.
+A final turn whose reasoning the template drops (DeepSeek-R1's templates keep only the text
+after ``</think>``) is rejected when the generation prompt opens a think block: trained on it,
+the model would learn to answer without the reasoning its prompts ask for.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -46,14 +63,12 @@ from typing import Any, Literal
 
 import numpy as np
 
+from posttrain.data.turn_layout import TurnLayout, ending_special_token, probe_layout
 from posttrain.errors import ConfigError, DataError
 
 TrainOn = Literal["all_assistant", "last_assistant"]
 Message = dict[str, Any]
 
-_PROBE_USER = "Probe question one"
-_PROBE_USER_2 = "Probe question two"
-_PROBE_ANSWER = "Probe answer text"
 _THINK_CLOSE = "</think>"
 
 
@@ -114,22 +129,6 @@ class Encoded:
 
     def __len__(self) -> int:
         return len(self.input_ids)
-
-
-@dataclass(frozen=True)
-class TurnLayout:
-    """How the template frames an assistant turn, found by probing it.
-
-    `end_of_turn` closes the final assistant turn (where a generator stops); `turn_ends` are
-    all the markers that close one (earlier turns may end differently, as in harmony);
-    `turn_start` is the special token that opens every turn, when the header starts with one.
-    """
-
-    header: str
-    end_of_turn: str
-    generation_prompt: str
-    turn_ends: tuple[str, ...]
-    turn_start: str | None = None
 
 
 class ChatTokenizer:
@@ -197,8 +196,12 @@ class ChatTokenizer:
 
     @property
     def end_of_turn_token_id(self) -> int | None:
-        """The id that ends an assistant turn (a generator's stop token), if it is one token."""
-        ids = self.hf.convert_tokens_to_ids([self.layout.end_of_turn])
+        """The id of the special token an assistant turn ends with (a generator's stop token:
+        ``<|END_OF_TURN_TOKEN|>`` of Cohere2's ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>``)."""
+        token = ending_special_token(self.layout.end_of_turn, self.special_tokens)
+        if token is None:
+            return None
+        ids = self.hf.convert_tokens_to_ids([token])
         return ids[0] if ids and ids[0] != self.hf.unk_token_id else None
 
     # --- encoding ---------------------------------------------------------------------------
@@ -282,7 +285,9 @@ class ChatTokenizer:
         (module docstring): a template that renders earlier turns differently once more
         messages follow (Qwen3 drops earlier reasoning after a new user message) changes only
         text before the cut. The cut follows a special token, where the tokenizer splits its
-        input anyway, so the suffix gets the ids it has inside the full render.
+        input anyway, so the suffix gets the ids it has inside the full render; it is tokenized
+        from that special token on, whose id is then dropped, so a token that takes the
+        whitespace after it (Phi-3's ``<|end|>``, ``rstrip``) keeps it here too.
         """
         if not messages or messages[-1].get("role") != "assistant":
             raise ValueError("encode_continuation: `messages` must end with an assistant turn")
@@ -291,10 +296,13 @@ class ChatTokenizer:
         conversation = [*messages, *new_messages]
         self._check_messages(conversation, None, None)
         text = self._render(conversation, None, None, add_generation_prompt=True, tools=tools)
-        _, _, end = self._assistant_regions(text, conversation, None, None)[-1]
-        assert any(text.startswith(t, end - len(t)) for t in self.special_tokens), \
+        _, _, end = self._assistant_regions(text, conversation, None, None, tools)[-1]
+        token = ending_special_token(text[:end], self.special_tokens)
+        assert token is not None, \
             f"the assistant turn does not end with a special token: {text[end - 20:end]!r}"
-        return self.encode_text(text[end:])
+        ids = self.encode_text(text[end - len(token):])
+        assert ids[0] == self.hf.convert_tokens_to_ids(token), (token, ids[:3])
+        return ids[1:]
 
     def remove_special_tokens(self, text: str) -> str:
         """`text` without the text of any special token (an environment's observation may
@@ -334,6 +342,19 @@ class ChatTokenizer:
         """The rendered text and the character spans of its trained assistant turns."""
         text = self._render(messages, source, line, add_generation_prompt=False)
         regions = self._assistant_regions(text, messages, source, line)
+        last, start, end = regions[-1] if regions else (None, 0, 0)
+        if last == len(messages) - 1 and last in trained and self._prompts_reasoning:
+            reasoning = _reasoning(messages[last])
+            if reasoning and reasoning not in text[start:end]:
+                raise DataError(
+                    "the chat template drops the reasoning of this final assistant turn (it "
+                    "keeps only the text after '</think>', as DeepSeek-R1's and V3.1's templates "
+                    "do) although its generation prompt "
+                    f"{self.layout.generation_prompt!r} opens a think block: trained on it, the "
+                    "model would learn to answer without reasoning. Remove the reasoning from "
+                    "the data, or give the tokenizer a chat template that renders it in the "
+                    "final turn (TRL's deepseek_r1_distill_training.jinja does)", file=source,
+                    line=line, field=f"messages[{last}]", reason="reasoning_dropped")
         return text, [(start, end) for i, start, end in regions if i in trained]
 
     @staticmethod
@@ -360,49 +381,115 @@ class ChatTokenizer:
         except TemplateError as e:
             raise DataError(f"the chat template rejected this conversation: {e}", file=source,
                             line=line, field="messages", reason="template_error") from None
+        except TypeError as e:
+            # a value of the wrong type for this template: DeepSeek's templates concatenate
+            # tool-call arguments (a JSON string), Qwen3.5's iterate them (a mapping)
+            raise DataError(f"the chat template failed on this conversation ({e}): a field has "
+                            "a type this template does not take (tool-call arguments as a JSON "
+                            "string or as a mapping?)", file=source, line=line, field="messages",
+                            reason="template_error") from None
 
     def _assistant_regions(self, text: str, messages: Sequence[Message], source: str | None,
-                           line: int | None) -> list[tuple[int, int, int]]:
-        """(message index, start, end) of each assistant turn's generated text in `text`
-        (see the module docstring)."""
-        layout = self.layout
+                           line: int | None, tools: Sequence[dict] | None = None
+                           ) -> list[tuple[int, int, int]]:
+        """(message index, start, end) of each assistant turn's generated text in `text`, the
+        render of `messages` (with `tools`; see the module docstring)."""
         regions = []
         cursor = 0
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             where = dict(file=source, line=line, field=f"messages[{i}]")
-            head = text.find(layout.header, cursor)
-            if head < 0:
-                raise DataError(f"the rendered conversation has no assistant turn for this message "
-                                f"(looked for {layout.header!r})", reason="turn_not_found", **where)
-            start = end = head + len(layout.header)
+            start = self._turn_start(text, messages, i, cursor, where, tools)
             goes_on = i + 1 == len(messages) or messages[i + 1]["role"] != "assistant"
-            while True:
-                close = _first_of(text, layout.turn_ends, end)
-                if close is None:
-                    raise DataError(f"the assistant turn is not closed by any of "
-                                    f"{list(layout.turn_ends)}", reason="turn_not_found", **where)
-                if layout.turn_start is not None and layout.turn_start in text[end:close[0]]:
-                    raise DataError("the assistant turn runs into another turn before it is "
-                                    "closed (a tool call this template frames differently?); "
-                                    "cannot build its loss mask", reason="turn_mismatch", **where)
-                end = close[0] + len(close[1])
-                if not (goes_on and text.startswith(layout.header, end)):
-                    break
-                end += len(layout.header)
-            needle = _visible_content(message)
-            if needle and needle not in text[start:end]:
-                raise DataError("the template did not render this assistant message's content where "
-                                "expected; cannot build its loss mask", reason="turn_mismatch", **where)
+            end = self._turn_end(text, start, goes_on, where)
+            self._check_turn(text, messages, i, start, end, where)
             regions.append((i, start, end))
             cursor = end
         return regions
 
+    def _turn_start(self, text: str, messages: Sequence[Message], i: int, cursor: int,
+                    where: dict[str, Any], tools: Sequence[dict] | None) -> int:
+        """Where assistant message i's generated text starts: after its header, or, after a tool
+        result the template does not follow with a header, where the generation prompt for
+        that point ends (the conversation so far rendered with it is then a prefix of `text`)."""
+        header = self.layout.header
+        if i and messages[i - 1]["role"] == "tool":
+            try:
+                prompt = self._render(messages[:i], None, None, add_generation_prompt=True,
+                                      tools=tools)
+            except DataError:
+                prompt = ""
+            if cursor <= len(prompt) and text.startswith(prompt) and \
+                    header not in text[cursor:len(prompt)]:
+                return len(prompt)
+        head = text.find(header, cursor)
+        if head < 0:
+            raise DataError(f"the rendered conversation has no assistant turn for this message "
+                            f"(looked for {header!r})", reason="turn_not_found", **where)
+        return head + len(header)
+
+    def _turn_end(self, text: str, start: int, goes_on: bool, where: dict[str, Any]) -> int:
+        """The end of the turn whose generated text starts at `start`."""
+        layout = self.layout
+        end = start
+        while True:
+            close = _first_of(text, layout.turn_ends, end)
+            opens = text.find(layout.turn_start, end) if layout.turn_start is not None else -1
+            if 0 <= opens and (close is None or opens < close[0]):
+                # another role's turn opens first: this one ended with the special token before it
+                if opens > start and not text.startswith(layout.header, opens) and \
+                        ending_special_token(text[:opens], self.special_tokens):
+                    return opens
+                raise DataError("the assistant turn runs into another turn before it is closed "
+                                "(a tool call this template frames differently?); cannot build "
+                                "its loss mask", reason="turn_mismatch", **where)
+            if close is None:
+                raise DataError(f"the assistant turn is not closed by any of "
+                                f"{list(layout.turn_ends)}", reason="turn_not_found", **where)
+            end = close[0] + len(close[1])
+            if not (goes_on and text.startswith(layout.header, end)):
+                return end
+            end += len(layout.header)
+
+    @staticmethod
+    def _check_turn(text: str, messages: Sequence[Message], i: int, start: int, end: int,
+                    where: dict[str, Any]) -> None:
+        """Reject a region that misses the message's content or tool calls, or that holds the
+        result of its own tool call."""
+        message, region = messages[i], text[start:end]
+        calls = _tool_calls(message)
+        needle = _visible_content(message)
+        # harmony drops a tool call's content (its analysis) once a final answer follows
+        if needle and needle not in region and not (calls and needle not in text):
+            raise DataError("the template did not render this assistant message's content where "
+                            "expected; cannot build its loss mask", reason="turn_mismatch", **where)
+        for name, _ in calls:
+            if name not in region:
+                raise DataError(f"the template did not render this message's tool call {name!r} "
+                                "inside its turn (templates without tool calls, as Phi-3's, drop "
+                                "them; DeepSeek-R1-Distill's renders them only when content is "
+                                "null); cannot build its loss mask", reason="turn_mismatch",
+                                **where)
+        result = messages[i + 1] if calls and i + 1 < len(messages) else {}
+        output = result.get("content", "").strip() if result.get("role") == "tool" else ""
+        if output and output in region and not any(output in arguments for _, arguments in calls):
+            raise DataError(f"the template does not close this tool-call turn before the tool's "
+                            f"result {output[:40]!r}, which would fall inside its loss mask (Gemma "
+                            "4 renders the result inside the model's turn; DeepSeek-R1-Distill's "
+                            "template leaves a single tool call unclosed); cannot build its loss "
+                            "mask", reason="turn_mismatch", **where)
+
     @cached_property
     def layout(self) -> TurnLayout:
         """The template's assistant-turn framing, probed once per tokenizer."""
-        return _probe_layout(self._probe_render, self.special_tokens, self._token_ends)
+        return probe_layout(self._probe_render, self.special_tokens, self._token_ends)
+
+    @cached_property
+    def _prompts_reasoning(self) -> bool:
+        """Whether the generation prompt opens a think block it does not close."""
+        prompt = self.layout.generation_prompt
+        return prompt.rfind("<think>") > prompt.rfind(_THINK_CLOSE)
 
     def _token_ends(self, text: str) -> list[int]:
         """The character offset where each token of `text` ends."""
@@ -486,78 +573,6 @@ def _load(path: str) -> Any:
         raise ConfigError(f"tokenizer.path: cannot load a tokenizer from {path!r}: {e}") from None
 
 
-def _probe_layout(render: Any, special_tokens: frozenset[str],
-                  token_ends: Callable[[str], Sequence[int]]) -> TurnLayout:
-    """Find the assistant header, end-of-turn markers and generation prompt of a template.
-
-    The header is what the generation prompt, a final assistant turn and a middle assistant turn
-    have in common before the content; Qwen3 puts a ``<think>`` block after the header in the
-    final turn only, so the common prefix stops at the header proper. It is cut back to a token
-    boundary of all three (`_token_aligned`). The end-of-turn markers follow the content of the
-    middle and of the final turn.
-    """
-    user = {"role": "user", "content": _PROBE_USER}
-    answer = {"role": "assistant", "content": _PROBE_ANSWER}
-    base = render([user])
-    prompted = render([user], add_generation_prompt=True)
-    if not prompted.startswith(base) or prompted == base:
-        raise ConfigError("chat template: add_generation_prompt=True does not append a generation "
-                          "prompt to the rendered conversation; cannot locate assistant turns")
-    generation_prompt = prompted[len(base):]
-    last = render([user, answer])
-    middle = render([user, answer, {"role": "user", "content": _PROBE_USER_2}])
-    before = [_text_before_answer(base, rendered) for rendered in (last, middle)]
-    header = _token_aligned(os.path.commonprefix([generation_prompt, *before]),
-                            [generation_prompt, *before], token_ends)
-    if not header:
-        raise ConfigError("chat template: found no common header that opens assistant turns "
-                          f"(generation prompt {generation_prompt!r})")
-    after = middle[middle.index(_PROBE_ANSWER) + len(_PROBE_ANSWER):]
-    middle_end = _first_special_token(after, special_tokens)
-    if middle_end is None:
-        raise ConfigError("chat template: no special token closes an assistant turn "
-                          f"(text after the content: {after[:40]!r})")
-    end_of_turn = _first_special_token(last[last.index(_PROBE_ANSWER) + len(_PROBE_ANSWER):],
-                                       special_tokens) or middle_end
-    starts = [t for t in special_tokens if header.startswith(t)]
-    return TurnLayout(header=header, end_of_turn=end_of_turn, generation_prompt=generation_prompt,
-                      turn_ends=tuple(dict.fromkeys((end_of_turn, middle_end))),
-                      turn_start=max(starts, key=len) if starts else None)
-
-
-def _token_aligned(prefix: str, texts: Sequence[str],
-                   token_ends: Callable[[str], Sequence[int]]) -> str:
-    """`prefix` (a common prefix of `texts`) cut back to the last offset where every text has a
-    token boundary.
-
-    Where the generation prompt and the rendered turns part inside a token, the character-wise
-    common prefix ends in the middle of it: DeepSeek-V3.1 with ``thinking=True`` prompts
-    ``<｜Assistant｜><think>`` but renders turns as ``<｜Assistant｜></think>...``, which share
-    ``<｜Assistant｜><``. A turn's region starting there would leave its ``</think>`` token, which
-    starts before the region, out of the loss.
-    """
-    common = set(range(len(prefix) + 1))
-    for text in texts:
-        common &= {0, len(text), *token_ends(text)}
-    return prefix[:max(common)]
-
-
-def _text_before_answer(base: str, rendered: str) -> str:
-    if _PROBE_ANSWER not in rendered:
-        raise ConfigError("chat template: a probe assistant message does not appear in the render")
-    start = len(os.path.commonprefix([base, rendered]))
-    return rendered[start:rendered.index(_PROBE_ANSWER)]
-
-
-def _first_special_token(text: str, special_tokens: frozenset[str]) -> str | None:
-    """The text up to and including the first special token in `text` (glue before it included)."""
-    hits = [(text.find(t), -len(t), t) for t in special_tokens if t in text]
-    if not hits:
-        return None
-    position, _, token = min(hits)
-    return text[:position + len(token)]
-
-
 def _first_of(text: str, markers: Sequence[str], start: int) -> tuple[int, str] | None:
     """The earliest (position, marker) of `markers` in `text` from `start` (longest on a tie)."""
     hits = [(at, -len(m), m) for m in markers if (at := text.find(m, start)) >= 0]
@@ -574,6 +589,35 @@ def _visible_content(message: Message) -> str:
     ``</think>`` is required to appear.
     """
     return message["content"].rsplit(_THINK_CLOSE, 1)[-1].strip()
+
+
+def _reasoning(message: Message) -> str:
+    """The reasoning an assistant message carries: its ``reasoning_content`` or ``thinking``
+    field, or the text of a ``<think>`` block that ends in ``</think>`` in its content."""
+    for key in ("reasoning_content", "thinking"):
+        value = message.get(key)
+        if isinstance(value, str) and value.strip():
+            return value.strip()
+    content = message["content"]
+    if _THINK_CLOSE not in content:
+        return ""
+    return content.split(_THINK_CLOSE)[0].split("<think>")[-1].strip()
+
+
+def _tool_calls(message: Message) -> list[tuple[str, str]]:
+    """(name, arguments as text) of each tool call of an assistant message (OpenAI's shape,
+    ``{"function": {"name", "arguments"}}``, or the function itself)."""
+    import json
+
+    calls = message.get("tool_calls")
+    out = []
+    for call in calls if isinstance(calls, list) else []:
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            arguments = function.get("arguments", "")
+            out.append((function["name"], arguments if isinstance(arguments, str)
+                        else json.dumps(arguments, ensure_ascii=False)))
+    return out
 
 
 def _is_trained(message: Message) -> bool:

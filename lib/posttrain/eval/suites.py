@@ -11,7 +11,15 @@ and seeds (so a model compared with itself has every delta exactly 0):
   ``exact_match`` (the stripped answer equals the stripped reference), ``exact_match_number``
   (its final number equals the reference's, `posttrain.rl.rewards.parse_number`), ``regex``
   (the last match of `pattern` in the answer, its capture group if it has one, equals the
-  reference; ``full_match`` matches the whole stripped answer instead). accuracy = mean score.
+  reference; ``full_match`` matches the whole stripped answer instead), ``gsm8k`` (the
+  ``#### N`` answer, else the last number, read as lm-eval-harness's gsm8k filters read them,
+  equals the reference's number; the reference may be a whole GSM8K solution;
+  `posttrain.eval.benchmarks`). accuracy = mean score; with `pass_at_k` (k <=
+  samples_per_prompt), the unbiased pass@k of each k as well.
+* ``multiple_choice``: rows with a question, options and the gold option (MMLU, ARC and
+  HellaSwag shapes) -> each option scored by the sum of its tokens' log-probs given the
+  question (plain text or the chat template): ``accuracy`` and ``accuracy_norm`` (per
+  character of the option, lm-eval's acc_norm); `posttrain.eval.benchmarks`.
 * ``preference``: pairs (prompt, chosen, rejected) seen as DPO does, with the baseline as the
   reference model: r(y) = beta (log pi(y|x) - log pi_baseline(y|x)). ``reward_accuracy`` is
   the fraction of pairs with r(chosen) > r(rejected) and ``reward_margin`` the mean of
@@ -24,7 +32,7 @@ and seeds (so a model compared with itself has every delta exactly 0):
 * ``distill``: chat (or sequence) rows -> token-mean forward KL(teacher || model) on the trained
   tokens (the chunked divergence of `posttrain.losses.distill` at temperature 1), and the
   model's loss; `teacher` is the teacher's checkpoint.
-* ``reward_model``: pairs scored by an exported reward model (`posttrain.train.reward.
+* ``reward_model``: pairs scored by an exported reward model (`posttrain.models.reward_model.
   load_reward_model`): ``accuracy`` (chosen scored higher) and ``mean_margin``.
 
 The baseline is optional (a reward model has none to compare with; a first retraining run has
@@ -33,7 +41,9 @@ its held-out evaluation as a suite from its own config (`Recipe.eval_suite`), an
 `steps/evaluate.py`, runs any suite.
 
 Rows are read straight from the source (its first `max_samples`), validated and tokenized as
-`prepare` does: `parse_row` and `RecordEncoder` with the suite's tokenizer and its chat template
+`prepare` does: `RowParser` (any shape of the task's format, `posttrain.data.shapes`, decided by
+the first row or forced by the source's ``shape:``) and `RecordEncoder` with the suite's
+tokenizer and its chat template
 (the checkpoint's own tokenizer when the suite names none). Log-probs (loss, preference) come
 from the native model over packed rows with document boundaries and the chunked log-prob op, as
 in training; answers come from a rollout engine (`posttrain.rl.factory.load_engine`: the native
@@ -53,10 +63,13 @@ from posttrain.config.loader import to_dict
 from posttrain.config.recipes import ColumnNames, load_recipe
 from posttrain.data.encode import LengthConfig, RecordEncoder
 from posttrain.data.formats import (ChatRecord, FormatConfig, FormatName, PreferenceRecord,
-                                    PromptRecord, Record, SequenceRecord, parse_row)
+                                    PromptRecord, Record, RowParser, SequenceRecord)
+from posttrain.data.shapes import DEFAULT_ROLE_MAP, UnknownShape, check_shape
 from posttrain.data.sources import RowStream, SourceConfig
 from posttrain.data.tokenizer import ChatTokenizer, TokenizerConfig
 from posttrain.errors import ConfigError, DataError
+from posttrain.eval.benchmarks import (ChoiceConfig, ChoiceRow, check_pass_at_k, choice_reader,
+                                       choice_scores, gsm8k_number, pass_at_k_metrics)
 from posttrain.eval.heldout import sequence_logps
 from posttrain.eval.preference import preference_metrics
 from posttrain.models.args import DTYPES
@@ -71,7 +84,7 @@ __all__ = ["GenerationSettings", "GraderConfig", "SuiteConfig", "SuiteResult", "
            "TaskResult", "load_suite", "run_suite"]
 
 TaskKind = Literal["heldout_loss", "generation", "preference", "reward", "distill",
-                   "reward_model"]
+                   "reward_model", "multiple_choice"]
 
 # Options that only some kinds read: setting one on another kind is a config error.
 _KIND_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -86,6 +99,8 @@ _KIND_OPTIONS: dict[str, tuple[str, ...]] = {
     "logp_reduction": ("preference",),
     "teacher": ("distill",),
     "samples": ("heldout_loss",),
+    "pass_at_k": ("generation",),
+    "multiple_choice": ("multiple_choice",),
 }
 
 
@@ -96,11 +111,14 @@ _KIND_OPTIONS: dict[str, tuple[str, ...]] = {
 class GraderConfig:
     """How a generation task scores an answer against the row's reference (0 or 1)."""
 
-    kind: Literal["exact_match", "exact_match_number", "regex"]
+    kind: Literal["exact_match", "exact_match_number", "regex", "gsm8k"]
     pattern: str | None = None          # regex: at most one capture group
     full_match: bool = False            # regex: match the whole (stripped) answer
+    extract: Literal["auto", "strict", "flexible"] | None = None   # gsm8k; default auto
 
     def __post_init__(self) -> None:
+        if self.extract is not None and self.kind != "gsm8k":
+            raise ValueError(f"extract applies to kind gsm8k, not {self.kind}")
         if self.kind != "regex":
             if self.pattern is not None or self.full_match:
                 raise ValueError(f"pattern and full_match apply to kind regex, not {self.kind}")
@@ -118,6 +136,9 @@ class GraderConfig:
     def score(self, answer: str, reference: Any) -> float:
         """1.0 when `answer` is right, else 0.0 (module docstring)."""
         expected = str(reference).strip()
+        if self.kind == "gsm8k":
+            want, got = gsm8k_number(expected), gsm8k_number(answer, self.extract or "auto")
+            return float(got is not None and got == want)
         if self.kind == "exact_match_number":
             want, got = parse_number(expected), parse_number(answer)
             return float(got is not None and got == want)
@@ -174,6 +195,7 @@ class TaskConfig:
     max_samples: int | None = None      # the first rows of the source; None: all
     max_tokens_per_sample: int = 4096   # longer rows are truncated (prompts are refused)
     columns: ColumnNames = ColumnNames()
+    role_map: dict[str, str] = field(default_factory=dict)   # ShareGPT speakers (data.role_map)
     format: Literal["chat", "sequence"] | None = None   # heldout_loss; default chat
     reference_column: str | None = None                 # generation; default "answer"
     grader: GraderConfig | None = None                   # generation
@@ -185,6 +207,8 @@ class TaskConfig:
     logp_reduction: Literal["sum", "mean"] | None = None   # preference; default sum (DPO's)
     teacher: str | None = None                           # distill: the teacher checkpoint
     samples: int | None = None    # heldout_loss: greedy answers to the first rows' last turn
+    pass_at_k: tuple[int, ...] = ()                      # generation: k <= samples_per_prompt
+    multiple_choice: ChoiceConfig | None = None          # multiple_choice; default ChoiceConfig()
     on_bad_row: Literal["error", "skip"] = "error"       # skip: counted in the result
 
     def __post_init__(self) -> None:
@@ -197,7 +221,9 @@ class TaskConfig:
             raise ValueError(f"max_samples must be >= 1, got {self.max_samples}")
         if self.kind == "generation" and self.grader is None:
             raise ValueError("grader: required for kind generation (kind: exact_match, "
-                             "exact_match_number or regex)")
+                             "exact_match_number, regex or gsm8k)")
+        check_pass_at_k(self.pass_at_k, self.generation.samples_per_prompt
+                        if self.generation else 1)
         if self.kind == "reward":
             if not self.rewards:
                 raise ValueError("rewards: list at least one reward function")
@@ -213,6 +239,11 @@ class TaskConfig:
             raise ValueError("teacher: required for kind distill (the teacher's checkpoint)")
         if self.samples is not None and self.samples < 0:
             raise ValueError(f"samples must be >= 0, got {self.samples}")
+        if self.kind == "multiple_choice" and self.data.shape is not None:
+            raise ValueError("data.shape: a multiple_choice task reads its own rows (question, "
+                             "options, gold); shapes apply to the other kinds")
+        if self.kind != "multiple_choice":
+            check_shape(self.data_format, self.data.shape, "data.shape")
 
     @property
     def data_format(self) -> FormatName:
@@ -336,13 +367,8 @@ def _read_rows(task: TaskConfig, tokenizer: ChatTokenizer
                ) -> tuple[list[tuple[Record, dict]], int]:
     """(record, token columns) of the task's first rows, and how many bad rows were skipped;
     a bad row fails naming file and line unless the task skips them."""
-    c = task.columns
-    fmt = FormatConfig(format=task.data_format, messages_field=c.messages,
-                       prompt_field=c.prompt, chosen_field=c.chosen, rejected_field=c.rejected,
-                       required_columns=required_columns(task.rewards))
-    encoder = RecordEncoder(tokenizer, task.data_format,
-                            LengthConfig(task.max_tokens_per_sample, "truncate"))
-    reference = task.reference_column or "answer"
+    read = choice_reader(task, tokenizer) if task.kind == "multiple_choice" else \
+        _record_reader(task, tokenizer)
     out: list[tuple[Record, dict]] = []
     skipped = 0
     with RowStream.from_source(task.data) as stream:
@@ -352,19 +378,37 @@ def _read_rows(task: TaskConfig, tokenizer: ChatTokenizer
             try:
                 if raw.error is not None:
                     raise raw.error
-                record = parse_row(raw.data, fmt, file=raw.file, line=raw.line)
-                if task.kind == "generation":
-                    _check_reference(task, record, reference, raw.file, raw.line)
-                columns = encoder.encode(record, file=raw.file, line=raw.line).columns
-            except DataError:
-                if task.on_bad_row == "error":
+                out.append(read(raw.data, raw.file, raw.line))
+            except DataError as err:
+                if task.on_bad_row == "error" or isinstance(err, UnknownShape):
                     raise
                 skipped += 1
-                continue
-            out.append((record, columns))
     if not out:
         raise DataError(f"task {task.name!r}: the source has no rows", file=str(task.data.path))
     return out, skipped
+
+
+def _record_reader(task: TaskConfig, tokenizer: ChatTokenizer) -> Any:
+    """How a task reads one raw row (data, file, line) as `prepare` does: (record, token
+    columns)."""
+    c = task.columns
+    fmt = FormatConfig(format=task.data_format, messages_field=c.messages,
+                       prompt_field=c.prompt, chosen_field=c.chosen, rejected_field=c.rejected,
+                       completion_field=c.completion, label_field=c.label, text_field=c.text,
+                       role_map=tuple({**DEFAULT_ROLE_MAP, **task.role_map}.items()),
+                       required_columns=required_columns(task.rewards)
+                       ).with_template(tokenizer.hf)
+    parser = RowParser(fmt, task.data.shape)
+    encoder = RecordEncoder(tokenizer, task.data_format,
+                            LengthConfig(task.max_tokens_per_sample, "truncate"))
+    reference = task.reference_column or "answer"
+
+    def read(data: Any, file: str, line: int) -> tuple[Record, dict]:
+        record = parser.parse(data, file=file, line=line)
+        if task.kind == "generation":
+            _check_reference(task, record, reference, file, line)
+        return record, encoder.encode(record, file=file, line=line).columns
+    return read
 
 
 def _check_reference(task: TaskConfig, record: Record, column: str, file: str,
@@ -374,10 +418,10 @@ def _check_reference(task: TaskConfig, record: Record, column: str, file: str,
         raise DataError(f"task {task.name!r}: the row has no reference column {column!r} (set "
                         "the task's reference_column)", file=file, line=line, field=column,
                         reason="missing_field")
-    if task.grader.kind == "exact_match_number" and \
-            parse_number(str(record.extras[column])) is None:
+    number = {"exact_match_number": parse_number, "gsm8k": gsm8k_number}.get(task.grader.kind)
+    if number is not None and number(str(record.extras[column])) is None:
         raise DataError(f"task {task.name!r}: reference {record.extras[column]!r} is not a "
-                        "number (grader exact_match_number)", file=file, line=line,
+                        f"number (grader {task.grader.kind})", file=file, line=line,
                         field=column, reason="wrong_type")
 
 
@@ -387,7 +431,8 @@ def _evaluate_checkpoint(cfg: SuiteConfig, hf_dir: str, tokenizer: ChatTokenizer
     """Every task on one checkpoint: log-prob tasks with the native model, then the answers.
     `teachers` caches the distill tasks' teachers across checkpoints."""
     from posttrain.models.auto import load_model
-    scoring = [t for t in cfg.tasks if t.kind in ("heldout_loss", "preference", "distill")]
+    scoring = [t for t in cfg.tasks
+               if t.kind in ("heldout_loss", "preference", "distill", "multiple_choice")]
     answering = [t for t in cfg.tasks if t.kind in ("generation", "reward")]
     out: dict[str, _Pass] = {t.name: _reward_model_pass(hf_dir, rows[t.name])
                              for t in cfg.tasks if t.kind == "reward_model"}
@@ -401,6 +446,11 @@ def _evaluate_checkpoint(cfg: SuiteConfig, hf_dir: str, tokenizer: ChatTokenizer
                               "with the tokenizer it was trained with")
     pad = tokenizer.pad_token_id or 0
     for task in scoring:
+        if task.kind == "multiple_choice":
+            metrics, scores = choice_scores(model, rows[task.name], cfg.max_tokens_per_forward,
+                                            pad)
+            out[task.name] = _Pass(metrics, [None] * len(scores), scores)
+            continue
         if task.kind == "distill":
             if task.teacher not in teachers:
                 teachers[task.teacher] = load_model(task.teacher,
@@ -485,7 +535,7 @@ def _reward_model_pass(hf_dir: str, rows: list[tuple[Record, dict]]) -> _Pass:
     `hf_dir`; a checkpoint without a reward head (a baseline) has no metrics."""
     from pathlib import Path
 
-    from posttrain.train.reward import HEAD_JSON, load_reward_model
+    from posttrain.models.reward_model import HEAD_JSON, load_reward_model
     if not (Path(hf_dir) / HEAD_JSON).is_file():
         return _Pass({}, [None] * len(rows), [{} for _ in rows])
     score = load_reward_model(hf_dir)
@@ -545,8 +595,12 @@ def _answer_pass(task: TaskConfig, engine: Any, tokenizer: ChatTokenizer,
         if not environment.single_turn:
             names.append("environment")
 
+    played: list[list[Any]] = []
+
     def generate(prompt_rows: list[PromptRow]) -> list[list[Any]]:
-        return episodes.run(prompt_rows, settings.samples_per_prompt, engine.generate, sampling)
+        played[:] = episodes.run(prompt_rows, settings.samples_per_prompt, engine.generate,
+                                 sampling)
+        return played
 
     metrics, records = reward_eval(generate, prompts, reward, accuracy_reward=accuracy,
                                    num_records=len(prompts), prefix="eval",
@@ -556,10 +610,18 @@ def _answer_pass(task: TaskConfig, engine: Any, tokenizer: ChatTokenizer,
     if task.kind == "generation":            # accuracy already says it
         metrics = {k: v for k, v in metrics.items()
                    if k not in ("reward_mean", "correct_mean", "correct_failures")}
+    scores = [{k: r[k] for k in names} for r in records]
+    n, passes = settings.samples_per_prompt, {}
+    if task.kind == "generation" and (n > 1 or task.pass_at_k):
+        column = task.reference_column or "answer"
+        counts = [int(sum(task.grader.score(e.answer, r.extras[column]) for e in group))
+                  for group, (r, _) in zip(played, rows)]
+        passes = pass_at_k_metrics(counts, n, task.pass_at_k)
+        for score, group, c in zip(scores, played, counts):
+            score.update(samples=[e.answer for e in group], num_correct=c)
     if "accuracy" in metrics:
-        metrics = {"accuracy": metrics.pop("accuracy"), **metrics}
-    return _Pass(metrics, [r["completion"] for r in records],
-                 [{k: r[k] for k in names} for r in records])
+        metrics = {"accuracy": metrics.pop("accuracy"), **passes, **metrics}
+    return _Pass(metrics, [r["completion"] for r in records], scores)
 
 
 # --------------------------------------------------------------------------- comparing
@@ -596,6 +658,8 @@ def _compare(task: TaskConfig, rows: list[tuple[Record, dict]], model: _Pass,
 
 def _describe(task: TaskConfig, record: Record) -> dict[str, Any]:
     """The columns of a per-sample record that do not depend on the model."""
+    if isinstance(record, ChoiceRow):
+        return record.describe()
     if isinstance(record, ChatRecord):
         return {"prompt": _last(record.messages, "user"),
                 "reference": _last(record.messages, "assistant")}

@@ -10,10 +10,12 @@ name (see `transformer.py` for the tree).
 """
 
 from posttrain.models.args import ModelArgs, pad_to_multiple
+from posttrain.models.families import args_from_hf_config
 from posttrain.models.hf_io import iter_hf_tensors, load_hf, resize_vocab, save_hf
 from posttrain.models.transformer import (LMHead, Transformer, TransformerBlock, build_model,
                                           default_mlp_factory)
 
-__all__ = ["LMHead", "ModelArgs", "Transformer", "TransformerBlock", "build_model",
+__all__ = ["LMHead", "ModelArgs", "Transformer", "TransformerBlock", "args_from_hf_config",
+           "build_model",
            "default_mlp_factory", "iter_hf_tensors", "load_hf", "pad_to_multiple",
            "resize_vocab", "save_hf"]

@@ -255,13 +255,6 @@ class ModelArgs:
     def replace(self, **changes: Any) -> "ModelArgs":
         return dataclasses.replace(self, **changes)
 
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any], *, vocab_multiple: int = 64) -> "ModelArgs":
-        """Args from a Hugging Face config.json dict, via the bridge of its `model_type`."""
-        from posttrain.models.families import bridge_for_config
-
-        return bridge_for_config(config).args_from_hf(config, vocab_multiple=vocab_multiple)
-
 
 # The weight dtypes a config may name (model.dtype, export.dtype, a suite's dtype).
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -35,7 +35,7 @@ from torch import nn
 
 from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
-from posttrain.models.layers import _ACTIVATIONS, RMSNorm
+from posttrain.models.layers import _ACTIVATIONS, RMSNorm, position_ids_from_documents
 from posttrain.ops.delta_rule import (causal_conv, gated_delta_rule,
                                       recurrent_gated_delta_rule)
 
@@ -75,7 +75,6 @@ def _positions(lengths: list[list[int]] | None, batch: int, seq_len: int,
                device: torch.device) -> torch.Tensor:
     if lengths is None:
         return torch.arange(seq_len, device=device).expand(batch, seq_len)
-    from posttrain.models.transformer import position_ids_from_documents
     return position_ids_from_documents(lengths, seq_len, device)
 
 

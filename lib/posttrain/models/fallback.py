@@ -41,7 +41,7 @@ from torch import nn
 
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.models.hf_io import config_dtype, read_hf_config
-from posttrain.models.transformer import position_ids_from_documents
+from posttrain.models.layers import position_ids_from_documents
 from posttrain.ops.vocab import mask_padded_logits
 
 __all__ = ["FallbackWarning", "HFCausalLM", "HFKVCache", "estimated_flops_per_token",

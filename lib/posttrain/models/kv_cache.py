@@ -31,11 +31,12 @@ recomputation for every family.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain.models.transformer import Transformer
+if TYPE_CHECKING:
+    from posttrain.models.transformer import Transformer
 
 __all__ = ["AttentionState", "DecodeStep", "KVCache", "forward_with_cache"]
 

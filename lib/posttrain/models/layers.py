@@ -374,3 +374,16 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+def position_ids_from_documents(document_lengths: list[list[int]], seq_len: int,
+                                device: torch.device | str | None = None) -> torch.Tensor:
+    """[B, T] positions restarting at 0 at every document start of a packed row."""
+    rows = []
+    for lengths in document_lengths:
+        if sum(lengths) != seq_len:
+            raise ValueError(f"document lengths {lengths} sum to {sum(lengths)}, but rows have "
+                             f"{seq_len} tokens; every token must belong to one document")
+        rows.append(torch.cat([torch.arange(n) for n in lengths]) if lengths
+                    else torch.zeros(0, dtype=torch.long))
+    return torch.stack(rows).to(device)

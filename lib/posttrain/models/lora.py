@@ -13,7 +13,10 @@ Every `nn.Linear` whose name ends in one of `LoraConfig.targets` (the native nam
     y = x W^T + b + (dropout(x) A^T B^T) * alpha / r,     A [r, in], B [out, r]
 
 A starts kaiming-uniform (PEFT's default: U(-1/sqrt(in), 1/sqrt(in))), B at zero, so the adapted
-model starts equal to the base. Every other parameter (embeddings, norms, head) is frozen.
+model starts equal to the base. Every other parameter (embeddings, norms, head) is frozen;
+vocabulary rows that must train beside the adapters (tokens a tokenizer added) are
+`posttrain.models.trainable_tokens`'s, which `disable_adapters`, `save_merged_hf` and
+`save_peft_adapter` take along.
 
 `LoRALinear` keeps the original Linear's parameters under their original names (`attn.q.weight`,
 `attn.q.bias`), so name-based loading (`iter_hf_tensors`), base checkpoints and sharding
@@ -389,7 +392,8 @@ def adapter_init_tensor(name: str, shape: tuple[int, ...],
     rank builds the same full tensor from the same generator and keeps its shard. Same
     distribution as `init_lora_weights`.
     """
-    if name.endswith("lora_B"):
+    from posttrain.models.trainable_tokens import is_token_delta
+    if name.endswith("lora_B") or is_token_delta(name):    # trainable token rows: delta 0
         return torch.zeros(shape)
     if name.endswith("lora_A"):
         bound = 1.0 / math.sqrt(shape[-1])
@@ -413,9 +417,17 @@ def unmerge_lora(model: nn.Module) -> None:
 
 @contextmanager
 def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
-    """Inside the block `model` computes the base model's outputs (merged or not)."""
+    """Inside the block `model` computes the base model's outputs (merged or not), trainable
+    token rows off too (`posttrain.models.trainable_tokens`). Whole modules trained beside the
+    adapters (`modules_to_save`) hold no base any more: refused."""
+    from posttrain.models.trainable_tokens import token_rows
+    if getattr(model, "modules_to_save", ()):
+        raise ConfigError(f"the base model is not inside this LoRA model: model.lora."
+                          f"modules_to_save trains {list(model.modules_to_save)} whole; use "
+                          "model.lora.trainable_tokens for their rows instead, or a reference "
+                          "of its own (a copy) in place of lora_base")
     with ExitStack() as stack:
-        for _, module in lora_modules(model):
+        for _, module in [*lora_modules(model), *token_rows(model)]:
             stack.enter_context(module.disable_adapters())
         yield model
 
@@ -504,7 +516,9 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *, base_model_name_
     key (`model.layers.0.self_attn.q_proj.weight`); by default the model family's bridge.
     Unmerged adapters are written; a merged model is written the same way (A and B are kept).
     Stacked expert adapters become PEFT `target_parameters` (`_peft_experts`); PEFT cannot
-    give them dropout, which `check_peft_export` refuses.
+    give them dropout, which `check_peft_export` refuses. Trainable token rows and whole
+    vocabulary modules go in as PEFT's `trainable_token_indices` and `modules_to_save`
+    (`posttrain.models.trainable_tokens.peft_vocab_entries`).
     """
     modules = lora_modules(model)
     if not modules:
@@ -554,6 +568,10 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *, base_model_name_
         "modules_to_save": None, "inference_mode": True, "rank_pattern": {},
         "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None,
     }
+    from posttrain.models.trainable_tokens import peft_vocab_entries
+    vocab_tensors, vocab_fields = peft_vocab_entries(model, to_hf, _full_cpu)
+    tensors.update(vocab_tensors)
+    config.update(vocab_fields)
     for hf_module, blocks in fused.items():    # one adapter of rank n r, scaling unchanged
         config["rank_pattern"][hf_module] = blocks * rank
         config["alpha_pattern"][hf_module] = blocks * alpha
@@ -657,7 +675,9 @@ def _peft_experts(model: nn.Module, name: str, module: LoRAExperts,
 @contextmanager
 def _base_only(model: nn.Module) -> Iterator[None]:
     """Temporarily show exporters only the base parameters: plain nn.Linear modules (same
-    Parameter objects) in place of the LoRALinear ones, the stacked expert adapters hidden."""
+    Parameter objects) in place of the LoRALinear ones, the stacked expert adapters and the
+    trainable token deltas hidden."""
+    from posttrain.models.trainable_tokens import hide_token_deltas
     swapped, hidden = [], []
     for name, module in lora_modules(model):
         if isinstance(module, LoRAExperts):
@@ -674,7 +694,8 @@ def _base_only(model: nn.Module) -> Iterator[None]:
         setattr(parent, leaf, plain)
         swapped.append((parent, leaf, module))
     try:
-        yield
+        with hide_token_deltas(model):
+            yield
     finally:
         for parent, leaf, module in swapped:
             setattr(parent, leaf, module)
@@ -684,15 +705,19 @@ def _base_only(model: nn.Module) -> Iterator[None]:
 
 def save_merged_hf(model: nn.Module, out_dir: str | Path, **save_hf_kwargs: Any) -> Path:
     """Export base + adapters as one plain HF checkpoint (`posttrain.models.save_hf`
-    arguments); the model is left as it was (unmerged layers are unmerged again)."""
+    arguments), trainable token rows written into the embedding and head; the model is left
+    as it was (unmerged layers are unmerged again)."""
     from posttrain.models.hf_io import save_hf
+    from posttrain.models.trainable_tokens import merge_token_rows, unmerge_token_rows
 
     was_unmerged = [m for _, m in lora_modules(model) if not m.merged]
     for m in was_unmerged:
         m.merge()
+    rows = merge_token_rows(model)
     try:
         with _base_only(model):
             return save_hf(model, out_dir, **save_hf_kwargs)
     finally:
+        unmerge_token_rows(model, rows)
         for m in was_unmerged:
             m.unmerge()

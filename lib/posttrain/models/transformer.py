@@ -42,7 +42,7 @@ from torch import nn
 from posttrain.errors import ConfigError
 from posttrain.models.args import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, ModelArgs
 from posttrain.models.layers import (Attention, FeedForward, RMSNorm, RotaryEmbedding, SharedKV,
-                                     make_norm)
+                                     make_norm, position_ids_from_documents)
 from posttrain.ops.attention import DocumentMask, build_mask
 from posttrain.ops.vocab import mask_padded_logits
 
@@ -149,9 +149,21 @@ class LMHead(nn.Module):
         self._parameters.pop("weight", None)
         self.__dict__["_tied_embedding"] = embedding
 
+    def read_rows_from(self, rows: nn.Module) -> None:
+        """Read `weight` with some rows trained apart: `rows.apply(W)` (a
+        `posttrain.models.trainable_tokens.TokenRows`, held by reference like a tied
+        embedding), so losses that read `head.weight` see them."""
+        self.__dict__["_token_rows"] = rows
+
+    def _own_weight(self) -> torch.Tensor:
+        tied = self.__dict__.get("_tied_embedding")
+        return tied.weight if tied is not None else super().__getattr__("weight")
+
     def __getattr__(self, name: str):
-        if name == "weight" and "_tied_embedding" in self.__dict__:
-            return self.__dict__["_tied_embedding"].weight
+        if name == "weight" and ("_tied_embedding" in self.__dict__
+                                 or "_token_rows" in self.__dict__):
+            rows = self.__dict__.get("_token_rows")
+            return self._own_weight() if rows is None else rows.apply(self._own_weight())
         return super().__getattr__(name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -161,21 +173,8 @@ class LMHead(nn.Module):
         return mask_padded_logits(logits, self.real_vocab_size)
 
     def extra_repr(self) -> str:
-        return (f"{tuple(self.weight.shape)}, real_vocab_size={self.real_vocab_size}, "
+        return (f"{tuple(self._own_weight().shape)}, real_vocab_size={self.real_vocab_size}, "
                 f"softcap={self.softcap}")
-
-
-def position_ids_from_documents(document_lengths: list[list[int]], seq_len: int,
-                                device: torch.device | str | None = None) -> torch.Tensor:
-    """[B, T] positions restarting at 0 at every document start of a packed row."""
-    rows = []
-    for lengths in document_lengths:
-        if sum(lengths) != seq_len:
-            raise ValueError(f"document lengths {lengths} sum to {sum(lengths)}, but rows have "
-                             f"{seq_len} tokens; every token must belong to one document")
-        rows.append(torch.cat([torch.arange(n) for n in lengths]) if lengths
-                    else torch.zeros(0, dtype=torch.long))
-    return torch.stack(rows).to(device)
 
 
 class Transformer(nn.Module):

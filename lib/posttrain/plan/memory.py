@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from posttrain.models.args import DTYPES, ModelArgs
+from posttrain.models.families import args_from_hf_config
 from posttrain.plan import devices
 from posttrain.plan.trace import count_params, kv_cache_bytes, rank_args, trace_step
 
@@ -145,12 +146,12 @@ def model_args(cfg: Any) -> ModelArgs:
     from posttrain.models.hf_io import read_hf_config
     m = cfg.model
     if m.hf_dir:
-        args = ModelArgs.from_hf_config(read_hf_config(m.hf_dir), vocab_multiple=m.vocab_multiple)
+        args = args_from_hf_config(read_hf_config(m.hf_dir), vocab_multiple=m.vocab_multiple)
     else:
         from posttrain.models.verify import tiny_hf_config
         hf = tiny_hf_config(m.init.family, **{"vocab_size": _tokenizer_vocab(cfg) or 256,
                                               **m.init.overrides})
-        args = ModelArgs.from_hf_config(hf.to_dict(), vocab_multiple=m.vocab_multiple)
+        args = args_from_hf_config(hf.to_dict(), vocab_multiple=m.vocab_multiple)
     vocab = _tokenizer_vocab(cfg)
     if vocab and vocab > args.vocab_size:
         args = args.replace(vocab_size=vocab)

@@ -121,11 +121,17 @@ class RetryEnvironment:
                           metrics={"wrong_answers": 1.0})
 
 
+# Name -> the environments that ship with posttrain, named as a user's are
+# (``package.module:attribute``): the tool environment builds on this module.
+BUNDLED_ENVIRONMENTS = {"single_turn": f"{__name__}:SingleTurnEnvironment",
+                        "retry": f"{__name__}:RetryEnvironment",
+                        "tools": "posttrain.rl.tools:ToolEnvironment"}
+
+
 def bundled_environments() -> dict[str, Callable[..., Any]]:
     """Name -> factory of the environments that ship with posttrain."""
-    from posttrain.rl.tools import ToolEnvironment
-    return {"single_turn": SingleTurnEnvironment, "retry": RetryEnvironment,
-            "tools": ToolEnvironment}
+    return {name: import_attribute(spec, f"environment.kind: {name}")
+            for name, spec in BUNDLED_ENVIRONMENTS.items()}
 
 
 @dataclass(frozen=True)
@@ -194,12 +200,11 @@ class EnvironmentConfig:
                 raise ConfigError(f"environment.module: {self.module!r} is not callable (a "
                                   "class or function that makes an environment)")
             return factory
-        bundled = bundled_environments()
-        if self.name not in bundled:
+        if self.name not in BUNDLED_ENVIRONMENTS:
             raise ConfigError(f"environment.kind: {self.kind!r} is not a bundled environment "
-                              f"({', '.join(sorted(bundled))}); name your own with "
-                              "environment.module: 'package.module:attribute'")
-        return bundled[self.name]
+                              f"({', '.join(sorted(BUNDLED_ENVIRONMENTS))}); name your own "
+                              "with environment.module: 'package.module:attribute'")
+        return import_attribute(BUNDLED_ENVIRONMENTS[self.name], "environment.kind")
 
     def make(self) -> Environment:
         return self.factory()(**self.params)

@@ -68,7 +68,7 @@ class RewardModelScorer:
 
     def __init__(self, model_dir: str, *, device: str = "cpu", batch_size: int = 64,
                  max_tokens: int = 16384, produced_by: str | None = None):
-        from posttrain.train.reward import HEAD_JSON, load_reward_parts
+        from posttrain.models.reward_model import HEAD_JSON, load_reward_parts
         if not (Path(model_dir) / HEAD_JSON).is_file():
             how = (f"it is the export of {produced_by}: train it first with `posttrain "
                    f"train-reward --config {produced_by}`" if produced_by else
@@ -81,7 +81,7 @@ class RewardModelScorer:
 
     def score(self, prompts: Sequence[list[dict]], completions: Sequence[str]
               ) -> list[float | SampleFailure]:
-        from posttrain.train.reward import reward_input_ids
+        from posttrain.models.reward_model import reward_input_ids
         out: list[float | SampleFailure] = [SampleFailure("not scored")] * len(completions)
         ids: dict[int, list[int]] = {}
         for i, (p, c) in enumerate(zip(prompts, completions)):

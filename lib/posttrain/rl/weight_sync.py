@@ -14,7 +14,10 @@ one the adapters and the buffers (a score-correction bias moves without training
 engine
 keeps each adapted weight's base as it first arrived and writes
 `posttrain.models.lora.merged_weight(base, A, B, scaling)`, the trainer's folded weight
-exactly, so a LoRA sync moves O(adapters) bytes and the base travels once.
+exactly, so a LoRA sync moves O(adapters) bytes and the base travels once. Trainable token
+rows (`posttrain.models.trainable_tokens`) travel the same way: their delta D is an adapter of
+the embedding (or untied head) weight, which the engine writes as `token_rows_weight(base,
+ids, D)`; whole modules trained beside LoRA (`modules_to_save`) go with every sync.
 
 Trainer side (`WeightSender`, one on every trainer rank): the plan's tensors are gathered in
 plan order, one at a time (`DTensor.full_tensor()` is a collective over the FSDP / TP mesh, so
@@ -56,6 +59,7 @@ from posttrain.distributed.materialize import canonical_name, state_tensors_by_n
 from posttrain.distributed.sync_group import GroupAddress, StoreGroup, serve_group
 from posttrain.errors import ConfigError
 from posttrain.models.lora import adapter_names, is_adapter_name, merged_weight
+from posttrain.models.trainable_tokens import is_token_delta, token_rows, token_rows_weight
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "SyncEntry", "SyncPlan", "WeightReceiver", "WeightSender",
            "gather_full", "plan_sync"]
@@ -91,8 +95,12 @@ class SyncPlan:
     lora_scaling: float | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     # the weights that are buffers on the trainer (DeepSeek-V3's score-correction bias): they
-    # change without being trained (bias balancing), so the adapters-only syncs send them too
+    # change without being trained (bias balancing), so the adapters-only syncs send them too;
+    # so are the whole modules trained beside LoRA (model.lora.modules_to_save)
     buffers: tuple[SyncEntry, ...] = ()
+    # (weight, its trainable-token delta among `adapters`, the token ids) of each weight with
+    # trainable token rows
+    token_rows: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1:
@@ -139,13 +147,15 @@ def plan_sync(trainer_params: dict[str, torch.Tensor],
               engine_shapes: dict[str, tuple[int, ...]], engine_dtype: torch.dtype, *,
               lora_scaling: float | None = None,
               bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-              fp32_names: frozenset[str] = frozenset()) -> SyncPlan:
+              fp32_names: frozenset[str] = frozenset(),
+              token_rows: dict[str, tuple[str, tuple[int, ...]]] | None = None) -> SyncPlan:
     """The plan that fills an engine with parameters `engine_shapes` (native name -> shape)
     held in `engine_dtype`, from a trainer whose (possibly sharded) parameters and persistent
     buffers by canonical name are `trainer_params` (`state_tensors_by_name`; a DTensor's shape
     is its full shape). `fp32_names` travel in fp32 whatever the engine dtype (tensors the
     model keeps in fp32: `Transformer.fp32_names`). `lora_scaling` (alpha / rank) is needed
-    when the trainer's model has LoRA adapters."""
+    when the trainer's model has LoRA adapters. `token_rows` maps a weight with trainable
+    token rows to (its delta's name, the ids)."""
     missing = [n for n in engine_shapes if n not in trainer_params]
     if missing:
         raise ConfigError(f"weight sync: the trainer has no tensors for the engine's "
@@ -160,14 +170,18 @@ def plan_sync(trainer_params: dict[str, torch.Tensor],
     adapters = [SyncEntry(x, tuple(trainer_params[x].shape), trainer_params[x].dtype)
                 for n in engine_shapes if adapter_names(n)[0] in trainer_params
                 for x in adapter_names(n)]
-    unsent = sorted({n for n in trainer_params if is_adapter_name(n)}
+    rows = tuple((n, *token_rows[n]) for n in engine_shapes if n in (token_rows or {}))
+    adapters += [SyncEntry(delta, tuple(trainer_params[delta].shape),
+                           trainer_params[delta].dtype) for _, delta, _ in rows]
+    unsent = sorted({n for n in trainer_params if is_adapter_name(n) or is_token_delta(n)}
                     - {e.name for e in adapters})
     if unsent:
         raise ConfigError(f"weight sync: LoRA adapters {unsent[:4]} adapt no parameter of the "
                           "rollout engine")
-    buffers = tuple(e for e in weights if not isinstance(trainer_params[e.name], nn.Parameter))
+    buffers = tuple(e for e in weights if not isinstance(trainer_params[e.name], nn.Parameter)
+                    or (adapters and trainer_params[e.name].requires_grad))
     return SyncPlan(weights, tuple(adapters), lora_scaling if adapters else None, bucket_bytes,
-                    buffers)
+                    buffers, rows)
 
 
 def gather_full(params: dict[str, torch.Tensor], entries: Iterable[SyncEntry]
@@ -204,6 +218,8 @@ class WeightSender:
 
     def __init__(self, model: nn.Module, rank: int, device: torch.device | str):
         self.params = state_tensors_by_name(model)
+        self.token_rows = {w: (f"{w.removesuffix('weight')}token_adapter.delta", rows.token_ids)
+                           for w, rows in token_rows(model)}
         fp32 = getattr(model, "fp32_names", None)
         self.fp32_names = frozenset(canonical_name(n) for n in (fp32() if fp32 else ()))
         self.rank, self.device = rank, torch.device(device)
@@ -218,7 +234,7 @@ class WeightSender:
         """Fix the plan (`plan_sync`); every rank makes the same one."""
         self.plan = plan_sync(self.params, engine_shapes, engine_dtype,
                               lora_scaling=lora_scaling, bucket_bytes=bucket_bytes,
-                              fp32_names=self.fp32_names)
+                              fp32_names=self.fp32_names, token_rows=self.token_rows)
         return self.plan
 
     def serve(self, num_engines: int, host: str) -> GroupAddress | None:
@@ -298,6 +314,8 @@ class WeightReceiver:
         self.group: StoreGroup | None = None
         self._adapted = plan.adapted()
         self._weight_of = {x: w for w, pair in self._adapted.items() for x in pair}
+        self._rows = {delta: (w, ids) for w, delta, ids in plan.token_rows}
+        self._row_weights = {w for w, _, _ in plan.token_rows}
         self._base: dict[str, torch.Tensor] = {}        # LoRA: each adapted weight's base
         self._adapters: dict[str, torch.Tensor] = {}    # this sync's adapters so far
         self._staged: dict[str, torch.Tensor] = {}      # engines that reload whole: all weights
@@ -344,7 +362,15 @@ class WeightReceiver:
                     self._write([(weight, merged_weight(
                         self._base[weight], self._adapters[a], self._adapters[b],
                         self.plan.lora_scaling))])
-            elif name in self._adapted:
+            elif name in self._rows:
+                weight, ids = self._rows[name]
+                if weight not in self._base:
+                    raise RuntimeError(f"weight sync: the token rows of '{weight}' arrived "
+                                       "before its base weight; the first sync must be full")
+                base = self._base[weight]
+                self._write([(weight, token_rows_weight(
+                    base, torch.tensor(ids, device=base.device), tensor))])
+            elif name in self._adapted or name in self._row_weights:
                 self._base[name] = self._keep(tensor)
             else:
                 ready.append((name, tensor if self.engine.partial_updates else self._keep(tensor)))

@@ -38,7 +38,8 @@ from posttrain.losses.distill import KINDS, distill_loss
 from posttrain.models.transformer import Transformer
 from posttrain.train.engine import ModelConfig, ModelInitConfig
 from posttrain.train.recipe import (ExportConfig, Recipe, RunConfig, TrainConfig, check_export,
-                                    check_context_parallel, check_step_split, eval_suite, policy_flops)
+                                    check_context_parallel, check_step_split, eval_suite, policy_flops,
+                                    check_eval_tasks)
 from posttrain.train.sft import EvalConfig
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class DistillConfig:
             raise ValueError(f"distillation trains on chat or sequence data, not "
                              f"{self.data.format!r}")
         check_export(self.export, self.model.lora)
+        check_eval_tasks(self.data.eval, self.eval.tasks)
         if self.teacher.signal == "offline":
             loader = self.train.loader
             if loader.weights:

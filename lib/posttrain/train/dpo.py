@@ -42,12 +42,14 @@ from torch import nn
 from posttrain.config.recipes import DataConfig
 from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.data.sources import SourceConfig
+from posttrain.eval.suites import TaskConfig
 from posttrain.losses.kto import kl_reference_point
 from posttrain.models.transformer import Transformer
 from posttrain.train.engine import ModelConfig
 from posttrain.train.preference_loss import DPOLoss, KTOLoss
 from posttrain.train.recipe import (ExportConfig, Recipe, RunConfig, TrainConfig, check_export,
-                                    check_context_parallel, check_step_split, eval_suite, policy_flops)
+                                    check_context_parallel, check_step_split, eval_suite, policy_flops,
+                                    check_eval_tasks)
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +141,7 @@ class DPOEvalConfig(PairEvalConfig):
     # kto: held-out preference *pairs* for the evaluate step's suite (implicit-reward accuracy
     # of the export against the starting model); KTO's own data.eval rows are unpaired
     pairs: list[SourceConfig] = field(default_factory=list)
+    tasks: tuple[TaskConfig, ...] = ()        # the evaluate step: more suite tasks (benchmarks)
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,8 @@ class DPOConfig:
         if self.reference.kind == "lora_base" and self.model.lora is None:
             raise ValueError("reference.kind: lora_base needs model.lora (the reference "
                              "is the base model with the adapters disabled); use precomputed")
+        check_eval_tasks(self.eval.pairs if self.loss.unpaired else self.data.eval,
+                         self.eval.tasks)
         if self.eval.pairs and not self.loss.unpaired:
             raise ValueError(f"eval.pairs is for loss_type kto (trained on unpaired rows); "
                              f"{loss} is evaluated on its data.eval pairs")

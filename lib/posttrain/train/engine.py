@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence, TypeVar
 
@@ -116,6 +116,27 @@ class LoraSettings:
     alpha: float = 32.0
     dropout: float = 0.0
     targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    # embedding and LM-head rows trained beside the adapters (PEFT's trainable_token_indices;
+    # `posttrain.models.trainable_tokens`): "added" (the tokens the tokenizer added:
+    # tokenizer.added_tokens, semantic_ids), "none", or a list of token ids. A run whose
+    # tokenizer added tokens that would stay frozen is refused.
+    trainable_tokens: str | tuple[int, ...] = "added"
+    # whole vocabulary modules trained beside the adapters (PEFT's modules_to_save): embed, head
+    modules_to_save: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        from posttrain.models.trainable_tokens import check_modules_to_save
+        if isinstance(self.trainable_tokens, str) and self.trainable_tokens not in ("added",
+                                                                                    "none"):
+            raise ConfigError(f"model.lora.trainable_tokens: {self.trainable_tokens!r} is not "
+                              "'added', 'none' or a list of token ids")
+        check_modules_to_save(self.modules_to_save)
+
+    def token_ids(self, added: Sequence[int]) -> tuple[int, ...]:
+        """The ids whose rows train, given the ids the tokenizer `added`."""
+        if self.trainable_tokens == "added":
+            return tuple(added)
+        return () if self.trainable_tokens == "none" else tuple(self.trainable_tokens)
 
 
 @dataclass(frozen=True)
@@ -223,7 +244,12 @@ class Engine:
 
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, hf_dir: str, run_dir: str,
                  *, loss_factory: Callable[[Transformer], nn.Module] | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, added_tokens: Sequence[int] = ()):
+        # `added_tokens`: the ids the tokenizer added (`tokenizer_added_ids`); with LoRA,
+        # `model_cfg.lora.trainable_tokens` resolves to ids here (the export reads them back)
+        if model_cfg.lora is not None:
+            model_cfg = replace(model_cfg, lora=replace(
+                model_cfg.lora, trainable_tokens=model_cfg.lora.token_ids(added_tokens)))
         self.model_cfg, self.cfg = model_cfg, cfg
         self.vocab_size = vocab_size
         self.hf_dir, self.run_dir = hf_dir, run_dir
@@ -247,7 +273,8 @@ class Engine:
         self.model, self.root = build_sharded(
             model_cfg, cfg.parallel, hf_dir, self.device,
             loss_factory or (lambda m: CausalLMLoss(m, model_cfg.loss_chunk_tokens)),
-            vocab_size=vocab_size, init_missing=self._init_missing, mesh=self.mesh)
+            vocab_size=vocab_size, init_missing=self._init_missing, mesh=self.mesh,
+            added_tokens=added_tokens)
         # None for a transformers model (no native definition): see `posttrain.train.fallback_build`
         self.args: ModelArgs | None = getattr(self.model, "args", None)
         self.optimizer = build_optimizer(self.root, cfg.optimizer)
@@ -516,7 +543,8 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
                   device: torch.device, loss_factory: Callable[[Transformer], nn.Module], *,
                   vocab_size: int | None = None, frozen: bool = False,
                   init_missing: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
-                  mesh: Any = None) -> tuple[Transformer, nn.Module]:
+                  mesh: Any = None, added_tokens: Sequence[int] = ()
+                  ) -> tuple[Transformer, nn.Module]:
     """The model of `hf_dir` inside `loss_factory(model)`, laid out on the device mesh and
     filled from the checkpoint, each rank reading only its shards (see the module docstring).
 
@@ -526,6 +554,9 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
     checkpointing, everything resharded after each forward. `init_missing(name, param)` fills
     parameters the checkpoint lacks (LoRA adapters, a custom head); without it they are an error.
     `mesh` is the device mesh to lay it out on (default: a new one from `parallel`).
+    With LoRA, the vocabulary rows of `model_cfg.lora.trainable_tokens` (resolved ids) and
+    `modules_to_save` train too (`posttrain.models.trainable_tokens`); `added_tokens` (the ids
+    the tokenizer added) must be among them, or the build is refused.
 
     An architecture without a native definition trains through transformers
     (`posttrain.train.fallback_build`), with LoRA on its own Linear names.
@@ -533,6 +564,13 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
     from posttrain.models.auto import has_native_definition
     from posttrain.models.hf_io import read_hf_config
     if not has_native_definition(read_hf_config(hf_dir)):
+        lora_cfg = model_cfg.lora
+        if lora_cfg is not None and (added_tokens or lora_cfg.modules_to_save
+                                     or lora_cfg.token_ids(())):
+            raise ConfigError(f"model.lora: {hf_dir} has no native definition and trains "
+                              "through transformers, where LoRA cannot train vocabulary rows "
+                              "(model.lora.trainable_tokens / modules_to_save; the tokenizer "
+                              f"added {len(added_tokens)} tokens); train without model.lora")
         from posttrain.train.fallback_build import build_fallback
         return build_fallback(model_cfg, parallel, hf_dir, loss_factory, vocab_size=vocab_size,
                                frozen=frozen, mesh=mesh, init_missing=init_missing)
@@ -548,6 +586,9 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
         lcfg = lora.LoraConfig(rank=model_cfg.lora.rank, alpha=model_cfg.lora.alpha,
                                dropout=model_cfg.lora.dropout, targets=model_cfg.lora.targets)
         lora.apply_lora(model, lcfg)
+        from posttrain.models.trainable_tokens import apply_trainable_tokens
+        apply_trainable_tokens(model, model_cfg.lora.token_ids(added_tokens),
+                               model_cfg.lora.modules_to_save, required=added_tokens)
     fp32 = model.fp32_names()    # DeepSeek-V3's router: not rounded to a bf16 model.dtype
     root = loss_factory(model)
     mesh = mesh if mesh is not None else build_mesh(parallel.dp_shard, parallel.tp,

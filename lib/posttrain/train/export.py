@@ -20,13 +20,22 @@ from posttrain.models.transformer import build_model
 
 
 def model_from_state(state: dict[str, torch.Tensor], args: ModelArgs, lora=None):
-    """A CPU native model holding `state` (LoRA modules applied first when `lora` is given)."""
+    """A CPU native model holding `state` (LoRA modules applied first when `lora` is given,
+    with the trainable vocabulary rows of its resolved `trainable_tokens` ids: the engine's
+    `model_cfg.lora`)."""
     model = build_model(args, device="meta")
     if lora is not None:
         from posttrain.models import lora as lora_lib
+        from posttrain.models.trainable_tokens import apply_trainable_tokens, is_token_delta
         lora_lib.apply_lora(model, lora_lib.LoraConfig(rank=lora.rank, alpha=lora.alpha,
                                                        dropout=lora.dropout,
                                                        targets=tuple(lora.targets)))
+        ids = lora.token_ids(())
+        if not ids and any(is_token_delta(n) for n in state):
+            raise RuntimeError("export: the state has trainable token rows but lora."
+                               "trainable_tokens names no ids; pass the engine's resolved "
+                               "settings (engine.model_cfg.lora)")
+        apply_trainable_tokens(model, ids, lora.modules_to_save)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = {"head.weight"} if args.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
@@ -51,6 +60,9 @@ def export_hf(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str, *,
     elif fmt == "peft":
         from posttrain.models import lora as lora_lib
         lora_lib.save_peft_adapter(model, out, base_model_name_or_path=str(base_dir))
+        if tokenizer_dir:       # its added tokens: the rows the adapter carries
+            from posttrain.models.hf_io import _copy_tokenizer_files
+            _copy_tokenizer_files(Path(tokenizer_dir), out)
     else:
         raise ValueError(f"unknown export format {fmt!r}")
     return str(out)
@@ -67,7 +79,9 @@ def export_worker(engine, cfg, prepared_dir: str, out_dir: str) -> str | None:
         return export_fallback(state, engine.hf_dir, out_dir, fmt=cfg.export.format,
                                lora=cfg.model.lora, tokenizer_dir=f"{prepared_dir}/tokenizer",
                                dtype=cfg.export.dtype)
-    return export_hf(state, engine.args, out_dir, fmt=cfg.export.format, lora=cfg.model.lora,
+    # the engine's LoRA settings: their trainable_tokens resolved to ids
+    return export_hf(state, engine.args, out_dir, fmt=cfg.export.format,
+                     lora=engine.model_cfg.lora,
                      tokenizer_dir=f"{prepared_dir}/tokenizer", dtype=cfg.export.dtype,
                      base_dir=engine.hf_dir)
 

@@ -7,7 +7,7 @@ loss root adds around it, sharded with FSDP2 like a native model.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,9 @@ from posttrain.distributed.parallelize import ParallelConfig, parallelize, paral
 from posttrain.errors import ConfigError
 from posttrain.models.args import DTYPES
 from posttrain.models.fallback import FallbackWarning, load_fallback
-from posttrain.train.engine import LoraSettings, ModelConfig
+
+if TYPE_CHECKING:                       # the engine builds through this module
+    from posttrain.train.engine import LoraSettings, ModelConfig
 
 __all__ = ["build_fallback"]
 

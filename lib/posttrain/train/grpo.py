@@ -43,6 +43,7 @@ from posttrain.data.prepared import local_view
 from posttrain.distributed.env import init_process_group
 from posttrain.distributed.sync_group import GroupAddress
 from posttrain.errors import ConfigError
+from posttrain.eval.suites import TaskConfig
 from posttrain.data.tokenizer import TokenizerConfig
 from posttrain.losses.grpo import grpo_loss
 from posttrain.models.routing_replay import (moe_blocks, routing_replay_counts,
@@ -61,7 +62,8 @@ from posttrain.models.args import DTYPES
 from posttrain.train.engine import (Engine, EngineConfig, ModelConfig, all_reduce_max,
                                     build_sharded)
 from posttrain.train.metrics import device_peak_flops, step_metrics
-from posttrain.train.recipe import ExportConfig, RunConfig, check_export, tokenizer_vocab
+from posttrain.train.recipe import (ExportConfig, RunConfig, check_eval_tasks, check_export,
+                                    tokenizer_added_ids, tokenizer_vocab)
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +165,7 @@ class GRPOEvalConfig:
     every_steps: int = 0                       # 0: at the start and the end only
     num_records: int = 16                      # sample completions kept for the card
     accuracy_reward: str | None = "exact_match_number"   # its mean is reported as accuracy
+    tasks: tuple[TaskConfig, ...] = ()         # the evaluate step: more suite tasks (benchmarks)
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,7 @@ class GRPOConfig:
         if self.algorithm.reference == "lora_base" and self.model.lora is None:
             raise ValueError("algorithm.reference: lora_base needs model.lora")
         check_export(self.export, self.model.lora)
+        check_eval_tasks(self.data.eval, self.eval.tasks)
         if self.eval.temperature == 0 and self.eval.samples_per_prompt != 1:
             raise ValueError("eval.samples_per_prompt > 1 needs eval.temperature > 0 (greedy "
                              "completions of one prompt are all the same)")
@@ -270,7 +274,7 @@ class GRPO:
     def eval_suite(cfg: GRPOConfig, models: dict[str, str]) -> Any:
         """Held-out prompts answered by the export and by the starting model (the run's
         evaluation sampling, its rollout engine) and scored by the run's reward functions."""
-        from posttrain.eval.suites import GenerationSettings, SuiteConfig, TaskConfig
+        from posttrain.eval.suites import GenerationSettings, SuiteConfig
         if not cfg.data.eval:
             return None
         ev, s = cfg.eval, cfg.sampling
@@ -282,12 +286,13 @@ class GRPO:
         tasks = tuple(TaskConfig(
             name=src.name or f"eval{i}", kind="reward", data=src, max_samples=ev.max_prompts,
             max_tokens_per_sample=cfg.data.max_tokens_per_sample, columns=cfg.data.columns,
-            on_bad_row=cfg.data.on_bad_row, generation=generation,
+            on_bad_row=cfg.data.on_bad_row, role_map=cfg.data.role_map, generation=generation,
             rewards=tuple(cfg.rewards.functions),
             accuracy_reward=ev.accuracy_reward if ev.accuracy_reward in names else None,
             environment=None if cfg.environment.single_turn else cfg.environment)
             for i, src in enumerate(cfg.data.eval))
-        return SuiteConfig(tasks=tasks, tokenizer=cfg.tokenizer, dtype=cfg.model.dtype,
+        return SuiteConfig(tasks=tasks + cfg.eval.tasks, tokenizer=cfg.tokenizer,
+                           dtype=cfg.model.dtype,
                            rollout=replace(cfg.rollout, placement="colocated"))
 
     @staticmethod
@@ -471,6 +476,7 @@ class GRPOWorker:
         self.engine = Engine(
             self.cfg.model, train.optimizer_engine, hf_dir, run_dir,
             vocab_size=tokenizer_vocab(prepared_dir),
+            added_tokens=tokenizer_added_ids(prepared_dir),
             loss_factory=lambda m: GRPOLoss(m, self.cfg.algorithm, self._temperature, constant,
                                             self.cfg.model.loss_chunk_tokens,
                                             self.token_ranges))

@@ -185,6 +185,17 @@ def tokenizer_vocab(prepared_dir: str) -> int | None:
         return json.load(f)["tokenizer"].get("vocab_size")
 
 
+def tokenizer_added_ids(prepared_dir: str) -> tuple[int, ...]:
+    """The ids of the tokens the tokenizer config added to the vocabulary (`tokenizer.
+    added_tokens`, `semantic_ids`), recorded by prepare: base_vocab_size .. vocab_size - 1."""
+    import fsspec
+    fs, root = fsspec.core.url_to_fs(prepared_dir)
+    with fs.open(f"{root.rstrip('/')}/manifest.json") as f:
+        tok = json.load(f)["tokenizer"]
+    base, vocab = tok.get("base_vocab_size"), tok.get("vocab_size")
+    return tuple(range(base, vocab)) if base is not None and vocab is not None else ()
+
+
 # --------------------------------------------------------------------------- the recipe protocol
 
 
@@ -327,7 +338,7 @@ def eval_suite(cfg: Any, kind: str, options: Any = lambda i: {}, *,
     """A suite with one task of `kind` per `data.eval` source of a recipe config (or per one of
     `sources`; None without any), rows read and tokenized as prepare did: the config's
     tokenizer, columns, length limit and bad-row policy; `options(i)` adds task i's own
-    options."""
+    options; the config's `eval.tasks` (benchmarks, any suite task) follow them."""
     from posttrain.eval.suites import SuiteConfig, TaskConfig
     sources = cfg.data.eval if sources is None else sources
     if not sources:
@@ -336,9 +347,26 @@ def eval_suite(cfg: Any, kind: str, options: Any = lambda i: {}, *,
                              max_samples=cfg.eval.max_samples,
                              max_tokens_per_sample=cfg.data.max_tokens_per_sample,
                              columns=cfg.data.columns, on_bad_row=cfg.data.on_bad_row,
-                             **options(i))
+                             role_map=cfg.data.role_map, **options(i))
                   for i, src in enumerate(sources))
-    return SuiteConfig(tasks=tasks, tokenizer=cfg.tokenizer, dtype=cfg.model.dtype, **suite)
+    extra = tuple(getattr(cfg.eval, "tasks", ()))
+    return SuiteConfig(tasks=tasks + extra, tokenizer=cfg.tokenizer, dtype=cfg.model.dtype,
+                       **suite)
+
+
+def check_eval_tasks(sources: list, tasks: tuple) -> None:
+    """`eval.tasks` are suite tasks the evaluate step runs after the held-out ones (the
+    flows report the first held-out task's metrics): they need held-out `sources`, and no name
+    may repeat, theirs or the sources' (``eval<i>`` when unnamed)."""
+    if tasks and not sources:
+        raise ValueError("eval.tasks run beside the held-out evaluation, and this config has "
+                         "no held-out data (data.eval; KTO: eval.pairs): add some, or run the "
+                         "tasks as a suite (posttrain evaluate --suite)")
+    names = [src.name or f"eval{i}" for i, src in enumerate(sources)] + [t.name for t in tasks]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"eval.tasks: task names {repeated} repeat (the held-out data.eval "
+                         "sources are tasks of the evaluation too); rename them")
 
 
 def policy_flops(model: nn.Module, batch: dict, *, lora: Any = None, training: bool = True,
@@ -398,7 +426,8 @@ class RecipeWorker:
         torch.manual_seed(engine_cfg.seed)          # LoRA dropout; checkpointed with the run
         self.engine = Engine(self.cfg.model, engine_cfg, hf_dir, run_dir,
                              loss_factory=self.recipe.loss_root,
-                             vocab_size=tokenizer_vocab(prepared_dir))
+                             vocab_size=tokenizer_vocab(prepared_dir),
+                             added_tokens=tokenizer_added_ids(prepared_dir))
         self.rank, self.world = self.engine.rank, self.engine.world
         if self.engine.args is None and not recipe_cls.transformers_fallback:
             raise ConfigError(f"the {recipe_cls.name} recipe needs a model with a native "

@@ -54,6 +54,11 @@ class SequenceRLEvalConfig(GRPOEvalConfig):
 
     accuracy_reward: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.tasks:
+            raise ValueError("tasks: an event-sequence model has no evaluation suite (its "
+                             "held-out metrics come from the run); remove eval.tasks")
+
 
 @dataclass(frozen=True)
 class SequenceRLConfig:

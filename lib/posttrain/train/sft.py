@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 from posttrain.config.recipes import DataConfig
 from posttrain.data.tokenizer import TokenizerConfig
+from posttrain.eval.suites import TaskConfig
 from posttrain.train.engine import ModelConfig
 from posttrain.train.recipe import (ExportConfig, Recipe, RunConfig, TrainConfig,
-                                    check_context_parallel, check_export, check_step_split)
+                                    check_context_parallel, check_eval_tasks, check_export,
+                                    check_step_split)
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class EvalConfig:
     max_batches: int = 50                     # in training: held-out micro-batches
     max_samples: int | None = 500             # the evaluate step: rows of each eval source
     generate: GenerateConfig = GenerateConfig()
+    tasks: tuple[TaskConfig, ...] = ()        # the evaluate step: more suite tasks (benchmarks)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class SFTConfig:
 
     def __post_init__(self) -> None:
         check_export(self.export, self.model.lora)
+        check_eval_tasks(self.data.eval, self.eval.tasks)
         if self.data.format not in ("chat", "sequence"):
             raise ValueError(f"SFT trains on chat or sequence data, not {self.data.format!r}")
         check_step_split(self.train.micro_batches_per_step, self.run, self.train.engine.parallel,

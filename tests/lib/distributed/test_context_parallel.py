@@ -31,6 +31,7 @@ from torch import nn
 from posttrain.distributed import ParallelConfig, build_mesh, parallelize
 from posttrain.distributed.env import dp_mesh
 from posttrain.models.args import ModelArgs
+from posttrain.models.families import args_from_hf_config
 from posttrain.models.transformer import build_model
 from posttrain.ops.context_parallel import CPShard
 
@@ -53,7 +54,7 @@ ATOL = 1e-5
 
 def _args(family: str) -> ModelArgs:
     from posttrain.models.verify import tiny_hf_config
-    return ModelArgs.from_hf_config(tiny_hf_config(family).to_dict())
+    return args_from_hf_config(tiny_hf_config(family).to_dict())
 
 
 def _model(family: str, lora: bool, device: str = "cpu") -> nn.Module:

@@ -38,6 +38,7 @@ from torch import nn
 
 from posttrain.distributed import ParallelConfig, build_mesh, parallelize
 from posttrain.models.args import ModelArgs
+from posttrain.models.families import args_from_hf_config
 from posttrain.models.moe import MoEBlock, expert_group, load_balancing_loss, router_logits
 from posttrain.models.transformer import build_model
 
@@ -80,7 +81,7 @@ class LossAuxAndLogits(LossAndLogits):
 
 def _args(family: str) -> ModelArgs:
     from posttrain.models.verify import tiny_hf_config
-    return ModelArgs.from_hf_config(tiny_hf_config(family).to_dict())
+    return args_from_hf_config(tiny_hf_config(family).to_dict())
 
 
 def _model(family: str, lora: bool, device: str = "cpu") -> nn.Module:

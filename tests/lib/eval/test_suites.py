@@ -74,6 +74,8 @@ def _suite(*tasks: dict, **top) -> SuiteConfig:
     ({"name": "a", "kind": "preference", "data": {"path": "x"}, "beta": 0.0},
      r"tasks\[0\]: beta must be > 0"),
     ({"name": "a b", "kind": "preference", "data": {"path": "x"}}, r"tasks\[0\]: name:"),
+    ({"name": "a", "kind": "generation", "data": {"path": "x", "shape": "text"},
+      "grader": {"kind": "exact_match"}}, r"data.shape: 'text' is not a shape of format prompt"),
 ])
 def test_schema_errors_name_the_key(task, match):
     with pytest.raises(ConfigError, match=match):
@@ -95,6 +97,26 @@ def test_bundled_suite_parses_and_covers_every_kind():
     kinds = {t.kind for t in cfg.tasks}
     assert kinds == {"heldout_loss", "generation", "preference", "reward"}
     assert {t.grader.kind for t in cfg.tasks if t.grader} == {"exact_match_number", "regex"}
+
+
+def test_tasks_read_any_shape_of_their_format(tmp_path):
+    """A task reads rows as prepare does (`RowParser`): ShareGPT rows give the token columns of
+    their messages twins."""
+    from posttrain.data.tokenizer import ChatTokenizer, TokenizerConfig
+    from posttrain.eval.suites import _read_rows
+    rows = [json.loads(x) for x in (DATA / "chat" / "eval.jsonl").read_text().splitlines()[:4]]
+    speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+    (tmp_path / "sharegpt.jsonl").write_text("".join(json.dumps({"conversations": [
+        {"from": speaker[m["role"]], "value": m["content"]} for m in r["messages"]]}) + "\n"
+        for r in rows))
+    tokenizer = ChatTokenizer(TokenizerConfig(path=TOKENIZER))
+    read = [_read_rows(_suite({"name": "a", "kind": "heldout_loss",
+                               "data": {"path": str(path)}}).tasks[0], tokenizer)[0]
+            for path in (tmp_path / "sharegpt.jsonl", DATA / "chat" / "eval.jsonl")]
+    for (_, got), (_, want) in zip(*read):
+        assert got["input_ids"].tolist() == want["input_ids"].tolist()
+        assert got["loss_mask"].tolist() == want["loss_mask"].tolist()
+    assert len(read[0]) == 4
 
 
 @pytest.mark.parametrize("grader, answer, reference, expected", [

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from posttrain.errors import ConfigError
-from posttrain.models import ModelArgs, build_model, load_hf
+from posttrain.models import ModelArgs, args_from_hf_config, build_model, load_hf
 from posttrain.models.transformer import FeedForward
 from posttrain.models.verify import tiny_hf_config, verify
 
@@ -34,7 +34,7 @@ def test_gemma3_sliding_window_shorter_than_sequence_mixed_layers() -> None:
               "final_logit_softcapping": None}
     report = verify(("gemma3", config), seq_len=40, batch=2, packed=True, seed=1)
     assert report["passed"], report
-    args = ModelArgs.from_hf_config(tiny_hf_config("gemma3", **config).to_dict())
+    args = args_from_hf_config(tiny_hf_config("gemma3", **config).to_dict())
     assert args.sliding_window == 5 and args.layer_types == tuple(layer_types)
     assert args.rope_local_theta == 10_000.0 and args.rope_scaling["rope_type"] == "linear"
 
@@ -58,7 +58,7 @@ def test_legacy_config_spellings_read_like_v5() -> None:
                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                      "original_max_position_embeddings": 64}}
-    args = ModelArgs.from_hf_config(legacy_llama)
+    args = args_from_hf_config(legacy_llama)
     assert args.rope_theta == 500000.0 and args.head_dim == 16
     assert args.rope_scaling["rope_type"] == "llama3" and args.rope_scaling["factor"] == 8.0
     legacy_gemma = {"model_type": "gemma3_text", "vocab_size": 250, "hidden_size": 64,
@@ -68,7 +68,7 @@ def test_legacy_config_spellings_read_like_v5() -> None:
                     "rope_scaling": {"rope_type": "linear", "factor": 8.0},
                     "sliding_window": 512, "sliding_window_pattern": 6,
                     "query_pre_attn_scalar": 16}
-    g = ModelArgs.from_hf_config(legacy_gemma)
+    g = args_from_hf_config(legacy_gemma)
     assert (g.rope_theta, g.rope_local_theta) == (1_000_000.0, 10_000.0)
     assert g.rope_scaling == {"rope_type": "linear", "factor": 8.0}
     assert g.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
@@ -77,17 +77,17 @@ def test_legacy_config_spellings_read_like_v5() -> None:
 
 def test_unsupported_configs_fail_with_a_message() -> None:
     with pytest.raises(ConfigError, match="model_type 'mistral'"):
-        ModelArgs.from_hf_config({"model_type": "mistral"})
+        args_from_hf_config({"model_type": "mistral"})
     with pytest.raises(ConfigError, match="multimodal"):
-        ModelArgs.from_hf_config({"model_type": "gemma3", "text_config": {}})
+        args_from_hf_config({"model_type": "gemma3", "text_config": {}})
     cfg = tiny_hf_config("llama", rope_parameters={"rope_type": "dynamic", "factor": 4.0,
                                                     "rope_theta": 1e4}).to_dict()
     with pytest.raises(ConfigError, match="rope_type 'dynamic'"):
-        build_model(ModelArgs.from_hf_config(cfg))
+        build_model(args_from_hf_config(cfg))
 
 
 def _native(family: str, **overrides) -> nn.Module:
-    args = ModelArgs.from_hf_config(tiny_hf_config(family, **overrides).to_dict())
+    args = args_from_hf_config(tiny_hf_config(family, **overrides).to_dict())
     return build_model(args, seed=0)
 
 
@@ -135,7 +135,7 @@ def test_positions_restart_per_document_by_default() -> None:
 
 
 def test_mlp_factory_slot_and_custom_head() -> None:
-    args = ModelArgs.from_hf_config(tiny_hf_config("qwen3").to_dict())
+    args = args_from_hf_config(tiny_hf_config("qwen3").to_dict())
     moe_args = args.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     built: list[int] = []
 
@@ -160,7 +160,7 @@ def test_mlp_factory_slot_and_custom_head() -> None:
 
 
 def test_meta_build_has_no_storage() -> None:
-    args = ModelArgs.from_hf_config(tiny_hf_config("gemma3").to_dict())
+    args = args_from_hf_config(tiny_hf_config("gemma3").to_dict())
     model = build_model(args, device="meta")
     assert all(p.is_meta for p in model.parameters())
 
@@ -183,7 +183,7 @@ def test_qwen3_5_matches_transformers_over_several_chunks(family: str) -> None:
     assert report["passed"], report
     assert report["packed"]["max_abs_diff"] <= 1e-4
     assert any(len(row) > 1 for row in report["packed"]["document_lengths"])
-    args = ModelArgs.from_hf_config(tiny_hf_config(family).to_dict())
+    args = args_from_hf_config(tiny_hf_config(family).to_dict())
     assert args.layer_types == ("linear_attention",) * 3 + ("full_attention",)
     assert args.rotary_dim == 4 and args.attn_output_gate and args.norm_offset
 
@@ -302,7 +302,7 @@ def test_deepseek_v3_module_tree() -> None:
     plain_q = _native("deepseek_v3", q_lora_rank=None).layers[0].attn
     assert plain_q.q_a is None and plain_q.tp_colwise == ("q", "kv_b")
     with pytest.raises(ConfigError, match="num_key_value_heads"):
-        ModelArgs.from_hf_config({**tiny_hf_config("deepseek_v3").to_dict(),
+        args_from_hf_config({**tiny_hf_config("deepseek_v3").to_dict(),
                                   "num_key_value_heads": 2})
     with pytest.raises(ConfigError, match="n_group"):
         _native("deepseek_v3", n_group=3)
@@ -318,7 +318,7 @@ def test_gemma4_without_moe_and_k_eq_v_and_with_three_shared_layers() -> None:
     report = verify(("gemma4", config), seq_len=40, batch=2, packed=True, seed=1,
                     attn_implementation="sdpa")
     assert report["passed"], report
-    args = ModelArgs.from_hf_config(tiny_hf_config("gemma4", **config).to_dict())
+    args = args_from_hf_config(tiny_hf_config("gemma4", **config).to_dict())
     assert [args.kv_source(i) for i in range(6)] == [None, None, None, 1, 1, 2]
     assert args.attention_shape(2) == (4, 16) and args.attention_shape(0) == (4, 8)
     assert args.mlp_size(3) == 256 and args.mlp_size(2) == 128 and args.num_experts == 0
@@ -350,9 +350,9 @@ def test_gemma4_module_names() -> None:
 def test_gemma4_refusals_name_the_key() -> None:
     cfg = tiny_hf_config("gemma4").to_dict()
     with pytest.raises(ConfigError, match="use_bidirectional_attention"):
-        ModelArgs.from_hf_config({**cfg, "use_bidirectional_attention": "all"})
+        args_from_hf_config({**cfg, "use_bidirectional_attention": "all"})
     with pytest.raises(ConfigError, match="num_kv_shared_layers"):
-        ModelArgs.from_hf_config({**cfg, "num_kv_shared_layers": 6})
-    args = ModelArgs.from_hf_config(cfg)
+        args_from_hf_config({**cfg, "num_kv_shared_layers": 6})
+    args = args_from_hf_config(cfg)
     with pytest.raises(ConfigError, match="vocab_size_per_layer_input"):
         build_model(args.replace(vocab_size=260), device="meta")

@@ -29,7 +29,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from posttrain.models import ModelArgs, build_model
+from posttrain.models import ModelArgs, args_from_hf_config, build_model
 from posttrain.models.flops import (attention_context_sum, delta_rule_flops, flops_breakdown,
                                     flops_per_token)
 from posttrain.models.verify import tiny_hf_config
@@ -61,7 +61,7 @@ def _sdpa_bwd(calls: list[int]):
 
 
 def _args(family: str) -> ModelArgs:
-    args = ModelArgs.from_hf_config(tiny_hf_config(family).to_dict())
+    args = args_from_hf_config(tiny_hf_config(family).to_dict())
     if args.linear_attention is not None:     # chunks of 4: DOCS and SEQ_LEN are whole chunks
         args = args.replace(linear_attention=dataclasses.replace(args.linear_attention,
                                                                  chunk_size=4))

@@ -174,12 +174,12 @@ def test_resize_vocab_keeps_old_logits(family, make_hf_dir, tmp_path) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_model_built_from_args_alone_exports(family, tmp_path) -> None:
     """A from-scratch model (no original config.json) still exports a loadable checkpoint."""
-    from posttrain.models import ModelArgs, build_model
+    from posttrain.models import args_from_hf_config, build_model
     from posttrain.models.families import bridge_for_family
     from posttrain.models.verify import tiny_hf_config
 
-    args = ModelArgs.from_hf_config(tiny_hf_config(family).to_dict()).replace(hf_config={})
-    assert ModelArgs.from_hf_config(bridge_for_family(family).config_from_args(args)) == args
+    args = args_from_hf_config(tiny_hf_config(family).to_dict()).replace(hf_config={})
+    assert args_from_hf_config(bridge_for_family(family).config_from_args(args)) == args
     model = build_model(args, seed=0)
     out = save_hf(model, tmp_path / "scratch", dtype=torch.float32)
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,

@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from posttrain.models import ModelArgs, build_model, load_hf, save_hf
+from posttrain.models import ModelArgs, args_from_hf_config, build_model, load_hf, save_hf
 from posttrain.models.hf_io import hf_named_tensors, weight_map
 from posttrain.models.layers import FeedForward
 from posttrain.models.moe import MoEBlock, load_balancing_loss, router_logits
@@ -243,7 +243,7 @@ def test_first_moe_forward_inside_a_checkpointed_block_trains(monkeypatch) -> No
     from posttrain.models.verify import tiny_hf_config
 
     monkeypatch.setattr(moe, "_GROUPED_OK", {})          # the probe has not run yet
-    args = ModelArgs.from_hf_config(tiny_hf_config("qwen3_moe").to_dict())
+    args = args_from_hf_config(tiny_hf_config("qwen3_moe").to_dict())
     ref, model = build_model(args, seed=0), build_model(args, seed=0)
     apply_activation_checkpointing(model, "full")
     ids = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -287,10 +287,10 @@ def test_sequence_balance_loss_is_the_papers_formula() -> None:
 
 def test_update_score_bias_is_the_papers_rule() -> None:
     """b_i += gamma * sign(mean_j load_j - load_i) per layer (experts at the mean stay put)."""
-    from posttrain.models import ModelArgs, build_model
+    from posttrain.models import args_from_hf_config, build_model
     from posttrain.models.moe_balance import expert_loads, score_bias_blocks, update_score_bias
     from posttrain.models.verify import tiny_hf_config
-    model = build_model(ModelArgs.from_hf_config(tiny_hf_config("deepseek_v3").to_dict()),
+    model = build_model(args_from_hf_config(tiny_hf_config("deepseek_v3").to_dict()),
                         seed=0)
     blocks = score_bias_blocks(model)
     assert [id(b) for b in blocks] == [id(model.layers[i].mlp) for i in (1, 2, 3)]

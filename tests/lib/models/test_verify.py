@@ -60,12 +60,12 @@ def test_deepseek_tiny_config_ignores_overrides_mla_derives() -> None:
     """`model.init.family: deepseek_v3` over overrides written for a GQA family (the bundled
     configs/sft/tiny.yaml: head_dim 32, 2 key/value heads) still makes a model transformers and
     the bridge accept: MLA's head_dim is its rope part, its key/value heads are its heads."""
-    from posttrain.models import ModelArgs
+    from posttrain.models import args_from_hf_config
 
     cfg = tiny_hf_config("deepseek_v3", hidden_size=128, head_dim=32, num_attention_heads=4,
                          num_key_value_heads=2)
     assert (cfg.head_dim, cfg.num_key_value_heads) == (cfg.qk_rope_head_dim, 4)
-    args = ModelArgs.from_hf_config(cfg.to_dict())
+    args = args_from_hf_config(cfg.to_dict())
     assert (args.head_dim, args.num_kv_heads, args.hidden_size) == (cfg.qk_rope_head_dim, 4, 128)
 
 

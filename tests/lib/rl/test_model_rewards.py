@@ -56,7 +56,7 @@ def rm_dir(tmp_path_factory) -> str:
 
 
 def test_batched_scores_equal_one_sequence_per_forward(rm_dir):
-    from posttrain.train.reward import load_reward_model, reward_input_ids
+    from posttrain.models.reward_model import load_reward_model, reward_input_ids
     one = load_reward_model(rm_dir)
     expected = [one(p, c) for p, c in zip(PROMPTS, COMPLETIONS)]
     scorer = RewardModelScorer(rm_dir, batch_size=4, max_tokens=240)

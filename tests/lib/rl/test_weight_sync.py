@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from posttrain.models.args import MLAArgs, ModelArgs
 from posttrain.models.lora import LoraConfig, apply_lora, fold_adapters, is_adapter_name
+from posttrain.models.trainable_tokens import apply_trainable_tokens, token_rows
 from posttrain.models.transformer import build_model
 from posttrain.rl.native import NativeEngine
 from posttrain.rl.weight_sync import (SyncEntry, SyncPlan, WeightReceiver, WeightSender,
@@ -198,6 +199,61 @@ def test_adapters_before_any_base_are_refused():
                                                   lora_scaling=SCALING))
     with pytest.raises(RuntimeError, match="first sync must be full"):
         sender.copy_to(receiver, full=False)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_trainable_token_rows_travel_as_adapters_of_the_vocabulary_weights(tied):
+    """The deltas of trainable token rows go with the adapters: the engine holds the base
+    with rows W[t] + D (the embedding's; an untied head's too), after the full sync and after
+    an adapters-only one."""
+    args = ARGS.replace(tie_word_embeddings=tied)
+    model, e = trainer_model(args, LORA), engine(args)
+    apply_trainable_tokens(model, (3, 97, 98))
+
+    def step(n: int) -> dict[str, torch.Tensor]:
+        """Move adapters and deltas as training step n would; the engine's expected state."""
+        set_adapters(model, n)
+        gen = torch.Generator().manual_seed(200 + n)
+        with torch.no_grad():
+            for _, rows in token_rows(model):
+                rows.delta.copy_(torch.randn(rows.delta.shape, generator=gen))
+        state = {k: v for k, v in expected(model, torch.float32, lora=True).items()
+                 if "token_adapter" not in k}
+        for name, rows in token_rows(model):
+            state[name] = state[name].clone()
+            for i, t in enumerate((3, 97, 98)):
+                state[name][t] += rows.delta.detach()[i]
+        return state
+
+    want = step(0)
+    assert len(token_rows(model)) == (1 if tied else 2)
+    sender = WeightSender(model, rank=0, device="cpu")
+    receiver = WeightReceiver(e, sender.make_plan(e.parameter_shapes, e.dtype,
+                                                  lora_scaling=SCALING))
+    sender.copy_to(receiver, full=True)
+    assert_equal_states(engine_state(e), want)
+    want = step(1)
+    written = sender.copy_to(receiver, full=False)
+    assert_equal_states(engine_state(e), want)
+    moved = sum(p.numel() * 4 for n, p in model.named_parameters() if p.requires_grad)
+    assert written == moved
+
+
+def test_a_whole_embedding_trained_beside_lora_goes_with_every_sync():
+    """model.lora.modules_to_save: the embedding trains whole, so the adapters-only syncs
+    send it too."""
+    model, e = trainer_model(lora=LORA), engine()
+    apply_trainable_tokens(model, (), ("embed",))
+    sender = WeightSender(model, rank=0, device="cpu")
+    plan = sender.make_plan(e.parameter_shapes, e.dtype, lora_scaling=SCALING)
+    assert [x.name for x in plan.buffers] == ["embed.weight"]
+    receiver = WeightReceiver(e, plan)
+    sender.copy_to(receiver, full=True)
+    with torch.no_grad():
+        model.embed.weight.add_(0.01)
+    set_adapters(model, step=1)
+    sender.copy_to(receiver, full=False)
+    assert_equal_states(engine_state(e), expected(model, torch.float32, lora=True))
 
 
 class _WholeReloadEngine:

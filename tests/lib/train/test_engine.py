@@ -93,7 +93,9 @@ def test_one_step_equals_plain_adamw_on_the_loss(tmp_path):
 def test_lora_checkpoint_holds_adapters_only_and_resumes_bit_identical(tmp_path):
     """The frozen base is rebuilt from its HF checkpoint, not saved; resuming from the
     adapter-only checkpoint gives exactly the weights of the uninterrupted run (adapter
-    dropout draws from the restored RNG)."""
+    dropout draws from the restored RNG). The 4 tokens the tokenizer added (ids 300..303)
+    train as embedding rows beside the adapters (model.lora.trainable_tokens: added, the
+    default), are checkpointed with them and exported into the merged embedding."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from posttrain.train.engine import LoraSettings
@@ -102,7 +104,8 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_bit_identical(tmp_path)
     gen = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(4):
-        ids = torch.randint(0, 300, (2, 16), generator=gen)
+        ids = torch.randint(0, 304, (2, 16), generator=gen)
+        ids[:, ::4] = torch.arange(300, 304)
         labels = torch.roll(ids, -1, 1)
         labels[:, -1] = -100
         batches.append({"input_ids": ids, "labels": labels,
@@ -113,7 +116,7 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_bit_identical(tmp_path)
         torch.manual_seed(0)                    # the LoRA dropout's stream, as a worker seeds it
         return Engine(ModelConfig(init=INIT, lora=LoraSettings(rank=4, alpha=8.0, dropout=0.1)),
                       EngineConfig(max_steps=4, optimizer=OptimizerConfig(lr=1e-2)), hf_dir,
-                      str(tmp_path / run))
+                      str(tmp_path / run), vocab_size=304, added_tokens=range(300, 304))
 
     def steps(e: Engine, todo: list[dict]) -> None:
         for b in todo:
@@ -129,7 +132,8 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_bit_identical(tmp_path)
     del first
     saved = set(FileSystemReader(f"{path}/dcp").read_metadata().state_dict_metadata)
     model_keys = {k for k in saved if k.startswith("model.")}
-    assert model_keys and all("lora_" in k for k in model_keys), sorted(model_keys)[:5]
+    assert model_keys and all("lora_" in k or "token_adapter" in k for k in model_keys)
+    assert "model.model.embed.token_adapter.delta" in model_keys, sorted(model_keys)[:5]
 
     resumed = engine("killed")
     assert resumed.load_checkpoint() is not None and resumed.step == 2
@@ -141,3 +145,25 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_bit_identical(tmp_path)
     # the adapters trained (B starts at zero), so equal weights are not trivially equal
     lora_b = [k for k in want if "lora_B" in k]
     assert lora_b and all(want[k].abs().sum() > 0 for k in lora_b)
+    delta = want["embed.token_adapter.delta"]
+    assert delta.shape == (4, 32) and (delta.norm(dim=-1) > 0).all()
+
+    # the merged export writes the rows: W[t] + D for the added ids, the base elsewhere
+    out = export_hf(got, resumed.args, str(tmp_path / "merged"), fmt="merged",
+                    lora=resumed.model_cfg.lora)
+    embed = load_file(f"{out}/model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(embed[300:], want["embed.weight"][300:304] + delta)
+    assert torch.equal(embed[:300], want["embed.weight"][:300])
+
+
+def test_lora_refuses_to_leave_added_token_rows_frozen(tmp_path):
+    from posttrain.errors import ConfigError
+    from posttrain.train.engine import LoraSettings
+
+    hf_dir = write_random_hf_model(INIT, 300, tmp_path / "base")
+    init_process_group()
+    with pytest.raises(ConfigError, match=r"tokenizer added 4 tokens \(ids 300..303.*"
+                                          r"model\.lora\.trainable_tokens: added"):
+        Engine(ModelConfig(init=INIT, lora=LoraSettings(rank=4, trainable_tokens="none")),
+               EngineConfig(max_steps=1), hf_dir, str(tmp_path / "run"), vocab_size=304,
+               added_tokens=range(300, 304))

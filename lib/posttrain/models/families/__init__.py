@@ -34,6 +34,11 @@ def bridge_for_family(family: str) -> FamilyBridge:
     return BRIDGES[family]
 
 
+def args_from_hf_config(config: dict[str, Any], *, vocab_multiple: int = 64) -> ModelArgs:
+    """Args from a Hugging Face config.json dict, via the bridge of its `model_type`."""
+    return bridge_for_config(config).args_from_hf(config, vocab_multiple=vocab_multiple)
+
+
 def bridge_for_config(config: dict[str, Any]) -> FamilyBridge:
     """The bridge whose HF model_type matches config.json's; for a multimodal checkpoint whose
     text model is a native family, that family's bridge over the multimodal layout."""
