@@ -42,6 +42,7 @@ from posttrain.errors import ConfigError, DataError
 from posttrain.models.transformer import Transformer
 from posttrain.train.engine import CausalLMLoss, Engine, EngineConfig
 from posttrain.train.metrics import batch_counts, device_peak_flops, step_metrics
+from posttrain.train.trackers import TrackerConfig, check_trackers
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class RunConfig:
     launcher: Literal["ray", "inline"] = "ray"
     num_nodes: int = 1                        # machines (Metaflow @metaflow_ray num_parallel)
     tensorboard_dir: str | None = None        # also mirror metrics.jsonl as TensorBoard events
+    # and to experiment trackers: MLflow, W&B (`posttrain.train.trackers`)
+    trackers: tuple[TrackerConfig, ...] = ()
     # the GPU kind each worker gets (h100-80g, h200, a100-40g, ...: `posttrain.plan.devices`):
     # the memory plan is checked against it when a flow starts
     gpu: str | None = None
@@ -92,6 +95,7 @@ class RunConfig:
         if self.gpu is not None:
             from posttrain.plan.devices import gpu_bytes
             gpu_bytes(self.gpu)
+        check_trackers(self.trackers)
         if self.num_workers < 1:
             raise ValueError("run.num_workers must be at least 1")
         if self.num_nodes < 1:
