@@ -119,11 +119,11 @@ class ExportConfig:
 
 def check_export(export: ExportConfig, lora: Any) -> None:
     """export.format must match whether the model has LoRA adapters, and a PEFT adapter must
-    be able to express them (`posttrain.models.lora.check_peft_export`)."""
+    be able to express them (`posttrain.models.lora_export.check_peft_export`)."""
     if export.format in ("merged", "peft") and lora is None:
         raise ValueError(f"export.format: {export.format} needs model.lora")
     if export.format == "peft":
-        from posttrain.models.lora import check_peft_export
+        from posttrain.models.lora_export import check_peft_export
         check_peft_export(lora.targets, lora.dropout)
     if export.format == "full" and lora is not None:
         # else the run would train, then fail in export on the adapter parameters
