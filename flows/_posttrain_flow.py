@@ -355,7 +355,8 @@ def train_recipe(step_module: str, schema: str, config: Any, prepared_uri: str, 
     started = time.time()
     with ray_cluster(num_nodes):
         result = module.run(cfg, prepared_dir=prepared_uri, checkpoint_dir=join(root, name),
-                            show_progress=False)
+                            show_progress=False,
+                            lineage=tracker_lineage(config) if cfg.run.trackers else None)
     result["hf_uri"] = publish(result["hf_dir"], join(root, name, "hf"))
     # the starting checkpoint, for the evaluation's comparison: where it already lives, or
     # the random init the driver made, published beside the export
@@ -367,6 +368,23 @@ def train_recipe(step_module: str, schema: str, config: Any, prepared_uri: str, 
         training_card(card, module.RECIPE.name, read_metrics(result["metrics_path"]), result)
     print(summarize(module.RECIPE, result, time.time() - started))
     return result
+
+
+def tracker_lineage(config: Any) -> dict[str, str]:
+    """What this Metaflow task adds to a training run's tracker tags (`run.trackers`): its
+    ids, and the config hash the end step's lineage record has (the flow's config, before the
+    train step points run.dir at scratch)."""
+    from metaflow import current
+
+    from posttrain.lineage import config_hash
+    out = {"metaflow.flow": current.flow_name, "metaflow.run_id": str(current.run_id),
+           "metaflow.step": current.step_name, "metaflow.task_id": str(current.task_id),
+           "metaflow.pathspec": f"{current.flow_name}/{current.run_id}",
+           "posttrain.config_hash": config_hash(
+               config.to_dict() if hasattr(config, "to_dict") else dict(config))}
+    if current.origin_run_id:
+        out["metaflow.origin_run_id"] = str(current.origin_run_id)
+    return out
 
 
 def evaluate_recipe(step_module: str, schema: str, config: Any, model_uri: str,
@@ -395,6 +413,10 @@ def evaluate_recipe(step_module: str, schema: str, config: Any, model_uri: str,
                            "config": config.to_dict() if hasattr(config, "to_dict")
                            else dict(config)}}
     full["eval_uri"] = publish_json(full, join(root, "eval.json"))
+    if cfg.run.trackers:        # the training's tracker runs, recorded beside its export
+        from posttrain.train.trackers import log_evaluation, suite_metrics
+        log_evaluation(cfg.run.trackers, model_uri.rstrip("/").rsplit("/", 1)[0],
+                       suite_metrics(full["table"]))
     records = {name: task["records"] for name, task in full["tasks"].items()}
     suite_card(card, full, records)
     return full

@@ -230,8 +230,8 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
                prepared_dir: str | None = None, checkpoint_dir: str | None = None,
                show_progress: bool = True, worker: type | None = None,
                controller: type[Controller] = Controller,
-               models: Callable[[Any, str, Path], dict[str, str]] | None = None
-               ) -> dict[str, Any]:
+               models: Callable[[Any, str, Path], dict[str, str]] | None = None,
+               lineage: dict[str, str] | None = None) -> dict[str, Any]:
     """Train `recipe` (a `posttrain.train.recipe.Recipe` class) with `config` (its config, or a
     YAML path with dotted `overrides`), evaluate and export; returns paths and metrics.
 
@@ -241,6 +241,8 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
     continues from the last checkpoint. `worker` is the rank worker class (default the kernel's
     `RecipeWorker`), `controller` the step loop's view of the run, `models(cfg, prepared_dir,
     run_dir)` the recipe's other model directories (a teacher), handed to every worker.
+    `lineage` is what the caller knows of the run (a flow's ``metaflow.*`` ids), for the
+    tags of `run.trackers` (`posttrain.train.trackers`).
     """
     from posttrain.train.recipe import RecipeWorker
     cfg = (config if isinstance(config, recipe.config_cls)
@@ -271,6 +273,11 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
                 before = ctl.before_training()
                 start = ctl.resume()
                 drop_metrics_after(metrics_path, start)
+                trackers = open_run_trackers(cfg, recipe.name, start, state_dir=state_dir,
+                                             run_dir=run_dir, prepared_dir=local,
+                                             hf_dir=hf_dir, context=lineage,
+                                             history=metrics_path)
+                writer.add_mirror(trackers)
                 log.info("%s: %s params (%s trainable) on %d worker(s), from step %d",
                          recipe.name, f"{info['params']:,}", f"{info['trainable_params']:,}",
                          info["world_size"], start)
@@ -288,6 +295,9 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
             export_dir = str(run_dir / "hf")
             with seconds("export"):
                 group.call("export", export_dir)
+        except BaseException:
+            writer.close(ok=False)
+            raise
         finally:
             ctl.close()
             seconds.start("shutdown")
@@ -300,9 +310,29 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
               "checkpoint_dir": f"{state_dir.rstrip('/')}/checkpoints",
               "started_at_step": start, "steps": start + len(history), "eval": evaluation,
               "model": info, "config": to_dict(cfg), **before, **ctl.result(),
+              **({"trackers": trackers.runs} if trackers else {}),
               **recipe.result(history), "seconds": seconds.parts}
     (run_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
     return result
+
+
+def open_run_trackers(cfg: Any, recipe: str, start: int, *, state_dir: str, run_dir: Path,
+                      prepared_dir: str, hf_dir: str, context: dict[str, str] | None,
+                      history: Path) -> Any:
+    """The run's `run.trackers`, started (or resumed past checkpoint `start`, with the metrics
+    `history` up to it) and tagged with its lineage; None without trackers."""
+    if not cfg.run.trackers:
+        return None
+    from posttrain.train.metrics import read_metrics
+    from posttrain.train.trackers import open_trackers, run_lineage
+    config = to_dict(cfg)
+    base = hf_dir if cfg.model.hf_dir else f"random init ({cfg.model.init.family})"
+    lineage = run_lineage(recipe, config, run_dir=str(run_dir), prepared_dir=prepared_dir,
+                          base_model=base, code_root=Path(__file__).resolve().parents[1],
+                          context=context)
+    return open_trackers(cfg.run.trackers, state_dir=state_dir, run_dir=str(run_dir),
+                         start_step=start, config=config, lineage=lineage,
+                         history=read_metrics(history) if start and history.is_file() else [])
 
 
 class Seconds:

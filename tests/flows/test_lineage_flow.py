@@ -113,7 +113,7 @@ def test_lineage_of_an_sft_then_grpo_chain(arithmetic_chain, monkeypatch, tmp_pa
         f"dataset:{sft_lin['datasets'][0]['content_hash'][:12]}")] == [sft.pathspec]
 
     # the lineage card of the GRPO run's end step draws both runs
-    # read the way the README says: the card CLI (this process's Metaflow config was
+    # read the way docs/lineage.md says: the card CLI (this process's Metaflow config was
     # fixed at import, before the sandbox's card root was set)
     html_path = tmp_path / "lineage-card.html"
     got = subprocess.run(

@@ -117,12 +117,17 @@ def test_code_package_ships_lib_steps_configs(sandbox, tmp_path):
 
 
 @pytest.mark.slow
-def test_sft_flow_end_to_end_local_survives_a_killed_train_attempt(sandbox):
+def test_sft_flow_end_to_end_local_survives_a_killed_train_attempt(sandbox, monkeypatch):
     """start -> prepare -> train (one node, local Ray) -> join -> evaluate -> end, on the local
     datastore. The first train attempt is killed (SIGKILL) once its step-2 checkpoint exists;
-    @retry's second attempt continues from that checkpoint instead of starting over."""
+    @retry's second attempt continues from that checkpoint instead of starting over, and into
+    the same MLflow and W&B runs (`run.trackers`, checked in `_check_trackers`)."""
     from transformers import AutoModelForCausalLM
-    config = sandbox.config(**{**QUICK, "train.max_steps": 6})
+    sandbox.env.update(MLFLOW_ALLOW_FILE_STORE="true", WANDB_SILENT="true")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")           # to read it back here
+    trackers = [{"kind": "mlflow", "tracking_uri": f"file:{sandbox.root / 'mlruns'}"},
+                {"kind": "wandb", "mode": "offline", "dir": str(sandbox.root / "wb")}]
+    config = sandbox.config(**{**QUICK, "train.max_steps": 6, "run.trackers": trackers})
     killer = threading.Thread(target=_kill_train_after_checkpoint,
                               args=(sandbox.root / "runs", 2), daemon=True)
     killer.start()
@@ -136,6 +141,7 @@ def test_sft_flow_end_to_end_local_survives_a_killed_train_attempt(sandbox):
         assert train.current_attempt == 1
         assert train.data.train_result["started_at_step"] >= 2        # resumed, not restarted
         ckpt = Path(run["join"].task.data.checkpoint_uri)
+        _check_trackers(sandbox, run, ckpt.parent / "metrics.jsonl")
     assert (ckpt / "step-00000006").is_dir()
     charts = {c["spec"]["title"]: c["spec"]["data"]["values"]
               for c in get_card(sandbox, SFT_FLOW, f"{run.id}/train", "training") if c["type"] == "vegaChart"}
@@ -154,6 +160,39 @@ def test_sft_flow_end_to_end_local_survives_a_killed_train_attempt(sandbox):
     model = AutoModelForCausalLM.from_pretrained(hf_uri)
     assert model.config.num_hidden_layers == 4
     assert not ray_processes_under(sandbox.ray_tmpdir)
+
+
+def _check_trackers(sandbox, run, metrics_path: Path) -> None:
+    """One MLflow run and one W&B run id over both train attempts and the evaluate step,
+    tagged with the Metaflow run; every step of metrics.jsonl in both, and the suite's table."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+    evaluate, start = run["evaluate"].task, run["train"].task.data.train_result["started_at_step"]
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    client = MlflowClient(tracking_uri=f"file:{sandbox.root / 'mlruns'}")
+    (found,) = client.search_runs(["0"])
+    tags = found.data.tags
+    assert (tags["metaflow.pathspec"], tags["metaflow.step"]) == (run.pathspec, "train")
+    assert f"config:{tags['posttrain.config_hash'][:12]}" in run.tags     # the end step's
+    assert f"dataset:{tags['posttrain.dataset_hash'][:12]}" in run.tags
+    assert tags["posttrain.resumed_at_step"] == str(start)
+    loss = {m.step: m.value for m in client.get_metric_history(found.info.run_id, "loss")}
+    assert loss == {r["step"]: r["loss"] for r in records if "loss" in r}
+    first = evaluate.data.eval_table[0]
+    key = f"suite/{first['task']}/{first['metric']}"
+    assert [(m.step, m.value) for m in client.get_metric_history(found.info.run_id, key)] \
+        == [(6, first["model"])]
+    # W&B: the killed attempt's file may hold nothing (it writes every 15 s); the retry logs
+    # metrics.jsonl up to its checkpoint again, so every step is there
+    steps, ids = set(), set()
+    for d in sorted((sandbox.root / "wb" / "wandb").glob("offline-run-*")):
+        out = subprocess.run([str(Path(sys.executable).with_name("wandb")), "leet", "inspect",
+                              "--json", str(d)], capture_output=True, text=True, timeout=60)
+        for r in (json.loads(line) for line in out.stdout.splitlines() if line.strip()):
+            ids |= {r["run"]["run_id"]} if r["type"] == "run" else set()
+            steps |= {r["history"]["item"]["_step"]} if r["type"] == "history" else set()
+    assert len(ids) == 1 and steps == {1, 2, 3, 4, 5, 6}
 
 
 killed: list[int] = []

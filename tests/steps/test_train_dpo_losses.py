@@ -37,7 +37,7 @@ LOSSES = ("simpo", "orpo", "kto")
 TRAIN_PAIRS, EVAL_PAIRS = 200, 40
 MAX_STEPS, KILL_STEP = 12, 6
 # Learning thresholds: below the smallest value measured over ATEN_CPU_CAPABILITY default /
-# avx2 x 1 / 2 threads (the table in the README's Tests section). `eval` is the run's own
+# avx2 x 1 / 2 threads (the table in docs/tests.md). `eval` is the run's own
 # held-out accuracy; `suite` the evaluate step's reward accuracy of the export against the
 # start (which ties with itself: 0), and `logp` its reference-free accuracy gain over the start.
 # Measured (the same to 3 decimals under every setting): SimPO 0.825 / 0.825 / +0.275, ORPO

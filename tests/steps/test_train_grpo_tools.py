@@ -128,7 +128,7 @@ def mcnemar_p(before: list[float], after: list[float]) -> tuple[int, int, float]
 
 @pytest.mark.long
 def test_sft_then_grpo_learns_to_use_the_calculator(tmp_path):
-    """The bundled tool-use task, as the README runs it: SFT, then 30 GRPO steps.
+    """The bundled tool-use task, as docs/rl.md runs it: SFT, then 30 GRPO steps.
 
     The SFT data calls the calculator in a third of its solutions and guesses the rest, so the
     SFT model mostly guesses (greedy: it calls the tool on 32% of the 200 held-out problems,

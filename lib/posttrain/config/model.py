@@ -37,7 +37,7 @@ def names_experts(target: str) -> bool:
 
 def check_peft_export(targets: tuple[str, ...] | list[str], dropout: float) -> None:
     """Raise a ConfigError where a PEFT adapter cannot express LoRA on `targets` with
-    `dropout` (checked at config time by `posttrain.train.recipe.check_export`)."""
+    `dropout` (checked at config time by `posttrain.config.train.check_export`)."""
     stacked = [t for t in targets if names_experts(t)]
     if stacked and dropout > 0:
         raise ConfigError(

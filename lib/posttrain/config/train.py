@@ -16,6 +16,7 @@ from posttrain.config.data import LoaderConfig
 from posttrain.config.loader import inline
 from posttrain.config.model import check_peft_export
 from posttrain.config.parallel import ParallelConfig, resolve_mesh_shape
+from posttrain.train.trackers import TrackerConfig, check_trackers
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,8 @@ class RunConfig:
     launcher: Literal["ray", "inline"] = "ray"
     num_nodes: int = 1                        # machines (Metaflow @metaflow_ray num_parallel)
     tensorboard_dir: str | None = None        # also mirror metrics.jsonl as TensorBoard events
+    # and to experiment trackers: MLflow, W&B (`posttrain.train.trackers`)
+    trackers: tuple[TrackerConfig, ...] = ()
     # the GPU kind each worker gets (h100-80g, h200, a100-40g, ...: `posttrain.plan.devices`):
     # the memory plan is checked against it when a flow starts
     gpu: str | None = None
@@ -108,6 +111,7 @@ class RunConfig:
         if self.gpu is not None:
             from posttrain.plan.devices import gpu_bytes
             gpu_bytes(self.gpu)
+        check_trackers(self.trackers)
         if self.num_workers < 1:
             raise ValueError("run.num_workers must be at least 1")
         if self.num_nodes < 1:
@@ -131,7 +135,7 @@ class ExportConfig:
 
 def check_export(export: ExportConfig, lora: Any) -> None:
     """export.format must match whether the model has LoRA adapters, and a PEFT adapter must
-    be able to express them (`posttrain.models.lora.check_peft_export`)."""
+    be able to express them (`posttrain.config.model.check_peft_export`)."""
     if export.format in ("merged", "peft") and lora is None:
         raise ValueError(f"export.format: {export.format} needs model.lora")
     if export.format == "peft":

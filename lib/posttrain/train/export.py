@@ -55,11 +55,11 @@ def export_hf(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str, *,
     if fmt == "full":
         save_hf(model, out, tokenizer_dir=tokenizer_dir, dtype=torch_dtype)
     elif fmt == "merged":
-        from posttrain.models import lora as lora_lib
-        lora_lib.save_merged_hf(model, out, tokenizer_dir=tokenizer_dir, dtype=torch_dtype)
+        from posttrain.models import lora_export
+        lora_export.save_merged_hf(model, out, tokenizer_dir=tokenizer_dir, dtype=torch_dtype)
     elif fmt == "peft":
-        from posttrain.models import lora as lora_lib
-        lora_lib.save_peft_adapter(model, out, base_model_name_or_path=str(base_dir))
+        from posttrain.models import lora_export
+        lora_export.save_peft_adapter(model, out, base_model_name_or_path=str(base_dir))
         if tokenizer_dir:       # its added tokens: the rows the adapter carries
             from posttrain.models.hf_io import _copy_tokenizer_files
             _copy_tokenizer_files(Path(tokenizer_dir), out)
@@ -113,13 +113,14 @@ def export_fallback(state: dict[str, torch.Tensor], base_dir: str, out_dir: str,
     """Write a transformers-trained model (`posttrain.models.fallback`, names ``hf.<its own>``)
     with the architecture and config of `base_dir`: ``full`` and ``merged`` (LoRA adapters
     folded into their weights) with `save_pretrained`, the tokenizer alongside; ``peft`` as a
-    PEFT adapter over `base_dir` (`posttrain.models.lora.save_peft_adapter`)."""
+    PEFT adapter over `base_dir` (`posttrain.models.lora_export.save_peft_adapter`)."""
     from posttrain.models import lora as lora_lib
+    from posttrain.models import lora_export
     from posttrain.models.hf_io import _copy_tokenizer_files
     out = Path(out_dir)
     if fmt == "peft":
         model = _fallback_from_state(state, base_dir, lora)
-        lora_lib.save_peft_adapter(model, out, base_model_name_or_path=str(base_dir))
+        lora_export.save_peft_adapter(model, out, base_model_name_or_path=str(base_dir))
         return str(out)
     if fmt == "merged":
         state = lora_lib.fold_adapters(state, lora.alpha / lora.rank)

@@ -105,10 +105,12 @@ def step_metrics(counts: dict[str, float], *, seconds: float, data_wait_s: float
 
 
 class MetricsWriter:
-    """Appends one JSON object per line; optional TensorBoard mirror."""
+    """Appends one JSON object per line; optional TensorBoard mirror, and other mirrors
+    (`add_mirror`: the experiment trackers, `posttrain.train.trackers.Trackers`)."""
 
     def __init__(self, path: str | Path | None, tensorboard_dir: str | None = None):
         self.path = Path(path) if path else None
+        self._mirrors: list[Any] = []
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tb = None
@@ -129,10 +131,22 @@ class MetricsWriter:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self._tb.add_scalar(k, v, step)
+        for mirror in self._mirrors:
+            mirror.write(record)
 
-    def close(self) -> None:
+    def add_mirror(self, mirror: Any) -> None:
+        """Also send every record to `mirror.write(record)`; `mirror.close(ok)` at the end."""
+        if mirror is not None:
+            self._mirrors.append(mirror)
+
+    def close(self, ok: bool = True) -> None:
+        """`ok`: whether the run succeeded (a tracker's run is marked finished or failed)."""
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
+        for mirror in self._mirrors:
+            mirror.close(ok)
+        self._mirrors = []
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

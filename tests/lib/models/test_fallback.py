@@ -116,7 +116,8 @@ def test_lora_on_fallback_exports_to_peft(hf_dir, tmp_path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from posttrain.models.lora import LoraConfig, apply_lora, lora_modules, save_peft_adapter
+    from posttrain.models.lora import LoraConfig, apply_lora, lora_modules
+    from posttrain.models.lora_export import save_peft_adapter
 
     model, _ = _load(hf_dir)
     with pytest.raises(ConfigError, match="o_proj"):        # native names do not exist here

@@ -12,10 +12,10 @@ from safetensors import safe_open
 
 from posttrain.errors import ConfigError
 from posttrain.models import load_hf
-from posttrain.models.lora import (LoRAExperts, LoraConfig, apply_lora,
-                                   check_peft_export, disable_adapters, flops_kwargs,
-                                   fold_adapters, lora_modules, lora_state_dict, merge_lora,
-                                   save_merged_hf, save_peft_adapter, unmerge_lora)
+from posttrain.models.lora import (LoRAExperts, LoraConfig, apply_lora, disable_adapters,
+                                   flops_kwargs, fold_adapters, lora_modules, lora_state_dict,
+                                   merge_lora, unmerge_lora)
+from posttrain.models.lora_export import check_peft_export, save_merged_hf, save_peft_adapter
 from posttrain.models.moe import Experts, grouped_mm_available
 
 FAMILIES = ("qwen3", "llama")

@@ -15,8 +15,8 @@ from safetensors import safe_open
 from posttrain.errors import ConfigError
 from posttrain.models import load_hf
 from posttrain.models.hf_io import resize_vocab
-from posttrain.models.lora import (LoraConfig, apply_lora, disable_adapters, save_merged_hf,
-                                   save_peft_adapter)
+from posttrain.models.lora import LoraConfig, apply_lora, disable_adapters
+from posttrain.models.lora_export import save_merged_hf, save_peft_adapter
 from posttrain.models.trainable_tokens import apply_trainable_tokens, token_rows
 
 BASE_VOCAB, VOCAB = 250, 254
