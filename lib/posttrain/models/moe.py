@@ -57,7 +57,7 @@ expert ids instead of its own top-k and weighs them from its own router logits (
 as `route` weighs its own choice), counting the selections where its own choice differs.
 
 Every MoE block keeps its last router logits (`router_logits_NE`, with their graph), from which
-`load_balancing_loss` computes the Switch-Transformer auxiliary loss exactly as transformers'
+`moe_balance.load_balancing_loss` computes the Switch-Transformer auxiliary loss exactly as transformers'
 `load_balancing_loss_func` does (GPT-OSS's too: it also pools softmax(logits) over all experts,
 router bias included); `moe_aux_loss(model)` scales it by `router_aux_loss_coef`;
 `router_z_loss` is ST-MoE's. Sigmoid routing (DeepSeek-V3) balances its own way
@@ -70,7 +70,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -79,8 +78,7 @@ from posttrain.models.args import ModelArgs
 from posttrain.models.layers import _ACTIVATIONS, FeedForward, rms_norm
 
 __all__ = ["Experts", "MoEBlock", "build_moe", "clamped_swiglu", "expert_group",
-           "grouped_mm_available", "grouped_mm_flops", "load_balancing_loss", "local_tensor",
-           "moe_aux_loss", "router_logits", "router_z_loss"]
+           "grouped_mm_available", "grouped_mm_flops", "local_tensor", "router_logits"]
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk")
 
@@ -445,77 +443,9 @@ def router_logits(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def load_balancing_loss(router_logits_LNE: list[torch.Tensor], top_k: int,
-                        token_mask: torch.Tensor | None = None,
-                        group: Any = None) -> torch.Tensor:
-    """Switch-Transformer load-balancing loss (Fedus et al. 2021, eqs. 4-6), over all layers.
-
-        f_e = (1 / (L * N)) * sum_{l, tokens} [e in top_k(softmax(logits_l))]
-        P_e = (1 / (L * N)) * sum_{l, tokens} softmax(logits_l)_e
-        loss = E * sum_e f_e * P_e
-
-    Counts and probabilities are pooled over layers before the product, as transformers'
-    `load_balancing_loss_func` does. `token_mask` [B, T] (1 = real token) leaves padding out.
-
-    `group` (expert parallelism, `expert_group`): the experts serve the group's tokens, so f_e
-    and N are the group's (their sums all-reduced, no gradient), and each rank returns
-    G * E * sum_e f_e * P_e^r with P_e^r its own tokens' probability sums over the group's N:
-    the mean over the G ranks, which their averaged gradients follow, is the loss of the
-    group's tokens pooled.
-    """
-    num_experts = router_logits_LNE[0].shape[-1]
-    device = router_logits_LNE[0].device
-    count_E = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    prob_E = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    rows = torch.zeros((), dtype=torch.float32, device=device)
-    mask_N = None if token_mask is None else token_mask.reshape(-1).to(device, torch.float32)
-    for logits in router_logits_LNE:
-        probs = torch.softmax(logits, dim=-1)
-        _, expert = torch.topk(probs, top_k, dim=-1)
-        weight = (torch.ones_like(expert, dtype=torch.float32) if mask_N is None
-                  else mask_N[:, None].expand_as(expert))
-        count_E = count_E.scatter_add(0, expert.reshape(-1), weight.reshape(-1))
-        probs = probs.float()
-        prob_E = prob_E + (probs if mask_N is None else probs * mask_N[:, None]).sum(0)
-        rows = rows + (probs.shape[0] if mask_N is None else mask_N.sum())
-    if group is None:
-        return num_experts * torch.sum((count_E / rows) * (prob_E / rows))
-    totals = torch.cat([count_E, rows.reshape(1)]).detach()
-    dist.all_reduce(totals, group=group)
-    count_E, rows = totals[:-1], totals[-1]
-    size = dist.get_world_size(group)
-    return size * num_experts * torch.sum((count_E / rows) * (prob_E / rows))
-
-
-def router_z_loss(router_logits_LNE: list[torch.Tensor],
-                  token_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Router z-loss (Zoph et al. 2022, ST-MoE, eq. 5): the mean over layers and tokens of
-    logsumexp(logits)^2, which keeps router logits small; `token_mask` leaves padding out."""
-    total = torch.zeros((), dtype=torch.float32, device=router_logits_LNE[0].device)
-    rows = torch.zeros((), dtype=torch.float32, device=total.device)
-    mask_N = None if token_mask is None else token_mask.reshape(-1).to(total.device,
-                                                                       torch.float32)
-    for logits in router_logits_LNE:
-        z_N = torch.logsumexp(logits.float(), dim=-1).square()
-        total = total + (z_N.sum() if mask_N is None else (z_N * mask_N).sum())
-        rows = rows + (z_N.shape[0] if mask_N is None else mask_N.sum())
-    return total / rows
-
-
 def expert_group(model: nn.Module) -> Any:
     """The process group of `model`'s expert parallelism, or None (experts all local)."""
     for module in model.modules():
         if isinstance(module, Experts) and module.ep is not None:
             return module.ep[2]
     return None
-
-
-def moe_aux_loss(model: nn.Module, token_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """`router_aux_loss_coef * load_balancing_loss` of the last forward, the term to add to the
-    training loss (0 for a model without MoE layers)."""
-    logits = router_logits(model)
-    args: ModelArgs = model.args
-    if not logits:
-        return torch.zeros(())
-    return args.router_aux_loss_coef * load_balancing_loss(logits, args.num_experts_per_tok,
-                                                           token_mask, expert_group(model))

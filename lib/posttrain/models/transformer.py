@@ -306,10 +306,10 @@ class Transformer(nn.Module):
 
     def moe_aux_loss(self, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """`router_aux_loss_coef` x the MoE load-balancing loss of the last forward (a zero
-        scalar without MoE layers); see `posttrain.models.moe.load_balancing_loss`."""
-        from posttrain.models import moe
+        scalar without MoE layers); see `posttrain.models.moe_balance.load_balancing_loss`."""
+        from posttrain.models import moe_balance
 
-        return moe.moe_aux_loss(self, token_mask)
+        return moe_balance.moe_aux_loss(self, token_mask)
 
     def fp32_names(self) -> frozenset[str]:
         """Parameters and buffers held in fp32 whatever the model's dtype: those a module lists

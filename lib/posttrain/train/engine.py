@@ -342,9 +342,9 @@ class Engine:
     def _router_losses(self, batch: dict) -> dict[str, tuple[float, torch.Tensor]]:
         """{metric: (coefficient, value)} of the router losses of the last forward, padding
         left out."""
-        from posttrain.models.moe import (MoEBlock, load_balancing_loss, router_logits,
-                                          router_z_loss)
-        from posttrain.models.moe_balance import sequence_balance_loss
+        from posttrain.models.moe import MoEBlock, router_logits
+        from posttrain.models.moe_balance import (load_balancing_loss, router_z_loss,
+                                                  sequence_balance_loss)
         logits = router_logits(self.model)
         mask = _real_token_mask(batch)
         aux_coef, z_coef = self.router_coefs

@@ -39,7 +39,8 @@ from torch import nn
 from posttrain.distributed import ParallelConfig, build_mesh, parallelize
 from posttrain.models.args import ModelArgs
 from posttrain.models.families import args_from_hf_config
-from posttrain.models.moe import MoEBlock, expert_group, load_balancing_loss, router_logits
+from posttrain.models.moe import MoEBlock, expert_group, router_logits
+from posttrain.models.moe_balance import load_balancing_loss
 from posttrain.models.transformer import build_model
 
 from .ranks import (LossAndLogits, assert_layouts_match, compare, full, randomize_adapters,

@@ -17,7 +17,8 @@ from posttrain.errors import ConfigError
 from posttrain.models import load_hf, save_hf
 from posttrain.models.hf_io import weight_map
 from posttrain.models.layers import rope_attention_factor, rope_inv_freq
-from posttrain.models.moe import load_balancing_loss, router_logits
+from posttrain.models.moe import router_logits
+from posttrain.models.moe_balance import load_balancing_loss
 from posttrain.models.mxfp4 import E2M1, dequantize
 from posttrain.models.verify import tiny_hf_config, verify
 

@@ -15,7 +15,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 from posttrain.models import ModelArgs, args_from_hf_config, build_model, load_hf, save_hf
 from posttrain.models.hf_io import hf_named_tensors, weight_map
 from posttrain.models.layers import FeedForward
-from posttrain.models.moe import MoEBlock, load_balancing_loss, router_logits
+from posttrain.models.moe import MoEBlock, router_logits
+from posttrain.models.moe_balance import load_balancing_loss
 from posttrain.models.verify import verify
 
 # layers 1 and 3 MoE (decoder_sparse_step=2), plain top-k weights

@@ -101,7 +101,8 @@ def test_router_gradients_equal_transformers(family, aux, hf_dir, tmp_path_facto
 
 
 def test_z_loss_and_the_step_metrics(hf_dir, tmp_path):
-    from posttrain.models.moe import router_logits, router_z_loss
+    from posttrain.models.moe import router_logits
+    from posttrain.models.moe_balance import router_z_loss
     engine = _engine(hf_dir, tmp_path, moe_z_loss_coef=1e-3)
     assert engine.router_coefs == (COEF, 1e-3)
     batch, _, _ = _batch(seed=1)
