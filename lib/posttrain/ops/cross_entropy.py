@@ -294,6 +294,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
                 if tanh_cV is not None:
                     g_cV.mul_(tanh_cV.square_().neg_().add_(1.0))
                 grads.add(sl, g_cV, h_cH, real)
+                del g_cV        # p_cV's buffer: freed before the next chunk's logits exist
             del z_cV, tanh_cV, p_cV
         ctx.grads = grads.done() if grads.any else None
         return loss.float()
