@@ -23,6 +23,23 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 
 
+def tiny_recipe(data_format: str, max_tokens_per_sample: int, *, tied: bool = True) -> dict:
+    """The run, tokenizer, data and model sections the recipe tests share: one inline worker,
+    the bundled tokenizer, a 2-layer 64-wide random Qwen3 (fp32)."""
+    return {
+        "run": {"num_workers": 1, "launcher": "inline"},
+        "tokenizer": {"path": str(ROOT / "assets" / "tokenizer")},
+        "data": {"format": data_format, "max_tokens_per_sample": max_tokens_per_sample,
+                 "on_bad_row": "skip"},
+        "model": {"init": {"family": "qwen3", "seed": 0,
+                           "overrides": {"hidden_size": 64, "intermediate_size": 128,
+                                         "num_hidden_layers": 2, "num_attention_heads": 4,
+                                         "num_key_value_heads": 2, "head_dim": 16,
+                                         "tie_word_embeddings": tied}},
+                  "dtype": "float32"},
+    }
+
+
 def cli(module: str, config: Path, run_dir: Path, launcher: str = "inline") -> subprocess.Popen:
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

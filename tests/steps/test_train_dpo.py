@@ -30,7 +30,7 @@ from posttrain.train.dpo import DPOConfig
 
 from functools import partial
 
-from .conftest import run_and_kill, run_to_end
+from .conftest import run_and_kill, run_to_end, tiny_recipe
 from .golden import check_golden
 
 _run_to_end = partial(run_to_end, "steps.train_dpo")
@@ -43,15 +43,7 @@ MAX_STEPS = 12
 KILL_STEP = 5
 
 CONFIG = {
-    "run": {"num_workers": 1, "launcher": "inline"},
-    "tokenizer": {"path": str(ROOT / "assets" / "tokenizer")},
-    "data": {"format": "preference", "max_tokens_per_sample": 96, "on_bad_row": "skip"},
-    "model": {"init": {"family": "qwen3", "seed": 0,
-                       "overrides": {"hidden_size": 64, "intermediate_size": 128,
-                                     "num_hidden_layers": 2, "num_attention_heads": 4,
-                                     "num_key_value_heads": 2, "head_dim": 16,
-                                     "tie_word_embeddings": True}},
-              "dtype": "float32"},
+    **tiny_recipe("preference", 96),
     "train": {"max_steps": MAX_STEPS, "tokens_per_step": 1024,  # 4 micro-batches of 1 x 256
               "loader": {"format": "preference",
                          "packing": {"max_tokens_per_pack": 256, "buffer_samples": 16},

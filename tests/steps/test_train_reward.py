@@ -22,7 +22,7 @@ import yaml
 from posttrain.models.reward_model import load_reward_model
 from posttrain.train.reward import last_response_index
 
-from .conftest import run_and_kill, run_to_end, safetensors
+from .conftest import run_and_kill, run_to_end, safetensors, tiny_recipe
 from .golden import check_golden
 
 _run_to_end = partial(run_to_end, "steps.train_reward")
@@ -34,15 +34,7 @@ TRAIN_PAIRS, EVAL_PAIRS = 300, 60
 MAX_STEPS, KILL_STEP = 30, 15
 
 CONFIG = {
-    "run": {"num_workers": 1, "launcher": "inline"},
-    "tokenizer": {"path": str(ROOT / "assets" / "tokenizer")},
-    "data": {"format": "preference", "max_tokens_per_sample": 96, "on_bad_row": "skip"},
-    "model": {"init": {"family": "qwen3", "seed": 0,
-                       "overrides": {"hidden_size": 64, "intermediate_size": 128,
-                                     "num_hidden_layers": 2, "num_attention_heads": 4,
-                                     "num_key_value_heads": 2, "head_dim": 16,
-                                     "tie_word_embeddings": False}},
-              "dtype": "float32"},
+    **tiny_recipe("preference", 96, tied=False),
     "train": {"max_steps": MAX_STEPS, "tokens_per_step": 1024,
               "loader": {"format": "preference",
                          "packing": {"max_tokens_per_pack": 256, "buffer_samples": 16},

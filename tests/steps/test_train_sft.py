@@ -42,7 +42,7 @@ from steps import train_sft
 from functools import partial
 
 from .conftest import assert_weights_close as _assert_weights_close
-from .conftest import run_and_kill, run_to_end, safetensors as _safetensors
+from .conftest import run_and_kill, run_to_end, safetensors as _safetensors, tiny_recipe
 from .golden import check_golden
 
 _run_to_end = partial(run_to_end, "steps.train_sft")
@@ -58,15 +58,7 @@ WEIGHT_ATOL = 1e-5        # after 24 Adam steps (observed max |diff| ~1.3e-6)
 LOGIT_ATOL = 1e-4         # HF vs native, fp32
 
 CONFIG = {
-    "run": {"num_workers": 1, "launcher": "inline"},
-    "tokenizer": {"path": str(ROOT / "assets" / "tokenizer")},
-    "data": {"format": "chat", "max_tokens_per_sample": 128, "on_bad_row": "skip"},
-    "model": {"init": {"family": "qwen3", "seed": 0,
-                       "overrides": {"hidden_size": 64, "intermediate_size": 128,
-                                     "num_hidden_layers": 2, "num_attention_heads": 4,
-                                     "num_key_value_heads": 2, "head_dim": 16,
-                                     "tie_word_embeddings": True}},
-              "dtype": "float32"},
+    **tiny_recipe("chat", 128),
     "train": {"max_steps": MAX_STEPS, "tokens_per_step": 512,   # 4 micro-batches of 1 x 128
               "loader": {"packing": {"max_tokens_per_pack": 128, "buffer_samples": 16},
                          "rows_per_batch": 1, "shuffle_buffer_samples": 32, "seed": 0,
