@@ -40,7 +40,7 @@ from posttrain.data.prepared import local_view
 from posttrain.distributed.env import init_process_group
 from posttrain.distributed.sync_group import GroupAddress
 from posttrain.errors import ConfigError
-from posttrain.eval.suites import TaskConfig
+from posttrain.config.eval import TaskConfig
 from posttrain.models.routing_replay import moe_blocks
 from posttrain.rl.engine import Rollout, SamplingConfig
 from posttrain.rl.factory import build_rollout_engine
@@ -69,7 +69,7 @@ class GRPO:
     def eval_suite(cfg: GRPOConfig, models: dict[str, str]) -> Any:
         """Held-out prompts answered by the export and by the starting model (the run's
         evaluation sampling, its rollout engine) and scored by the run's reward functions."""
-        from posttrain.eval.suites import GenerationSettings, SuiteConfig
+        from posttrain.config.eval import GenerationSettings, SuiteConfig
         if not cfg.data.eval:
             return None
         ev, s = cfg.eval, cfg.sampling
