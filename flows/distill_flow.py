@@ -22,22 +22,17 @@ that does not share the student's tokenizer fails the distill step before any wo
 """
 
 from _posttrain_flow import parse_config, ray_nodes, ship_repo
-from metaflow import Config, FlowSpec, card, current, retry, step
+from _recipe_flow import RecipeFlow
+from metaflow import Config, card, current, retry, step
 
 DISTILL_SCHEMA = "posttrain.config.distill.DistillConfig"
 
 
 @ship_repo("lib", "steps", "configs", "assets")
-class DistillFlow(FlowSpec):
+class DistillFlow(RecipeFlow):
+    SCHEMA = DISTILL_SCHEMA
     config = Config("config", default="configs/distill/tiny.yaml",
                     parser=parse_config(DISTILL_SCHEMA))
-
-    @step
-    def start(self):
-        """Fix this run's storage root; retries and `resume` read it back from here."""
-        from _posttrain_flow import storage_and_nodes
-        self.storage_root, self.num_nodes = storage_and_nodes(self, DISTILL_SCHEMA)
-        self.next(self.prepare)
 
     @step
     def prepare(self):
@@ -65,12 +60,6 @@ class DistillFlow(FlowSpec):
                             publish(result["teacher_dir"], join(out, "teacher_model")))
         self.checkpoint_uri, self.distill_result = result["checkpoint_uri"], train_summary(result)
         self.next(self.join)
-
-    @step
-    def join(self, inputs):
-        """Keep the control task's results (worker nodes produce none)."""
-        self.merge_artifacts(inputs)
-        self.next(self.evaluate)
 
     @card(type="blank", id="evaluation")
     @step

@@ -21,29 +21,16 @@ driver loop with this flow's train step.
 """
 
 from _posttrain_flow import parse_config, ray_nodes, ship_repo
-from metaflow import Config, FlowSpec, card, current, retry, step
+from _recipe_flow import RecipeFlow
+from metaflow import Config, card, current, retry, step
 
 DPO_SCHEMA = "posttrain.config.dpo.DPOConfig"
 
 
 @ship_repo("lib", "steps", "configs", "assets")
-class DPOFlow(FlowSpec):
+class DPOFlow(RecipeFlow):
+    SCHEMA = DPO_SCHEMA
     config = Config("config", default="configs/dpo/tiny.yaml", parser=parse_config(DPO_SCHEMA))
-
-    @step
-    def start(self):
-        """Fix this run's storage root; retries and `resume` read it back from here."""
-        from _posttrain_flow import storage_and_nodes
-        self.storage_root, self.num_nodes = storage_and_nodes(self, DPO_SCHEMA)
-        self.next(self.prepare)
-
-    @step
-    def prepare(self):
-        """Stream, validate and tokenize the pairs into shards; keep the manifest's summary."""
-        from _posttrain_flow import prepare_data
-        (self.prepared_uri, self.content_hash, self.manifest_summary,
-         self.shard_uris) = prepare_data(DPO_SCHEMA, self.config, self.storage_root)
-        self.next(self.train, num_parallel=self.num_nodes)
 
     @card(type="blank", id="training")
     @retry(times=1)
@@ -65,12 +52,6 @@ class DPOFlow(FlowSpec):
                                           "reference_pairs", "mean_completions_per_s",
                                           "reference_completions")     # the last two: KTO
         self.next(self.join)
-
-    @step
-    def join(self, inputs):
-        """Keep the control task's results (worker nodes produce none)."""
-        self.merge_artifacts(inputs)
-        self.next(self.evaluate)
 
     @card(type="blank", id="evaluation")
     @step

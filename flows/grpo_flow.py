@@ -31,7 +31,8 @@ Deployed with `argo-workflows create`, the flow runs whenever an SFTFlow run fin
 """
 
 from _posttrain_flow import parse_config, ray_nodes, ship_repo
-from metaflow import (Config, FlowSpec, Parameter, card, current, retry, step,
+from _recipe_flow import RecipeFlow
+from metaflow import (Config, Parameter, card, current, retry, step,
                       trigger_on_finish)
 
 GRPO_SCHEMA = "posttrain.config.grpo.GRPOConfig"
@@ -40,7 +41,8 @@ SFT_SCHEMA = "posttrain.config.sft.SFTConfig"
 
 @trigger_on_finish(flow="SFTFlow")
 @ship_repo("lib", "steps", "configs", "assets")
-class GRPOFlow(FlowSpec):
+class GRPOFlow(RecipeFlow):
+    SCHEMA = GRPO_SCHEMA
     config = Config("config", default="configs/grpo/tiny.yaml", parser=parse_config(GRPO_SCHEMA))
     sft_run = Parameter("sft-run", default="",
                         help="pathspec of a finished run (e.g. SFTFlow/1234) whose exported "
@@ -119,12 +121,6 @@ class GRPOFlow(FlowSpec):
                                           "mean_rollout_tokens_per_s", "max_sync_diff",
                                           "baseline_eval")
         self.next(self.join)
-
-    @step
-    def join(self, inputs):
-        """Keep the control task's results (worker nodes produce none)."""
-        self.merge_artifacts(inputs)
-        self.next(self.evaluate)
 
     @card(type="blank", id="evaluation")
     @step

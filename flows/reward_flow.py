@@ -16,30 +16,17 @@ Load the result as a GRPO reward with `posttrain.train.reward.load_reward_model(
 """
 
 from _posttrain_flow import parse_config, ray_nodes, ship_repo
-from metaflow import Config, FlowSpec, card, current, retry, step
+from _recipe_flow import RecipeFlow
+from metaflow import Config, card, current, retry, step
 
 REWARD_SCHEMA = "posttrain.config.reward.RewardConfig"
 
 
 @ship_repo("lib", "steps", "configs", "assets")
-class RewardFlow(FlowSpec):
+class RewardFlow(RecipeFlow):
+    SCHEMA = REWARD_SCHEMA
     config = Config("config", default="configs/reward/tiny.yaml",
                     parser=parse_config(REWARD_SCHEMA))
-
-    @step
-    def start(self):
-        """Fix this run's storage root; retries and `resume` read it back from here."""
-        from _posttrain_flow import storage_and_nodes
-        self.storage_root, self.num_nodes = storage_and_nodes(self, REWARD_SCHEMA)
-        self.next(self.prepare)
-
-    @step
-    def prepare(self):
-        """Stream, validate and tokenize the pairs into shards; keep the manifest's summary."""
-        from _posttrain_flow import prepare_data
-        (self.prepared_uri, self.content_hash, self.manifest_summary,
-         self.shard_uris) = prepare_data(REWARD_SCHEMA, self.config, self.storage_root)
-        self.next(self.train, num_parallel=self.num_nodes)
 
     @card(type="blank", id="training")
     @retry(times=1)
@@ -54,12 +41,6 @@ class RewardFlow(FlowSpec):
         self.checkpoint_uri = result["checkpoint_uri"]
         self.train_result = train_summary(result, "final_accuracy", "mean_pairs_per_s")
         self.next(self.join)
-
-    @step
-    def join(self, inputs):
-        """Keep the control task's results (worker nodes produce none)."""
-        self.merge_artifacts(inputs)
-        self.next(self.evaluate)
 
     @card(type="blank", id="evaluation")
     @step

@@ -24,30 +24,17 @@ Load the result with `transformers.AutoModelForCausalLM.from_pretrained(<hf_uri>
 """
 
 from _posttrain_flow import parse_config, ray_nodes, ship_repo
-from metaflow import Config, FlowSpec, card, current, retry, step
+from _recipe_flow import RecipeFlow
+from metaflow import Config, card, current, retry, step
 
 SEQUENCE_SCHEMA = "posttrain.config.sequence.SequenceConfig"
 
 
 @ship_repo("lib", "steps", "configs", "assets")
-class SequenceFlow(FlowSpec):
+class SequenceFlow(RecipeFlow):
+    SCHEMA = SEQUENCE_SCHEMA
     config = Config("config", default="configs/sequence/tiny.yaml",
                     parser=parse_config(SEQUENCE_SCHEMA))
-
-    @step
-    def start(self):
-        """Fix this run's storage root; retries and `resume` read it back from here."""
-        from _posttrain_flow import storage_and_nodes
-        self.storage_root, self.num_nodes = storage_and_nodes(self, SEQUENCE_SCHEMA)
-        self.next(self.prepare)
-
-    @step
-    def prepare(self):
-        """Encode the event rows into shards (vocabulary ids, head labels); keep the summary."""
-        from _posttrain_flow import prepare_data
-        (self.prepared_uri, self.content_hash, self.manifest_summary,
-         self.shard_uris) = prepare_data(SEQUENCE_SCHEMA, self.config, self.storage_root)
-        self.next(self.train, num_parallel=self.num_nodes)
 
     @card(type="blank", id="training")
     @retry(times=1)
@@ -65,12 +52,6 @@ class SequenceFlow(FlowSpec):
         self.base_uri = result["base_model_uri"]
         self.checkpoint_uri, self.train_result = result["checkpoint_uri"], train_summary(result)
         self.next(self.join)
-
-    @step
-    def join(self, inputs):
-        """Keep the control task's results (worker nodes produce none)."""
-        self.merge_artifacts(inputs)
-        self.next(self.evaluate)
 
     @card(type="blank", id="evaluation")
     @step

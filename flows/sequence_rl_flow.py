@@ -28,15 +28,17 @@ A thin composition of the steps `tests/steps/test_train_sequence_rl.py` tests (t
 """
 
 from _posttrain_flow import parse_config, ray_nodes, ship_repo
-from metaflow import Config, FlowSpec, Parameter, card, current, retry, step
+from _recipe_flow import RecipeFlow
+from metaflow import Config, Parameter, card, current, retry, step
 
-SCHEMA = "posttrain.config.sequence_rl.SequenceRLConfig"
+SEQUENCE_RL_SCHEMA = "posttrain.config.sequence_rl.SequenceRLConfig"
 
 
 @ship_repo("lib", "steps", "configs", "assets")
-class SequenceRLFlow(FlowSpec):
+class SequenceRLFlow(RecipeFlow):
+    SCHEMA = SEQUENCE_RL_SCHEMA
     config = Config("config", default="configs/sequence_rl/tiny.yaml",
-                    parser=parse_config(SCHEMA))
+                    parser=parse_config(SEQUENCE_RL_SCHEMA))
     sequence_run = Parameter("sequence-run", default="",
                              help="pathspec of a finished SequenceFlow run (e.g. "
                                   "SequenceFlow/1234) whose export (`hf_uri`) to start from, "
@@ -46,7 +48,7 @@ class SequenceRLFlow(FlowSpec):
     def start(self):
         """Fix the storage root and the starting model (recorded as lineage)."""
         from _posttrain_flow import start_model, storage_and_nodes
-        self.storage_root, self.num_nodes = storage_and_nodes(self, SCHEMA)
+        self.storage_root, self.num_nodes = storage_and_nodes(self, SEQUENCE_RL_SCHEMA)
         self.parent_run, self.start_uri = start_model(self.config, self.sequence_run,
                                                       "SequenceFlow", "flows/sequence_flow.py")
         print(f"start from {self.start_uri}"
@@ -58,7 +60,8 @@ class SequenceRLFlow(FlowSpec):
         """Encode the event rows in the starting model's vocabulary; keep the summary."""
         from _posttrain_flow import prepare_data, with_model
         (self.prepared_uri, self.content_hash, self.manifest_summary,
-         self.shard_uris) = prepare_data(SCHEMA, with_model(self.config, self.start_uri),
+         self.shard_uris) = prepare_data(SEQUENCE_RL_SCHEMA,
+                                         with_model(self.config, self.start_uri),
                                          self.storage_root)
         self.next(self.train, num_parallel=self.num_nodes)
 
@@ -72,20 +75,14 @@ class SequenceRLFlow(FlowSpec):
         Checkpoints (weights, optimizer, history stream position) live under the run's
         storage root, so a retried attempt and `resume train` find them."""
         from _posttrain_flow import train_recipe, train_summary
-        result = train_recipe("train_sequence_rl", SCHEMA, self.config, self.prepared_uri,
-                              self.storage_root, "train", self.num_nodes,
+        result = train_recipe("train_sequence_rl", SEQUENCE_RL_SCHEMA, self.config,
+                              self.prepared_uri, self.storage_root, "train", self.num_nodes,
                               current.card["training"], start_from=self.start_uri)
         self.hf_uri, self.metrics_uri = result["hf_uri"], result["metrics_uri"]
         self.checkpoint_uri = result["checkpoint_uri"]
         self.train_result = train_summary(result, "final_reward_mean", "max_sync_diff",
                                           "baseline_eval")
         self.next(self.join)
-
-    @step
-    def join(self, inputs):
-        """Keep the control task's results (worker nodes produce none)."""
-        self.merge_artifacts(inputs)
-        self.next(self.evaluate)
 
     @card(type="blank", id="evaluation")
     @step

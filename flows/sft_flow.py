@@ -24,29 +24,16 @@ fails before any step runs. Weights and datasets go to storage; artifacts hold t
 """
 
 from _posttrain_flow import parse_config, ray_nodes, ship_repo
-from metaflow import Config, FlowSpec, card, current, retry, step
+from _recipe_flow import RecipeFlow
+from metaflow import Config, card, current, retry, step
 
 SFT_SCHEMA = "posttrain.config.sft.SFTConfig"
 
 
 @ship_repo("lib", "steps", "configs", "assets")
-class SFTFlow(FlowSpec):
+class SFTFlow(RecipeFlow):
+    SCHEMA = SFT_SCHEMA
     config = Config("config", default="configs/sft/tiny.yaml", parser=parse_config(SFT_SCHEMA))
-
-    @step
-    def start(self):
-        """Fix this run's storage root; retries and `resume` read it back from here."""
-        from _posttrain_flow import storage_and_nodes
-        self.storage_root, self.num_nodes = storage_and_nodes(self, SFT_SCHEMA)
-        self.next(self.prepare)
-
-    @step
-    def prepare(self):
-        """Stream, validate and tokenize the data into shards; keep the manifest's summary."""
-        from _posttrain_flow import prepare_data
-        (self.prepared_uri, self.content_hash, self.manifest_summary,
-         self.shard_uris) = prepare_data(SFT_SCHEMA, self.config, self.storage_root)
-        self.next(self.train, num_parallel=self.num_nodes)
 
     @card(type="blank", id="training")
     @retry(times=1)
@@ -66,12 +53,6 @@ class SFTFlow(FlowSpec):
         self.base_uri = result["base_model_uri"]
         self.checkpoint_uri, self.train_result = result["checkpoint_uri"], train_summary(result)
         self.next(self.join)
-
-    @step
-    def join(self, inputs):
-        """Keep the control task's results (worker nodes produce none)."""
-        self.merge_artifacts(inputs)
-        self.next(self.evaluate)
 
     @card(type="blank", id="evaluation")
     @step

@@ -57,15 +57,24 @@ def _name(node: ast.expr) -> str:
     return target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
 
 
+# base flows whose steps a flow inherits (flows/_recipe_flow.py: start, prepare, join)
+BASE_FLOWS = {c.name: c for c in ast.parse((REPO / "flows" / "_recipe_flow.py").read_text()).body
+              if isinstance(c, ast.ClassDef)}
+
+
 def read_flow(path: Path) -> FlowSource:
     tree = ast.parse(path.read_text())
     constants = {t.id: stmt.value.value for stmt in tree.body if isinstance(stmt, ast.Assign)
                  and isinstance(stmt.value, ast.Constant) for t in stmt.targets
                  if isinstance(t, ast.Name)}
     flows = [c for c in tree.body if isinstance(c, ast.ClassDef)
-             and any(_name(b) == "FlowSpec" for b in c.bases)]
+             and any(_name(b) == "FlowSpec" or _name(b) in BASE_FLOWS for b in c.bases)]
     assert len(flows) == 1, f"{path.name}: expected one FlowSpec class, found {len(flows)}"
     cls = flows[0]
+    own = {fn.name for fn in cls.body if isinstance(fn, ast.FunctionDef)}
+    inherited = [fn for b in cls.bases if _name(b) in BASE_FLOWS
+                 for fn in BASE_FLOWS[_name(b)].body
+                 if isinstance(fn, ast.FunctionDef) and fn.name not in own]
     configs: list[tuple[str, str | None]] = []              # (name, default) of each Config
     for stmt in cls.body:
         if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) \
@@ -79,7 +88,7 @@ def read_flow(path: Path) -> FlowSource:
     # compiled with their defaults
     name, default = configs[0] if len(configs) == 1 else ("config", None)
     steps, ray_steps, retries = [], [], {}
-    for fn in cls.body:
+    for fn in inherited + cls.body:
         if not isinstance(fn, ast.FunctionDef):
             continue
         names = {_name(d): d for d in fn.decorator_list}
