@@ -20,9 +20,10 @@ Kept out of the flow files so that they read as a table of contents:
 - `ray_cluster`: joins the Ray cluster `@metaflow_ray` formed and stops, by PID, the Ray
   processes of that cluster on this machine when the step ends (metaflow-ray leaves them
   running, and the next run on the machine then cannot start Ray).
-- `record_lineage`, `lineage_card`: the end step's `lineage` artifact (datasets and their
-  hashes, parent runs, resolved config and its hash, code version, outputs), the run's
-  `dataset:`/`config:`/`model:`/`parent:` tags, and a card drawing the chain of runs.
+
+Beside it: `_recipe_flow.py` (the start, prepare and join steps of every recipe flow),
+`_flow_cards.py` (training and evaluation cards, the end step's lineage record and card) and
+`_flow_runs.py` (where a flow's starting checkpoint comes from: earlier runs, `produced_by`).
 """
 
 from __future__ import annotations
@@ -365,6 +366,7 @@ def train_recipe(step_module: str, schema: str, config: Any, prepared_uri: str, 
     result["metrics_uri"] = publish(result["metrics_path"], join(root, name, "metrics.jsonl"))
     result["checkpoint_uri"] = result["checkpoint_dir"]
     if card is not None:
+        from _flow_cards import training_card
         training_card(card, module.RECIPE.name, read_metrics(result["metrics_path"]), result)
     print(summarize(module.RECIPE, result, time.time() - started))
     return result
@@ -418,6 +420,7 @@ def evaluate_recipe(step_module: str, schema: str, config: Any, model_uri: str,
         log_evaluation(cfg.run.trackers, model_uri.rstrip("/").rsplit("/", 1)[0],
                        suite_metrics(full["table"]))
     records = {name: task["records"] for name, task in full["tasks"].items()}
+    from _flow_cards import suite_card
     suite_card(card, full, records)
     return full
 
@@ -489,242 +492,3 @@ def publish_json(obj: Any, uri: str) -> str:
         json.dump(obj, f, indent=2, default=str)
     return uri
 
-
-# --------------------------------------------------------------------------- cards
-def training_card(card: Any, recipe: str, records: list[dict], result: dict) -> None:
-    """The training report of any recipe: its summary table and curves (loss, tokens/s, MFU,
-    memory for the recipes of the kernel; reward, KL, lengths, sync and phases for GRPO)."""
-    from metaflow import current
-    from metaflow.cards import Markdown, Table, VegaChart
-
-    from posttrain.train.card import grpo_charts, grpo_summary, training_charts, training_summary
-    card.append(Markdown(f"# {recipe.upper()} training: {current.flow_name}/{current.run_id}"))
-    grpo = recipe == "grpo"
-    card.append(Table((grpo_summary if grpo else training_summary)(records),
-                      headers=["", "value"]))
-    for spec in (grpo_charts if grpo else training_charts)(records):
-        card.append(VegaChart(spec))
-    samples = result.get("eval_records") or []
-    if grpo and samples:
-        card.append(Markdown("## Held-out completions at the end (greedy)"))
-        keys = [k for k in samples[0] if k != "prompt"]
-        card.append(Table([[s["prompt"], *[s[k] for k in keys]] for s in samples],
-                          headers=["prompt", *keys]))
-    if result.get("eval") and not grpo:
-        card.append(Markdown("In-training held-out evaluation: " + ", ".join(
-            f"{k}={v:.4g}" for k, v in result["eval"].items() if isinstance(v, float))))
-
-
-def _code_root() -> Path:
-    """The repository root here; the package root (the task's directory) in a remote task."""
-    here = Path(__file__).resolve().parent
-    return here.parent if (here.parent / "lib" / "posttrain").is_dir() else here
-
-
-def _code_package() -> dict:
-    """What Metaflow knows of the shipped code package: its sha (set for remote tasks) and its
-    INFO (with the git commit of the checkout it was built from, when it was one)."""
-    from metaflow.packaging_sys import MetaflowCodeContent
-    return {"sha": os.environ.get("METAFLOW_CODE_SHA"), "info": MetaflowCodeContent.get_info()}
-
-
-def record_lineage(flow: Any, *, outputs: dict, parents: list | tuple = (),
-                   started_from: dict | None = None, datasets: list | None = None,
-                   config: dict | None = None) -> dict:
-    """The run's lineage (`posttrain.lineage.Lineage` as a dict), for the end step to store.
-
-    Datasets come from the prepare step's artifacts (`prepared_uri`, `content_hash`,
-    `manifest_summary`) unless given (`posttrain.lineage.raw_dataset_ref` for data read
-    without a prepare step), the config from `flow.config` unless given, the code version
-    from git or the code package. Also tags the run (`dataset:`, `config:`, `code:`,
-    `model:`, `parent:`) and writes `lineage.json` next to the run's outputs in its storage
-    root, so weights found in storage lead back to the run.
-    """
-    import warnings
-
-    from metaflow import current
-    from metaflow.exception import MetaflowTaggingError
-
-    from posttrain.lineage import build_lineage, code_version, dataset_ref, tags_for
-    if datasets is None:
-        summary = flow.manifest_summary
-        datasets = [dataset_ref(prepared_uri=flow.prepared_uri, content_hash=flow.content_hash,
-                                config_hash=summary.get("config_hash", ""),
-                                sources=summary.get("sources"))]
-    origin = current.origin_run_id
-    lineage = build_lineage(
-        f"{current.flow_name}/{current.run_id}",
-        config=flow.config.to_dict() if config is None else config,
-        datasets=datasets, code=code_version(_code_root(), _code_package()), outputs=outputs,
-        parents=parents, started_from=started_from,
-        resumed_from=f"{current.flow_name}/{origin}" if origin else None)
-    tags = tags_for(lineage)
-    try:
-        current.run.add_tags(tags)
-    except MetaflowTaggingError as e:           # e.g. the user's own tags leave no room
-        warnings.warn(f"the run could not be tagged with its lineage ({e}); the `lineage` "
-                      f"artifact has it all", stacklevel=2)
-    record = lineage.to_dict()
-    uri = publish_json(record, join(flow.storage_root, "lineage.json"))
-    print(f"lineage: {uri}\ntags: {' '.join(tags)}")
-    return record
-
-
-def lineage_card(card: Any, lineage: dict) -> None:
-    """The run and the runs behind it: a tree, a table and a graph (parents via the client)."""
-    from metaflow.cards import Markdown, Table, VegaChart
-
-    from posttrain.lineage import lineage_card_spec, walk
-    from steps.lineage import load_from_metaflow
-    spec = lineage_card_spec(walk(lineage["pathspec"], load_from_metaflow, root=lineage))
-    card.append(Markdown(f"# {spec['title']}"))
-    card.append(Markdown("```\n" + spec["tree_text"] + "\n```"))
-    card.append(Table(spec["table"]["rows"], headers=spec["table"]["headers"]))
-    card.append(VegaChart(spec["graph"]))
-
-
-# --------------------------------------------------------------------------- evaluation suites
-def resolve_checkpoint(what: str, run_pathspec: str, directory: str) -> tuple[str, str | None]:
-    """(checkpoint URI, parent run pathspec or None) from a finished run's `hf_uri` artifact
-    or a directory: exactly one of the two (`--<what>-run` / `--<what>-dir`)."""
-    if bool(run_pathspec) == bool(directory):
-        raise ValueError(f"give exactly one of --{what}-run (a run pathspec such as "
-                         f"SFTFlow/1234) and --{what}-dir (a checkpoint directory)")
-    if directory:
-        return directory, None
-    from metaflow import Run
-    run = Run(run_pathspec)
-    if not run.successful:
-        raise ValueError(f"--{what}-run {run_pathspec} did not finish successfully")
-    if "hf_uri" not in run.data:
-        raise ValueError(f"--{what}-run {run_pathspec} has no `hf_uri` artifact (an exported "
-                         "checkpoint); give a training run")
-    return run.data.hf_uri, run.pathspec
-
-
-def start_model(config: Any, run_pathspec: str, flow_name: str, flow_file: str
-                ) -> tuple[str | None, str]:
-    """A flow's start step that trains on from another flow's export: (parent run pathspec or
-    None, the checkpoint URI): the export of the finished run `run_pathspec` when given, else
-    the config's `model.hf_dir`, which must then exist (else the run stops here, naming the
-    flow that makes it)."""
-    from metaflow import Run
-    from metaflow.exception import MetaflowException
-    if run_pathspec:
-        parent = Run(run_pathspec)
-        if not parent.successful:
-            raise MetaflowException(f"{run_pathspec} did not finish successfully")
-        return parent.pathspec, parent.data.hf_uri
-    hf_dir = config.model.hf_dir
-    if not (is_remote(hf_dir) or (Path(hf_dir) / "config.json").is_file()):
-        raise MetaflowException(
-            f"model.hf_dir: {hf_dir}/config.json not found, nothing was run. Start from a "
-            f"finished {flow_name} run (`python {flow_file} run`) with its pathspec as "
-            f"--{flow_name.removesuffix('Flow').lower()}-run {flow_name}/<run id>")
-    return None, hf_dir
-
-
-def with_model(config: Any, hf_uri: str) -> dict:
-    """`config` as a plain dict whose model is a local copy of `hf_uri` (for a step that reads
-    the model's files, e.g. the event vocabulary beside it)."""
-    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    return {**cfg, "model": {**cfg["model"], "hf_dir": fetch(hf_uri)}}
-
-
-def find_base_model(model: Any, sft_schema: str) -> tuple[str | None, str, dict | None]:
-    """A flow's start step, when no run was given: where its config's `model.hf_dir` is.
-
-    Returns (parent run pathspec or None, checkpoint URI, SFT config to train or None): the
-    directory itself when it exists; else, when `model.produced_by` names the SFT config that
-    makes it, the export of the newest successful SFTFlow run of that config (tag
-    `config:<hash>`), or that config for the run to train first (the URI is then a
-    placeholder the training replaces). Anything else missing stops the run here, before
-    any work, with the command that makes it."""
-    from metaflow.exception import MetaflowException
-
-    from posttrain.lineage import SHORT, config_hash
-    hf_dir = model.hf_dir
-    if is_remote(hf_dir) or (Path(hf_dir) / "config.json").is_file():
-        return None, hf_dir, None
-    if not model.produced_by:
-        raise MetaflowException(
-            f"model.hf_dir: {hf_dir}/config.json not found. Start from a finished run with "
-            "--sft-run SFTFlow/<run id>, or set model.produced_by to the SFT config that makes "
-            "it (this flow then finds the newest run of it, or trains it)")
-    source = Path(model.produced_by)
-    if not source.is_file():
-        raise MetaflowException(f"model.produced_by: {source} not found (the SFT config whose "
-                                f"export model.hf_dir {hf_dir} is)")
-    sft = parse_config(sft_schema)(source.read_text())
-    tag = f"config:{config_hash(sft)[:SHORT]}"
-    run = promoted_run("SFTFlow", tag) or _run_with_config("SFTFlow", sft, sft_schema)
-    if run is not None:
-        print(f"{hf_dir} is not on this disk; starting from the newest successful SFTFlow run "
-              f"of {source} ({tag}): {run.pathspec}")
-        return run.pathspec, run.data.hf_uri, None
-    print(f"{hf_dir} is not on this disk and no successful SFTFlow run of {source} ({tag}) was "
-          f"found: the base step trains it first (the same as `python flows/sft_flow.py "
-          f"--config config {source} run`)")
-    return None, hf_dir, sft
-
-
-def _run_with_config(flow_name: str, config: dict, schema: str, newest: int = 50) -> Any:
-    """The newest successful run of `flow_name` among the last `newest` whose config, read
-    with today's schema, is `config`: a run made before a field was added to the schema
-    carries another `config:` tag, yet ran the same recipe."""
-    from metaflow import Flow, namespace
-    from metaflow.exception import MetaflowNotFound
-
-    from posttrain.config.loader import build, to_dict
-    namespace(None)
-    try:
-        runs = Flow(flow_name).runs()
-    except MetaflowNotFound:
-        return None
-    for i, run in enumerate(runs):         # newest first
-        if i == newest:
-            return None
-        if not run.successful:
-            continue
-        try:
-            then = run["start"].task.data.config
-            if to_dict(build(_schema(schema), dict(then), where="config")) == config:
-                return run
-        except Exception:                   # a config the schema no longer reads: not this one
-            continue
-    return None
-
-
-def suite_card(card: Any, result: dict, records: dict[str, list[dict]],
-               samples_per_task: int = 8) -> None:
-    """The comparison table, a chart of model vs baseline per metric, and per-task samples."""
-    from metaflow import current
-    from metaflow.cards import Markdown, Table, VegaChart
-
-    from posttrain.train.card import comparison_chart, comparison_rows, record_rows
-    card.append(Markdown(f"# Evaluation: {current.flow_name}/{current.run_id}\n\n"
-                         f"model `{result['model_uri']}`, baseline `{result['baseline_uri']}`"))
-    card.append(Table(comparison_rows(result["table"]),
-                      headers=["task", "metric", "model", "baseline", "delta"]))
-    card.append(VegaChart(comparison_chart(result["table"])))
-    for name, task in result["tasks"].items():
-        headers, rows = record_rows(records.get(name, []), samples_per_task)
-        card.append(Markdown(f"## {name} ({task['kind']}): first {len(rows)} of "
-                             f"{task['num_samples']} samples"))
-        if rows:
-            card.append(Table(rows, headers=headers))
-
-
-def promoted_run(flow_name: str, tag: str, exclude: str | None = None) -> Any:
-    """The newest successful run of `flow_name` carrying `tag` (any namespace), or None."""
-    from metaflow import Flow, namespace
-    from metaflow.exception import MetaflowNotFound
-    namespace(None)                 # promotion is global: scheduled runs have their own namespace
-    try:
-        flow = Flow(flow_name)
-    except MetaflowNotFound:
-        return None
-    for run in flow.runs(tag):      # newest first
-        if run.id != str(exclude) and run.successful:
-            return run
-    return None

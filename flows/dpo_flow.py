@@ -71,7 +71,7 @@ class DPOFlow(RecipeFlow):
     @step
     def end(self):
         """Record what produced the outputs (lineage artifact, run tags, card); point at them."""
-        from _posttrain_flow import lineage_card, record_lineage
+        from _flow_cards import lineage_card, record_lineage
         self.lineage = record_lineage(
             self, outputs={"hf_uri": self.hf_uri, "reference_uri": self.base_uri,
                            "checkpoint_uri": self.checkpoint_uri, "eval_uri": self.eval_uri},

@@ -49,7 +49,8 @@ class EvalFlow(FlowSpec):
     @step
     def start(self):
         """Resolve the model and the baseline (run pathspec or directory), and the storage."""
-        from _posttrain_flow import resolve_checkpoint, storage_root
+        from _flow_runs import resolve_checkpoint
+        from _posttrain_flow import storage_root
         self.storage_root = storage_root(self, self.run_dir)
         model_run, baseline_run, baseline_dir = self.model_run, self.baseline_run, \
             self.baseline_dir
@@ -72,7 +73,8 @@ class EvalFlow(FlowSpec):
     @step
     def evaluate(self):
         """Run the suite on both checkpoints; keep the table, the records and the JSON's URI."""
-        from _posttrain_flow import fetch, join, publish_json, suite_card
+        from _flow_cards import suite_card
+        from _posttrain_flow import fetch, join, publish_json
         from steps import evaluate
         result = evaluate.run(build_config(SUITE_SCHEMA, self.suite),
                               fetch(self.model_uri), fetch(self.baseline_uri))
@@ -93,7 +95,7 @@ class EvalFlow(FlowSpec):
     @step
     def end(self):
         """Record what the result came from (lineage artifact, run tags, card); print the table."""
-        from _posttrain_flow import lineage_card, record_lineage
+        from _flow_cards import lineage_card, record_lineage
         from posttrain.lineage import raw_dataset_ref
         self.lineage = record_lineage(
             self, config=self.suite.to_dict(), outputs={"eval_uri": self.eval_uri},

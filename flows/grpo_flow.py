@@ -67,7 +67,7 @@ class GRPOFlow(RecipeFlow):
                 raise ValueError(f"--sft-run {self.sft_run} did not finish successfully")
             self.parent_run, self.base_model_uri = parent.pathspec, parent.data.hf_uri
         elif self.base_model_uri:
-            from _posttrain_flow import find_base_model
+            from _flow_runs import find_base_model
             self.parent_run, self.base_model_uri, self.base_recipe = find_base_model(
                 self.config.model, SFT_SCHEMA)
         print(f"storage: {self.storage_root}; start from "
@@ -143,7 +143,7 @@ class GRPOFlow(RecipeFlow):
     @step
     def end(self):
         """Record what produced the outputs (lineage artifact, run tags, card); point at them."""
-        from _posttrain_flow import lineage_card, record_lineage
+        from _flow_cards import lineage_card, record_lineage
         self.lineage = record_lineage(
             self, outputs={"hf_uri": self.hf_uri, "checkpoint_uri": self.checkpoint_uri,
                            "eval_uri": self.eval_uri},

@@ -76,7 +76,8 @@ class PipelineFlow(FlowSpec):
     @step
     def evaluate(self):
         """The suite: the GRPO model against the SFT model it started from."""
-        from _posttrain_flow import fetch, join, publish_json, suite_card
+        from _flow_cards import suite_card
+        from _posttrain_flow import fetch, join, publish_json
         from steps import evaluate
         result = evaluate.run(build_config(SUITE_SCHEMA, self.suite), fetch(self.hf_uri),
                               fetch(self.sft_hf_uri))
@@ -94,7 +95,7 @@ class PipelineFlow(FlowSpec):
     @step
     def end(self):
         """The chain and the table; the lineage (both datasets, all three configs)."""
-        from _posttrain_flow import lineage_card, record_lineage
+        from _flow_cards import lineage_card, record_lineage
         from posttrain.lineage import dataset_ref
         datasets = [dataset_ref(prepared_uri=uri, content_hash=h,
                                 config_hash=summary.get("config_hash", ""),

@@ -74,7 +74,9 @@ class RetrainFlow(FlowSpec):
 
         import dataclasses
 
-        from _posttrain_flow import build_config, fetch, promoted_run
+        from _flow_runs import promoted_run
+
+        from _posttrain_flow import build_config, fetch
         from posttrain.promotion import decide
         from steps import evaluate, train_sft
         gate = build_config(RETRAIN_SCHEMA, self.config).gate
@@ -116,7 +118,7 @@ class RetrainFlow(FlowSpec):
         """Move the `promoted` tag to this run if the gate said so; record the lineage."""
         from metaflow import Run
 
-        from _posttrain_flow import lineage_card, record_lineage
+        from _flow_cards import lineage_card, record_lineage
         self.lineage = record_lineage(
             self, outputs={"hf_uri": self.hf_uri}, config={
                 "retrain": self.config.to_dict(), "recipe": self.recipe},

@@ -61,7 +61,7 @@ class RewardFlow(RecipeFlow):
     @step
     def end(self):
         """Record what produced the outputs (lineage artifact, run tags, card); point at them."""
-        from _posttrain_flow import lineage_card, record_lineage
+        from _flow_cards import lineage_card, record_lineage
         self.lineage = record_lineage(
             self, outputs={"model_uri": self.model_uri, "checkpoint_uri": self.checkpoint_uri,
                            "eval_uri": self.eval_uri},

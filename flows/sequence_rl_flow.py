@@ -47,7 +47,8 @@ class SequenceRLFlow(RecipeFlow):
     @step
     def start(self):
         """Fix the storage root and the starting model (recorded as lineage)."""
-        from _posttrain_flow import start_model, storage_and_nodes
+        from _flow_runs import start_model
+        from _posttrain_flow import storage_and_nodes
         self.storage_root, self.num_nodes = storage_and_nodes(self, SEQUENCE_RL_SCHEMA)
         self.parent_run, self.start_uri = start_model(self.config, self.sequence_run,
                                                       "SequenceFlow", "flows/sequence_flow.py")
@@ -58,7 +59,8 @@ class SequenceRLFlow(RecipeFlow):
     @step
     def prepare(self):
         """Encode the event rows in the starting model's vocabulary; keep the summary."""
-        from _posttrain_flow import prepare_data, with_model
+        from _flow_runs import with_model
+        from _posttrain_flow import prepare_data
         (self.prepared_uri, self.content_hash, self.manifest_summary,
          self.shard_uris) = prepare_data(SEQUENCE_RL_SCHEMA,
                                          with_model(self.config, self.start_uri),
@@ -100,7 +102,7 @@ class SequenceRLFlow(RecipeFlow):
     @step
     def end(self):
         """Record what produced the outputs (lineage artifact, run tags, card); point at them."""
-        from _posttrain_flow import lineage_card, record_lineage
+        from _flow_cards import lineage_card, record_lineage
         self.lineage = record_lineage(
             self, outputs={"hf_uri": self.hf_uri, "checkpoint_uri": self.checkpoint_uri,
                            "eval_uri": self.eval_uri},

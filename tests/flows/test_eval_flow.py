@@ -40,7 +40,7 @@ def test_bundled_suite_passes_the_schema_and_a_typo_fails_at_launch():
 
 def test_a_checkpoint_is_named_once():
     sys.path.insert(0, str(REPO / "flows"))
-    from _posttrain_flow import resolve_checkpoint
+    from _flow_runs import resolve_checkpoint
     assert resolve_checkpoint("model", "", "/some/dir") == ("/some/dir", None)
     for run, directory in (("", ""), ("SFTFlow/1", "/some/dir")):
         with pytest.raises(ValueError, match="exactly one of --model-run .* and --model-dir"):
