@@ -53,10 +53,11 @@ from posttrain.config.loader import to_dict
 from posttrain.config.recipes import PrepareConfig, load_recipe
 from posttrain.data.encode import EncodedRow, RecordEncoder
 from posttrain.data.events import EventEncoder, EventVocab
+from posttrain.data.files import expand_paths
 from posttrain.data.formats import RowParser
 from posttrain.data.shapes import UnknownShape
 from posttrain.data.shards import ShardWriter, join_uri
-from posttrain.data.sources import RowStream, SourceConfig, expand_paths
+from posttrain.data.sources import RowStream, SourceConfig
 from posttrain.data.tokenizer import ChatTokenizer
 from posttrain.errors import DataError
 

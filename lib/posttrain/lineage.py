@@ -186,7 +186,7 @@ def raw_dataset_ref(name: str, path: str | list[str]) -> dict[str, Any]:
     """
     import fsspec
 
-    from posttrain.data.sources import expand_paths
+    from posttrain.data.files import expand_paths
     files = expand_paths(path)
     digests = []
     for uri in files:

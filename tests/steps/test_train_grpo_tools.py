@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.rl.rewards import parse_number, python_exec, register, registered_names
+from posttrain.rl.builtin_rewards import python_exec
+from posttrain.rl.rewards import parse_number, register, registered_names
 from steps import train_grpo, train_sft
 
 from .conftest import run_and_kill, run_to_end, safetensors

@@ -6,23 +6,11 @@ into rows of exactly ``max_tokens_per_pack`` tokens; the attention kernel and th
 boundaries through ``document_lengths`` / ``position_ids`` and ``labels``, so nothing leaks
 across documents.
 
-Row conventions (the same for packed rows and, via `pad_rows`, padded rows):
-
-* ``input_ids[L]`` int32; the pad tail holds ``pad_token_id``.
-* ``labels[L]`` int64, already shifted: ``labels[t] = input_ids[t+1]`` when ``t+1`` lies in the
-  same document and ``loss_mask[t+1] == 1``, else ``-100`` (`IGNORE_INDEX`). Hence the last
-  token of every document and every pad position is ``-100``; a loss never crosses documents.
-* ``position_ids[L]`` int64, restarting at 0 at each document; the pad tail restarts at 0 too.
-* ``document_lengths``: segment lengths in order, summing to ``L``; a pad tail is its own
-  trailing segment (``num_pad`` > 0), not counted in ``num_documents``.
-
-Multi-document samples: a `Sample` with ``segment_lengths`` (e.g. the chosen and the rejected
-sequence of a preference pair) is one packing unit of several documents. The packer places the
-unit whole in one row, never splits it, and never truncates it (an over-long unit is dropped:
-a cut pair would compare a response with a fragment); inside the row each segment is its own
-document for labels, position ids and ``document_lengths``. ``PackedRow.segment_index`` says
-which segment of its sample each document is (0 for ordinary samples). `pad_rows` puts each
-segment of a unit in its own row, in order, within the same batch.
+Rows follow the conventions of `posttrain.data.rows` (labels shifted and cut at document
+boundaries, position ids restarting per document, the pad tail its own segment), which also
+builds them, pads samples one per row (`pad_rows`) and collates rows into a batch (`collate`).
+A multi-document `Sample` (``segment_lengths``: a preference pair) is placed whole in one row,
+never split nor truncated, and its per-token side columns (``extras``) travel with its tokens.
 
 Packing algorithm: best fit over a bounded look-ahead buffer. Up to ``buffer_samples`` pending
 samples are kept sorted by (length, arrival); a row starts with the longest pending sample and
@@ -31,13 +19,6 @@ fits. The row is emitted and the buffer refilled. Ties go to the earliest arriva
 is a pure function of the input order and the config. Samples longer than the row are truncated
 (keep the first ``max_tokens_per_pack`` tokens) or dropped; empty samples are dropped; all are
 counted in ``stats``.
-
-Per-token side columns: a `Sample` may carry ``extras``, named arrays aligned with its tokens
-(e.g. the labels of extra output heads, one value per event). They travel with their tokens
-through truncation and packing; a row holds each column over its documents (``PackedRow.extras``,
-``[L]`` each, and a ``[B, L]`` tensor of that name in a collated batch), with a fill value where
-there is none: on the pad tail and in a document without that column (NaN for float columns,
--100 for integer ones). They are not shifted: position t holds token t's value.
 
 Resume: ``state_dict()`` holds the upstream position, the pending buffer (token ids, masks and
 side columns) and the stats, so a fresh `Packer` over a fresh upstream continues bit for bit.
@@ -52,184 +33,30 @@ import queue
 import threading
 import warnings
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
 import numpy as np
-import torch
 
 from posttrain.config.data import PackingConfig
+from posttrain.data.rows import (IGNORE_INDEX, STATS_KEYS, PackedRow, Pending, RowBuilder, Sample,
+                                 admit, collate, concat_extras, pad_rows)
 from posttrain.data.stream import StatefulIterable
-from posttrain.errors import ConfigError, DataError
+from posttrain.errors import ConfigError
 
-IGNORE_INDEX = -100
-STATS_KEYS = ("samples_in", "samples_packed", "samples_truncated", "samples_dropped",
-              "tokens_in", "real_tokens_out", "pad_tokens_out", "rows_out")
+__all__ = ["IGNORE_INDEX", "STATS_KEYS", "AsyncPacker", "PackedRow", "Packer", "PackingConfig",
+           "Sample", "collate", "pad_rows"]
+
 _STATE_VERSION = 1
 # Buffer sort key = (length << _SEQ_BITS) | (_SEQ_MAX - seq): longest first, then earliest arrival.
 _SEQ_BITS = 40
 _SEQ_MAX = (1 << _SEQ_BITS) - 1
 
 
-@dataclass
-class Sample:
-    """One tokenized document: ``loss_mask[t] == 1`` where token t is to be predicted."""
-
-    input_ids: np.ndarray   # [n] int32
-    loss_mask: np.ndarray   # [n] uint8 or bool
-    sample_id: int | None = None
-    segment_lengths: tuple[int, ...] | None = None  # several documents, packed as one unit
-    extras: dict[str, np.ndarray] | None = None      # per-token side columns, each [n]
-
-
-@dataclass
-class PackedRow:
-    """One training row of length L; field conventions in the module docstring."""
-
-    input_ids: np.ndarray      # [L] int32
-    labels: np.ndarray         # [L] int64, shifted, -100 where ignored
-    position_ids: np.ndarray   # [L] int64, restarting at 0 per segment
-    document_lengths: list[int]
-    num_pad: int
-    num_documents: int
-    sample_ids: list[int | None] = field(default_factory=list)  # per document, in order
-    segment_index: list[int] = field(default_factory=list)      # per document: its segment
-    extras: dict[str, np.ndarray] = field(default_factory=dict)  # side columns, [L] each
-
-
-class _Pending:
-    """A sample admitted to the buffer: validated, converted, maybe truncated. Never mutated."""
-
-    __slots__ = ("ids", "mask", "sample_id", "seq", "length", "segments", "extras")
-
-    def __init__(self, ids: np.ndarray, mask: np.ndarray, sample_id: int | None, seq: int,
-                 segments: tuple[int, ...] | None = None,
-                 extras: dict[str, np.ndarray] | None = None):
-        self.ids = ids
-        self.mask = mask
-        self.sample_id = sample_id
-        self.seq = seq
-        self.length = len(ids)
-        self.segments = segments
-        self.extras = extras or {}
-
-    def documents(self) -> list[tuple[np.ndarray, np.ndarray, int, dict[str, np.ndarray]]]:
-        """(ids, mask, segment index, side columns) of each document of this unit."""
-        if self.segments is None:
-            return [(self.ids, self.mask, 0, self.extras)]
-        ends = list(accumulate(self.segments))
-        return [(self.ids[e - n:e], self.mask[e - n:e], i,
-                 {k: v[e - n:e] for k, v in self.extras.items()})
-                for i, (n, e) in enumerate(zip(self.segments, ends))]
-
-    @property
-    def key(self) -> int:
-        return (self.length << _SEQ_BITS) | (_SEQ_MAX - self.seq)
-
-
-def _admit(sample: Sample, cfg: PackingConfig, stats: dict[str, int], seq: int) -> _Pending | None:
-    """Validate and convert one sample; truncate, drop or keep it, and count what happened."""
-    ids = np.asarray(sample.input_ids, dtype=np.int32)
-    mask = np.asarray(sample.loss_mask)
-    if mask.dtype != np.bool_:
-        mask = mask.astype(np.bool_)
-    if ids.ndim != 1 or ids.shape != mask.shape:
-        raise DataError(f"sample {sample.sample_id}: input_ids {ids.shape} and loss_mask "
-                        f"{mask.shape} must be 1-D and of equal length; check the tokenizer step",
-                        field="loss_mask", reason="mask_length")
-    n = ids.shape[0]
-    segments = _check_segments(sample, n)
-    extras = {k: np.asarray(v) for k, v in (sample.extras or {}).items()}
-    for k, v in extras.items():
-        if v.shape != ids.shape:
-            raise DataError(f"sample {sample.sample_id}: side column {k!r} {v.shape} is not "
-                            f"aligned with input_ids {ids.shape}", field=k,
-                            reason="mask_length")
-    stats["samples_in"] += 1
-    stats["tokens_in"] += n
-    limit = cfg.max_tokens_per_pack
-    if n == 0 or (n > limit and (cfg.overlong == "drop" or segments is not None)):
-        stats["samples_dropped"] += 1
-        return None
-    if n > limit:
-        stats["samples_truncated"] += 1
-        ids, mask = ids[:limit], mask[:limit]
-        extras = {k: v[:limit] for k, v in extras.items()}
-    return _Pending(ids, mask, sample.sample_id, seq, segments, extras)
-
-
-def _check_segments(sample: Sample, n: int) -> tuple[int, ...] | None:
-    if sample.segment_lengths is None:
-        return None
-    segments = tuple(int(x) for x in sample.segment_lengths)
-    if not segments or min(segments) < 1 or sum(segments) != n:
-        raise DataError(f"sample {sample.sample_id}: segment_lengths {list(segments)} must be "
-                        f"positive and sum to the sample's {n} tokens",
-                        field="segment_lengths", reason="mask_length")
-    return segments
-
-
-class _RowBuilder:
-    """Turns a list of documents into one row's arrays with numpy; no per-token Python loops."""
-
-    def __init__(self, cfg: PackingConfig):
-        self._arange = np.arange(cfg.max_tokens_per_pack, dtype=np.int64)
-        self._pad_ids = np.full(cfg.max_tokens_per_pack, cfg.pad_token_id, dtype=np.int32)
-        self._no_loss = np.zeros(cfg.max_tokens_per_pack, dtype=np.bool_)
-
-    def build(self, docs: list[_Pending], length: int) -> PackedRow:
-        assert length <= self._arange.shape[0], "rows are at most max_tokens_per_pack long"
-        parts = [part for d in docs for part in d.documents()]
-        owners = [d.sample_id for d in docs for _ in range(len(d.segments or (0,)))]
-        lengths = [len(ids) for ids, _, _, _ in parts]
-        num_pad = length - sum(lengths)
-        assert num_pad >= 0, "documents exceed the row length"
-        id_parts = [ids for ids, _, _, _ in parts]
-        mask_parts = [mask for _, mask, _, _ in parts]
-        segments = lengths
-        if num_pad:
-            id_parts.append(self._pad_ids[:num_pad])
-            mask_parts.append(self._no_loss[:num_pad])
-            segments = lengths + [num_pad]
-        input_ids = np.concatenate(id_parts)
-        # next_ok[t]: token t+1 is a loss token of the same document as t.
-        next_ok = np.concatenate(mask_parts)[1:]
-        for start in accumulate(segments[:-1]):
-            next_ok[start - 1] = False
-        labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
-        np.copyto(labels[:-1], input_ids[1:], where=next_ok)
-        arange = self._arange
-        position_ids = np.concatenate([arange[:n] for n in segments])
-        return PackedRow(input_ids=input_ids, labels=labels, position_ids=position_ids,
-                         document_lengths=segments, num_pad=num_pad, num_documents=len(parts),
-                         sample_ids=owners, segment_index=[i for _, _, i, _ in parts],
-                         extras=_concat_extras([x for _, _, _, x in parts], lengths, num_pad))
-
-
-def _fill_value(dtype: np.dtype) -> float:
-    """A side column's value where it has none: NaN (float) or the ignore index (integer)."""
-    return np.nan if dtype.kind == "f" else IGNORE_INDEX
-
-
-def _concat_extras(extras: list[dict[str, np.ndarray]], lengths: list[int],
-                   num_pad: int) -> dict[str, np.ndarray]:
-    """Each side column over consecutive documents (of `lengths`) and a pad tail, the fill value
-    where a document lacks the column."""
-    dtypes: dict[str, np.dtype] = {}
-    for x in extras:
-        for k, v in x.items():
-            dtypes.setdefault(k, v.dtype)
-    out = {}
-    for k in sorted(dtypes):
-        dt = dtypes[k]
-        pieces = [x[k] if k in x else np.full(n, _fill_value(dt), dt)
-                  for x, n in zip(extras, lengths)]
-        if num_pad:
-            pieces.append(np.full(num_pad, _fill_value(dt), dt))
-        out[k] = np.concatenate(pieces)
-    return out
+def _key(p: Pending) -> int:
+    return (p.length << _SEQ_BITS) | (_SEQ_MAX - p.seq)
 
 
 @dataclass(frozen=True)
@@ -237,7 +64,7 @@ class _Snapshot:
     """A cheap, immutable capture of a Packer's state; turned into JSON only when asked."""
 
     upstream: dict[str, Any]
-    pending: tuple[_Pending, ...]
+    pending: tuple[Pending, ...]
     next_seq: int
     stats: dict[str, int]
     config: dict[str, Any]
@@ -249,7 +76,7 @@ class _Snapshot:
             mask = np.concatenate([p.mask for p in pending]).astype(np.uint8).tolist()
         else:
             ids, mask = [], []
-        extras = _concat_extras([p.extras for p in pending], [p.length for p in pending], 0)
+        extras = concat_extras([p.extras for p in pending], [p.length for p in pending], 0)
         buffer = {"extras": {k: {"dtype": v.dtype.str, "values": v.tolist()}
                              for k, v in extras.items()}} if extras else {}
         return {
@@ -284,10 +111,10 @@ class Packer:
         self._upstream_iter: Iterator[Sample] | None = None
         self._upstream_done = False
         self._keys: list[int] = []           # sorted ascending; parallel to _pending
-        self._pending: list[_Pending] = []
+        self._pending: list[Pending] = []
         self._next_seq = 0
         self._stats = dict.fromkeys(STATS_KEYS, 0)
-        self._builder = _RowBuilder(cfg)
+        self._builder = RowBuilder(cfg)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -308,11 +135,11 @@ class Packer:
             return
         cfg, stats, keys, pending = self.cfg, self._stats, self._keys, self._pending
         for sample in self._upstream_iter:
-            p = _admit(sample, cfg, stats, self._next_seq)
+            p = admit(sample, cfg, stats, self._next_seq)
             self._next_seq += 1
             if p is None:
                 continue
-            key = p.key
+            key = _key(p)
             i = bisect_left(keys, key)
             keys.insert(i, key)
             pending.insert(i, p)
@@ -380,13 +207,13 @@ class Packer:
         segments = buf.get("segments") or [None] * len(starts)
         extras = {k: np.asarray(x["values"], dtype=np.dtype(x["dtype"]))
                   for k, x in (buf.get("extras") or {}).items()}
-        restored = sorted((_Pending(ids[s:e], mask[s:e], sid, seq, tuple(seg) if seg else None,
+        restored = sorted((Pending(ids[s:e], mask[s:e], sid, seq, tuple(seg) if seg else None,
                                     {k: v[s:e] for k, v in extras.items()})
                            for s, e, sid, seq, seg in zip(starts, ends, buf["sample_id"],
                                                           buf["seq"], segments)),
-                          key=lambda p: p.key)
+                          key=_key)
         self._pending = restored
-        self._keys = [p.key for p in restored]
+        self._keys = [_key(p) for p in restored]
 
     def _check_config(self, saved: dict[str, Any]) -> None:
         current = self._config_state()
@@ -503,77 +330,3 @@ class AsyncPacker:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def pad_rows(samples: Iterable[Sample], cfg: PackingConfig,
-             rows_per_batch: int) -> Iterator[PackedRow]:
-    """Padded-batch mode, for comparison: one sample per row, padded to its batch's longest.
-
-    Batches are ``rows_per_batch`` consecutive kept samples (the last one may be smaller); a
-    sample with ``segment_lengths`` gives one row per segment, in order, in the same batch.
-    Over-long and empty samples are handled as in `Packer`. Rows follow the packed-row
-    conventions, with one document and possibly a pad segment.
-    """
-    if rows_per_batch < 1:
-        raise ConfigError(f"pad_rows: rows_per_batch must be positive, got {rows_per_batch}")
-    builder = _RowBuilder(cfg)
-    stats = dict.fromkeys(STATS_KEYS, 0)
-    batch: list[_Pending] = []
-    for seq, sample in enumerate(samples):
-        p = _admit(sample, cfg, stats, seq)
-        if p is not None:
-            batch.append(p)
-        if len(batch) == rows_per_batch:
-            yield from _padded_batch(batch, builder)
-            batch = []
-    if batch:
-        yield from _padded_batch(batch, builder)
-
-
-def _padded_batch(batch: list[_Pending], builder: _RowBuilder) -> Iterator[PackedRow]:
-    docs = [(p, ids, mask, i, x) for p in batch for ids, mask, i, x in p.documents()]
-    width = max(len(ids) for _, ids, _, _, _ in docs)
-    for p, ids, mask, i, x in docs:
-        row = builder.build([_Pending(ids, mask, p.sample_id, p.seq, extras=x)], width)
-        row.segment_index = [i]
-        yield row
-
-
-def collate(rows: list[PackedRow]) -> dict[str, Any]:
-    """Stack rows of equal length into a batch.
-
-    Returns ``input_ids``, ``labels``, ``position_ids`` as int64 tensors [B, L],
-    ``document_lengths`` (list of per-row segment lengths, pad segment included),
-    ``row_num_pad`` (per row, the length of its trailing pad segment, 0 if none), and the
-    counts ``num_documents``, ``num_pad_tokens``, ``num_real_tokens`` and ``num_loss_tokens``
-    (labels != -100; the normalizer of a token-mean loss) as ints; and each side column of the
-    rows (module docstring) as a [B, L] tensor under its name.
-    """
-    if not rows:
-        raise ValueError("collate: got no rows")
-    widths = {r.input_ids.shape[0] for r in rows}
-    if len(widths) != 1:
-        raise ValueError(f"collate: rows have different lengths {sorted(widths)}; pack them or "
-                         f"pad them to one length first")
-    (width,) = widths
-    labels = np.stack([r.labels for r in rows])
-    num_pad = sum(r.num_pad for r in rows)
-    batch = {
-        "input_ids": torch.from_numpy(np.stack([r.input_ids for r in rows]).astype(np.int64)),
-        "labels": torch.from_numpy(labels),
-        "position_ids": torch.from_numpy(np.stack([r.position_ids for r in rows])),
-        "document_lengths": [list(r.document_lengths) for r in rows],
-        "row_num_pad": [r.num_pad for r in rows],
-        "num_documents": sum(r.num_documents for r in rows),
-        "num_pad_tokens": num_pad,
-        "num_real_tokens": len(rows) * width - num_pad,
-        "num_loss_tokens": int(np.count_nonzero(labels != IGNORE_INDEX)),
-    }
-    extras = [r.extras for r in rows]
-    names = sorted({k for x in extras for k in x})
-    for k in names:
-        assert k not in batch, f"side column {k!r} shadows a batch field"
-        dt = next(x[k].dtype for x in extras if k in x)
-        batch[k] = torch.from_numpy(np.stack(
-            [x[k] if k in x else np.full(width, _fill_value(dt), dt) for x in extras]))
-    return batch

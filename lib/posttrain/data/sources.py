@@ -1,7 +1,9 @@
 """Stream raw rows from JSONL and Parquet files, local or remote, with bounded memory.
 
 A *source* is one or more paths (files, directories, globs, ``s3://`` URIs). `expand_paths`
-turns them into a sorted file list, and `RowStream` reads that list row by row:
+turns them into a sorted file list, and `RowStream` reads that list row by row (listing and
+opening the files, and telling a transient storage error from bad content, is
+`posttrain.data.files`):
 
 * **Formats.** JSONL is read line by line from a binary stream and each line is decoded
   strictly as UTF-8, so one bad line never costs more than one row. A JSON file that holds one
@@ -41,7 +43,6 @@ remote paths only.
 from __future__ import annotations
 
 import codecs
-import contextlib
 import copy
 import dataclasses
 import json
@@ -51,129 +52,25 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import IO, Any, Literal
 
-import fsspec.compression
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from posttrain.data.jsonarray import JsonArray, is_json_array
 from posttrain.config.data import CacheConfig, Format, SourceConfig
-from posttrain.data.prefetch import Prefetcher, filesystem, is_local
+from posttrain.data.files import (TransientRead, expand_paths, file_format, locate_row,
+                                  open_binary, parquet_batches, parquet_file, read_line)
+from posttrain.data.jsonarray import JsonArray, is_json_array
+from posttrain.data.prefetch import Prefetcher, is_local
 from posttrain.errors import ConfigError, DataError
-from posttrain.retry import Backoff, RetryConfig, RetryError, is_transient
-from posttrain.retry import call as retry_call
+from posttrain.retry import Backoff, RetryConfig, RetryError
+
+__all__ = ["MAX_JSON_DEPTH", "CacheConfig", "RawRow", "RowStream", "ShardBy", "SourceConfig",
+           "expand_paths", "shard_for"]
 
 log = logging.getLogger(__name__)
 
 ShardBy = Literal["auto", "file", "row"]
 
-_JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-_PARQUET_SUFFIXES = (".parquet", ".pq")
-_COMPRESSION_SUFFIXES = {".gz": "gzip"}
-_GLOB_CHARS = "*?["
 _STATE_VERSION = 1
 MAX_JSON_DEPTH = 100  # levels of objects and arrays in a JSONL row, the row itself 1
-
-
-# ---------------------------------------------------------------------------------------------
-# Configuration
-
-
-# ---------------------------------------------------------------------------------------------
-# Paths
-
-
-def expand_paths(path: str | list[str], storage_options: dict | None = None,
-                 retry: RetryConfig = RetryConfig()) -> list[str]:
-    """Turn files, directories, globs and URIs into a deterministic list of files.
-
-    Each entry expands to a sorted list: a glob to the files it matches, a directory to the
-    data files below it (by extension, recursively), a file to itself; globs and directories
-    skip names that start with '.' or '_'. Entries keep their given
-    order and a file named twice is kept once. A missing path, an empty glob or directory, or a
-    listing failure raises `DataError` naming the entry; a remote listing is retried after
-    transient errors as `retry` allows. Remote files come back as URIs (``s3://bucket/key``),
-    local ones as absolute paths.
-    """
-    entries = [path] if isinstance(path, str) else list(path)
-    if not entries:
-        raise DataError("no data path given: name a file, directory, glob or s3:// URI",
-                        reason="missing_file")
-    files: list[str] = []
-    seen: set[str] = set()
-    for entry in entries:
-        for uri in _expand_entry(entry, storage_options, retry):
-            if uri not in seen:
-                seen.add(uri)
-                files.append(uri)
-    return files
-
-
-def _expand_entry(entry: str, storage_options: dict | None, retry: RetryConfig) -> list[str]:
-    fs, root = filesystem(entry, storage_options)
-
-    def listing() -> tuple[list[str], str]:
-        fs.invalidate_cache()
-        if any(c in root for c in _GLOB_CHARS):
-            return ([p for p, info in fs.glob(root, detail=True).items()
-                     if info["type"] == "file" and not _is_hidden(p)],
-                    "the pattern matches no files")
-        if fs.isdir(root):
-            return ([p for p in fs.find(root) if _is_data_file(p)],
-                    "the directory holds no data files (.jsonl, .json, .ndjson, .parquet, .pq, "
-                    "optionally .gz for JSON Lines)")
-        if fs.isfile(root):
-            return [root], ""
-        return [], "no such file or directory"
-
-    try:
-        found, missing = listing() if is_local(entry) else retry_call(listing, retry, entry, log)
-    except RetryError as e:
-        raise DataError(f"cannot list it: {e.detail}", file=entry,
-                        reason="unreadable_file") from e
-    except Exception as e:  # storage errors vary by backend; the cause stays chained
-        raise DataError(f"cannot list it: {type(e).__name__}: {e}", file=entry,
-                        reason="unreadable_file") from e
-    if not found:
-        raise DataError(missing, file=entry, reason="missing_file")
-    return sorted(p if is_local(entry) else fs.unstrip_protocol(p) for p in found)
-
-
-def _is_hidden(path: str) -> bool:
-    """Names starting with '.' or '_' are bookkeeping (``_SUCCESS``, ``.crc``), as in Hadoop."""
-    return os.path.basename(path).startswith((".", "_"))
-
-
-def _is_data_file(path: str) -> bool:
-    if _is_hidden(path):
-        return False
-    stem, _ = _split_compression(os.path.basename(path).lower())
-    return stem.endswith(_JSONL_SUFFIXES + _PARQUET_SUFFIXES)
-
-
-def _split_compression(name: str) -> tuple[str, str | None]:
-    for suffix, compression in _COMPRESSION_SUFFIXES.items():
-        if name.endswith(suffix):
-            return name[: -len(suffix)], compression
-    return name, None
-
-
-def _file_format(uri: str, fmt: Format) -> tuple[str, str | None]:
-    """(``"jsonl"`` or ``"parquet"``, compression) for one file."""
-    stem, compression = _split_compression(uri.lower())
-    if fmt != "auto":
-        kind = fmt
-    elif stem.endswith(_JSONL_SUFFIXES):
-        kind = "jsonl"
-    elif stem.endswith(_PARQUET_SUFFIXES):
-        kind = "parquet"
-    else:
-        raise DataError("cannot tell the format from the file name (expected .jsonl, .json, "
-                        ".ndjson, .jsonl.gz, .parquet or .pq); set `format: jsonl` or "
-                        "`format: parquet` on the source", file=uri, reason="unknown_format")
-    if kind == "parquet" and compression:
-        raise DataError("a Parquet file cannot be gzipped as a whole; Parquet compresses its "
-                        "columns itself", file=uri, reason="unknown_format")
-    return kind, compression
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,7 +204,7 @@ class RowStream:
         if parquet_batch_rows < 1:
             raise ValueError(f"parquet_batch_rows must be positive, got {parquet_batch_rows}")
         self._all_files = list(files)
-        self._formats = [_file_format(f, fmt) for f in self._all_files]
+        self._formats = [file_format(f, fmt) for f in self._all_files]
         self.shard_index = shard_index
         self.num_shards = num_shards
         if shard_by == "auto":
@@ -442,10 +339,10 @@ class RowStream:
         backoff, failed_at = None, None
         while True:
             try:
-                with _open_binary(uri, local_copy, compression, self._storage_options) as f:
+                with open_binary(uri, local_copy, compression, self._storage_options) as f:
                     yield from rows(f, uri)
                 return
-            except _TransientRead as e:
+            except TransientRead as e:
                 if backoff is None or self._pos != failed_at:  # rows read since: a new outage
                     backoff = Backoff(self._retry, uri, log)
                 failed_at = dataclasses.replace(self._pos)
@@ -475,7 +372,7 @@ class RowStream:
         pos = self._pos
         if pos.offset:
             f.seek(pos.offset)
-        while raw := _read_line(f, uri, pos.line + 1):
+        while raw := read_line(f, uri, pos.line + 1):
             pos.offset += len(raw)
             pos.line += 1
             if not raw.strip():
@@ -496,10 +393,10 @@ class RowStream:
                                              "each element of the array to be a JSON object"))
 
     def _parquet_rows(self, f: IO[bytes], uri: str) -> Iterator[RawRow]:
-        parquet = _parquet_file(f, uri)
-        first_group, skip = _locate_row(parquet.metadata, self._pos.line)
+        parquet = parquet_file(f, uri)
+        first_group, skip = locate_row(parquet.metadata, self._pos.line)
         groups = range(first_group, parquet.metadata.num_row_groups)
-        for batch in _batches(parquet, groups, self._parquet_batch_rows, uri):
+        for batch in parquet_batches(parquet, groups, self._parquet_batch_rows, uri):
             if skip >= batch.num_rows:
                 skip -= batch.num_rows
                 continue
@@ -520,126 +417,3 @@ class RowStream:
             pos.line, pos.global_row = first_line + i + 1, first_global + i + 1
             yield self._emit(RawRow(data, uri, first_line + i + 1))
         pos.line, pos.global_row = first_line + n, first_global + n
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading files
-
-
-class _TransientRead(Exception):
-    """Opening or reading a remote file failed with a transient `error`: worth reopening."""
-
-    def __init__(self, error: BaseException):
-        super().__init__(str(error))
-        self.error = error
-
-
-class _RecordingFile:
-    """A remote file that remembers the error of its last failed read or seek.
-
-    A storage failure reaches the reader through a decompressor or pyarrow, changed or wrapped;
-    what the file itself raised tells it apart from bad content.
-    """
-
-    def __init__(self, f: IO[bytes]):
-        self._f = f
-        self.error: BaseException | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
-
-    def _do(self, method: str, *args: Any) -> Any:
-        try:
-            return getattr(self._f, method)(*args)
-        except Exception as e:
-            self.error = e
-            raise
-
-    def read(self, *args: Any) -> bytes:
-        return self._do("read", *args)
-
-    def readline(self, *args: Any) -> bytes:
-        return self._do("readline", *args)
-
-    def readinto(self, *args: Any) -> int:
-        return self._do("readinto", *args)
-
-    def seek(self, *args: Any) -> int:
-        return self._do("seek", *args)
-
-
-@contextlib.contextmanager
-def _open_binary(uri: str, local_copy: str | None, compression: str | None,
-                 storage_options: dict | None) -> Iterator[IO[bytes]]:
-    """Open `uri` (or its cached `local_copy`) for binary reading, failing with a DataError,
-    or, for a remote file that failed transiently while being opened or read, `_TransientRead`."""
-    remote = local_copy is None and not is_local(uri)
-    try:
-        fs, path = filesystem(local_copy or uri, storage_options)
-        raw = fs.open(path, "rb")
-    except FileNotFoundError as e:
-        raise DataError("file not found (deleted or moved after the file list was made?)",
-                        file=uri, reason="missing_file") from e
-    except Exception as e:  # storage errors vary by backend; the cause stays chained
-        if remote and is_transient(e):
-            raise _TransientRead(e) from e
-        raise DataError(f"cannot open it for reading: {type(e).__name__}: {e}", file=uri,
-                        reason="unreadable_file") from e
-    recorder = _RecordingFile(raw) if remote else None
-    f = recorder or raw
-    try:
-        with (fsspec.compression.compr[compression](f, mode="rb") if compression
-              else contextlib.nullcontext(f)) as stream:
-            yield stream
-    except Exception:
-        if recorder is not None and recorder.error is not None and is_transient(recorder.error):
-            raise _TransientRead(recorder.error) from recorder.error
-        raise
-    finally:
-        raw.close()
-
-
-def _read_line(f: IO[bytes], uri: str, line: int) -> bytes:
-    try:
-        return f.readline()
-    except Exception as e:  # a network or decompression failure mid-file
-        raise DataError(f"reading failed: {type(e).__name__}: {e}", file=uri, line=line,
-                        reason="unreadable_file") from e
-
-
-def _parquet_file(f: IO[bytes], uri: str) -> pq.ParquetFile:
-    try:
-        return pq.ParquetFile(f, page_checksum_verification=True)   # where a file has them
-    except Exception as e:
-        raise DataError(f"not a readable Parquet file: {type(e).__name__}: {e}", file=uri,
-                        reason="invalid_parquet") from e
-
-
-def _locate_row(metadata: pq.FileMetaData, row: int) -> tuple[int, int]:
-    """The row group holding 0-based `row`, and how many of its rows come before it."""
-    start = 0
-    for group in range(metadata.num_row_groups):
-        size = metadata.row_group(group).num_rows
-        if row < start + size:
-            return group, row - start
-        start += size
-    return metadata.num_row_groups, 0
-
-
-def _batches(parquet: pq.ParquetFile, groups: range, batch_rows: int,
-             uri: str) -> Iterator[pa.RecordBatch]:
-    """Batches of at most `batch_rows` rows, one row group at a time: pyarrow fetches the
-    groups of one call together, so this bounds what is in memory, and a read that fails
-    costs only the group it was fetching."""
-    for group in groups:
-        batches = parquet.iter_batches(batch_size=batch_rows, row_groups=[group],
-                                       use_threads=False)
-        while True:
-            try:
-                batch = next(batches)
-            except StopIteration:
-                break
-            except Exception as e:
-                raise DataError(f"reading Parquet data failed: {type(e).__name__}: {e}",
-                                file=uri, reason="invalid_parquet") from e
-            yield batch

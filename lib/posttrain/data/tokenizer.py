@@ -40,6 +40,8 @@ assistant turns, so a prefix render is not a prefix of the full render. Instead:
    says why.
 3. R is tokenized once with offsets; a token is trained when it starts inside a trained region.
 
+(Step 1 is `posttrain.data.turn_layout`, steps 2 and 3 are `posttrain.data.turn_regions`.)
+
 So the mask covers exactly what the model generates in a turn: its content, any ``<think>``
 block or analysis channel the template renders for it (channel tags included), its tool calls
 (harmony's ``to=functions.NAME`` recipient included), and the end-of-turn token; not role
@@ -61,17 +63,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from posttrain.config.data import SemanticIdConfig, TokenizerConfig, TrainOn
 from posttrain.data.turn_layout import TurnLayout, ending_special_token, probe_layout
+from posttrain.data.turn_regions import (THINK_CLOSE, Message, assistant_regions,
+                                         mask_from_encoding, mask_from_offsets)
 from posttrain.errors import ConfigError, DataError
 
 __all__ = ["ChatTokenizer", "Encoded", "Message", "SemanticIdConfig", "TokenizerConfig"]
-
-Message = dict[str, Any]
-
-_THINK_CLOSE = "</think>"
 
 
 @dataclass
@@ -316,9 +314,9 @@ class ChatTokenizer:
 
     @staticmethod
     def _masked(enc: Any, spans: list[tuple[int, int]]) -> Encoded:
-        mask = _mask_from_encoding(enc, spans)
+        mask = mask_from_encoding(enc, spans)
         if mask is None:
-            mask = _mask_from_offsets(enc.offsets, spans)
+            mask = mask_from_offsets(enc.offsets, spans)
         return Encoded(input_ids=enc.ids, loss_mask=mask)
 
     # --- rendering and turn regions ----------------------------------------------------------
@@ -351,91 +349,11 @@ class ChatTokenizer:
                            ) -> list[tuple[int, int, int]]:
         """(message index, start, end) of each assistant turn's generated text in `text`, the
         render of `messages` (with `tools`; see the module docstring)."""
-        regions = []
-        cursor = 0
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            where = dict(file=source, line=line, field=f"messages[{i}]")
-            start = self._turn_start(text, messages, i, cursor, where, tools)
-            goes_on = i + 1 == len(messages) or messages[i + 1]["role"] != "assistant"
-            end = self._turn_end(text, start, goes_on, where)
-            self._check_turn(text, messages, i, start, end, where)
-            regions.append((i, start, end))
-            cursor = end
-        return regions
+        def render_prompt(prefix: Sequence[Message]) -> str:
+            return self._render(prefix, None, None, add_generation_prompt=True, tools=tools)
 
-    def _turn_start(self, text: str, messages: Sequence[Message], i: int, cursor: int,
-                    where: dict[str, Any], tools: Sequence[dict] | None) -> int:
-        """Where assistant message i's generated text starts: after its header, or, after a tool
-        result the template does not follow with a header, where the generation prompt for
-        that point ends (the conversation so far rendered with it is then a prefix of `text`)."""
-        header = self.layout.header
-        if i and messages[i - 1]["role"] == "tool":
-            try:
-                prompt = self._render(messages[:i], None, None, add_generation_prompt=True,
-                                      tools=tools)
-            except DataError:
-                prompt = ""
-            if cursor <= len(prompt) and text.startswith(prompt) and \
-                    header not in text[cursor:len(prompt)]:
-                return len(prompt)
-        head = text.find(header, cursor)
-        if head < 0:
-            raise DataError(f"the rendered conversation has no assistant turn for this message "
-                            f"(looked for {header!r})", reason="turn_not_found", **where)
-        return head + len(header)
-
-    def _turn_end(self, text: str, start: int, goes_on: bool, where: dict[str, Any]) -> int:
-        """The end of the turn whose generated text starts at `start`."""
-        layout = self.layout
-        end = start
-        while True:
-            close = _first_of(text, layout.turn_ends, end)
-            opens = text.find(layout.turn_start, end) if layout.turn_start is not None else -1
-            if 0 <= opens and (close is None or opens < close[0]):
-                # another role's turn opens first: this one ended with the special token before it
-                if opens > start and not text.startswith(layout.header, opens) and \
-                        ending_special_token(text[:opens], self.special_tokens):
-                    return opens
-                raise DataError("the assistant turn runs into another turn before it is closed "
-                                "(a tool call this template frames differently?); cannot build "
-                                "its loss mask", reason="turn_mismatch", **where)
-            if close is None:
-                raise DataError(f"the assistant turn is not closed by any of "
-                                f"{list(layout.turn_ends)}", reason="turn_not_found", **where)
-            end = close[0] + len(close[1])
-            if not (goes_on and text.startswith(layout.header, end)):
-                return end
-            end += len(layout.header)
-
-    @staticmethod
-    def _check_turn(text: str, messages: Sequence[Message], i: int, start: int, end: int,
-                    where: dict[str, Any]) -> None:
-        """Reject a region that misses the message's content or tool calls, or that holds the
-        result of its own tool call."""
-        message, region = messages[i], text[start:end]
-        calls = _tool_calls(message)
-        needle = _visible_content(message)
-        # harmony drops a tool call's content (its analysis) once a final answer follows
-        if needle and needle not in region and not (calls and needle not in text):
-            raise DataError("the template did not render this assistant message's content where "
-                            "expected; cannot build its loss mask", reason="turn_mismatch", **where)
-        for name, _ in calls:
-            if name not in region:
-                raise DataError(f"the template did not render this message's tool call {name!r} "
-                                "inside its turn (templates without tool calls, as Phi-3's, drop "
-                                "them; DeepSeek-R1-Distill's renders them only when content is "
-                                "null); cannot build its loss mask", reason="turn_mismatch",
-                                **where)
-        result = messages[i + 1] if calls and i + 1 < len(messages) else {}
-        output = result.get("content", "").strip() if result.get("role") == "tool" else ""
-        if output and output in region and not any(output in arguments for _, arguments in calls):
-            raise DataError(f"the template does not close this tool-call turn before the tool's "
-                            f"result {output[:40]!r}, which would fall inside its loss mask (Gemma "
-                            "4 renders the result inside the model's turn; DeepSeek-R1-Distill's "
-                            "template leaves a single tool call unclosed); cannot build its loss "
-                            "mask", reason="turn_mismatch", **where)
+        return assistant_regions(text, messages, self.layout, self.special_tokens,
+                                 render_prompt, source, line)
 
     @cached_property
     def layout(self) -> TurnLayout:
@@ -446,7 +364,7 @@ class ChatTokenizer:
     def _prompts_reasoning(self) -> bool:
         """Whether the generation prompt opens a think block it does not close."""
         prompt = self.layout.generation_prompt
-        return prompt.rfind("<think>") > prompt.rfind(_THINK_CLOSE)
+        return prompt.rfind("<think>") > prompt.rfind(THINK_CLOSE)
 
     def _token_ends(self, text: str) -> list[int]:
         """The character offset where each token of `text` ends."""
@@ -530,24 +448,6 @@ def _load(path: str) -> Any:
         raise ConfigError(f"tokenizer.path: cannot load a tokenizer from {path!r}: {e}") from None
 
 
-def _first_of(text: str, markers: Sequence[str], start: int) -> tuple[int, str] | None:
-    """The earliest (position, marker) of `markers` in `text` from `start` (longest on a tie)."""
-    hits = [(at, -len(m), m) for m in markers if (at := text.find(m, start)) >= 0]
-    if not hits:
-        return None
-    position, _, marker = min(hits)
-    return position, marker
-
-
-def _visible_content(message: Message) -> str:
-    """The part of an assistant message every template renders verbatim (modulo trimming).
-
-    Templates may drop the reasoning of earlier turns (Qwen3), so only the text after the last
-    ``</think>`` is required to appear.
-    """
-    return message["content"].rsplit(_THINK_CLOSE, 1)[-1].strip()
-
-
 def _reasoning(message: Message) -> str:
     """The reasoning an assistant message carries: its ``reasoning_content`` or ``thinking``
     field, or the text of a ``<think>`` block that ends in ``</think>`` in its content."""
@@ -556,25 +456,9 @@ def _reasoning(message: Message) -> str:
         if isinstance(value, str) and value.strip():
             return value.strip()
     content = message["content"]
-    if _THINK_CLOSE not in content:
+    if THINK_CLOSE not in content:
         return ""
-    return content.split(_THINK_CLOSE)[0].split("<think>")[-1].strip()
-
-
-def _tool_calls(message: Message) -> list[tuple[str, str]]:
-    """(name, arguments as text) of each tool call of an assistant message (OpenAI's shape,
-    ``{"function": {"name", "arguments"}}``, or the function itself)."""
-    import json
-
-    calls = message.get("tool_calls")
-    out = []
-    for call in calls if isinstance(calls, list) else []:
-        function = call.get("function", call) if isinstance(call, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("name"), str):
-            arguments = function.get("arguments", "")
-            out.append((function["name"], arguments if isinstance(arguments, str)
-                        else json.dumps(arguments, ensure_ascii=False)))
-    return out
+    return content.split(THINK_CLOSE)[0].split("<think>")[-1].strip()
 
 
 def _is_trained(message: Message) -> bool:
@@ -588,33 +472,3 @@ def _trained_indices(messages: Sequence[Message], train_on: TrainOn) -> set[int]
     elif train_on != "all_assistant":
         raise ConfigError(f"train_on: {train_on!r} is not one of ['all_assistant', 'last_assistant']")
     return {i for i in assistant if _is_trained(messages[i])}
-
-
-def _mask_from_encoding(enc: Any, spans: list[tuple[int, int]]) -> list[int] | None:
-    """`_mask_from_offsets` from a few lookups per span (`char_to_token` at its ends) instead of
-    the offsets of every token; None where a span end falls on a character no token covers."""
-    n = len(enc.ids)
-    mask = [0] * n
-    for start, end in spans:
-        first, last = enc.char_to_token(start), enc.char_to_token(end - 1)
-        if first is None or last is None:
-            return None
-        # a character may span several byte-level tokens, all with its offsets
-        while first < n and enc.token_to_chars(first)[0] < start:
-            first += 1
-        while last + 1 < n and enc.token_to_chars(last + 1)[0] < end:
-            last += 1
-        mask[first:last + 1] = [1] * max(last + 1 - first, 0)
-    return mask
-
-
-def _mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """1 for each token whose first character lies in one of `spans` (sorted, disjoint)."""
-    if not spans:
-        return [0] * len(offsets)
-    starts = np.fromiter((start for start, _ in offsets), dtype=np.int64, count=len(offsets))
-    span_SE = np.asarray(spans, dtype=np.int64)
-    k = np.searchsorted(span_SE[:, 1], starts, side="right")      # first span ending after it
-    inside = k < len(span_SE)
-    k = np.minimum(k, len(span_SE) - 1)
-    return ((span_SE[k, 0] <= starts) & inside).astype(np.int8).tolist()

@@ -1,5 +1,6 @@
 """Distribution: process group and device mesh (`env`), FSDP2/TP/AC/compile application
-(`parallelize`), and groups of Ray actors forming one torch.distributed job (`worker_group`).
+(`parallelize`; each block's TP plan in `tensor_parallel`), a rank's share of the data
+(`data_parallel`), and groups of Ray actors forming one torch.distributed job (`worker_group`).
 
 `WorkerGroup` and `WorkerError` need Ray (the `flows` extra), so they are imported on first
 use: `from posttrain.distributed import WorkerGroup` works, while importing this package (or

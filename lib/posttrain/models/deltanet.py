@@ -81,7 +81,7 @@ def _positions(lengths: list[list[int]] | None, batch: int, seq_len: int,
 class GatedDeltaNet(nn.Module):
     """The gated-DeltaNet token mixer (see the module docstring)."""
 
-    # tensor parallelism by heads (`posttrain.distributed.parallelize.tp_plan`): key heads and
+    # tensor parallelism by heads (`posttrain.distributed.tensor_parallel.tp_plan`): key heads and
     # their value heads stay together, since both are split into contiguous equal parts
     tp_colwise = ("q", "k", "v", "z", "b", "a")
     tp_rowwise = ("o",)

@@ -34,7 +34,7 @@ Module names (the contract for LoRA, TP, FSDP and the bridge, `families/gemma4.p
 
 Tensor parallelism splits the attention by heads (each layer kind its own head count and
 width) and the dense MLP by columns; the MoE block and the PLE projections stay replicated over
-"tp" (`distributed/parallelize.tp_plan`), as every family's MoE does.
+"tp" (`distributed/tensor_parallel.tp_plan`), as every family's MoE does.
 """
 
 from __future__ import annotations

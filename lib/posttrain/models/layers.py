@@ -244,7 +244,7 @@ class Attention(nn.Module):
     (`posttrain.models.kv_cache`) the layer runs incrementally over a KV cache instead.
     """
 
-    # tensor parallelism by heads (`posttrain.distributed.parallelize.tp_plan`); a layer without
+    # tensor parallelism by heads (`posttrain.distributed.tensor_parallel.tp_plan`); a layer without
     # `k` / `v` (KV sharing, k_eq_v) lists only the projections it has
     tp_colwise = ("q", "k", "v")
     tp_rowwise = ("o",)

@@ -98,7 +98,7 @@ def _weight(layer: nn.Module) -> torch.Tensor:
 class MultiHeadLatentAttention(nn.Module):
     """The MLA token mixer (see the module docstring)."""
 
-    # tensor parallelism by heads (`posttrain.distributed.parallelize.tp_plan`); `tp_colwise`
+    # tensor parallelism by heads (`posttrain.distributed.tensor_parallel.tp_plan`); `tp_colwise`
     # is set per instance (q_b, or q without a query latent)
     tp_colwise: tuple[str, ...] = ("q_b", "kv_b")
     tp_rowwise = ("o",)

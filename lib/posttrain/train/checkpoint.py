@@ -1,12 +1,9 @@
 """Atomic, sharded, resumable training checkpoints on a local disk or an object store.
 
-One checkpoint is one directory (or s3 prefix) named after its step::
-
-    step-00000042/
-      dcp/               model + optimizer, torch.distributed.checkpoint (DCP), one file per rank
-      meta.json          rank 0: step, saved world size, scheduler state, the caller's `extra`
-      rank-00000.json    per rank: its RNG state (`capture_rng`) and its `rank_extra` (loader state)
-      manifest.json      rank 0, last: every other file with its size and sha256
+One checkpoint is one directory (or s3 prefix) named after its step, ``step-00000042/``: DCP's
+model and optimizer shards, ``meta.json``, one ``rank-NNNNN.json`` per rank (its RNG state and
+`rank_extra`), and ``manifest.json`` (every other file's size and sha256), written last; the
+layout, the manifest check and the frozen-parameter fingerprint are `checkpoint_format.py`.
 
 Model and optimizer go through `get_state_dict`/`set_state_dict`, so the same code saves a plain
 module and an FSDP2 (`fully_shard`) model; each rank writes only its own shards, and DCP reshards
@@ -62,11 +59,9 @@ first load with ``weights_only=True``; both files are also checked against the m
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import warnings
@@ -80,7 +75,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -91,25 +85,19 @@ from torch.distributed.checkpoint.state_dict import (
 
 from posttrain.errors import ConfigError
 from posttrain.retry import Backoff, RetryConfig
-from posttrain.train.checkpoint_storage import (
-    CheckpointError,
-    CheckpointStorageError,
-    SafeLoadPlanner,
-    Store,
-    dcp_failure,
-    transient_dcp_error,
-)
+from posttrain.train.checkpoint_format import (DCP, FORMAT, MANIFEST, META, STEP_RE, TMP_RE,
+                                            check_frozen, frozen_fingerprint, rank_file,
+                                            read_manifest, readable, size_of, step_name,
+                                            tensor_bytes, to_json, verify_file)
+from posttrain.train.checkpoint_storage import (CheckpointError, CheckpointStorageError,
+                                             SafeLoadPlanner, Store, dcp_failure, no_space,
+                                             transient_dcp_error)
 from posttrain.train.rng import capture_rng, restore_rng as _restore_rng
 
-log = logging.getLogger(__name__)
+__all__ = ["Checkpoint", "CheckpointConfig", "CheckpointError", "CheckpointManager",
+           "CheckpointStorageError"]
 
-_FORMAT = 1
-_MANIFEST = "manifest.json"
-_META = "meta.json"
-_DCP = "dcp"
-_STEP_RE = re.compile(r"^step-(\d{8})$")
-_TMP_RE = re.compile(r"^step-\d{8}\.tmp-.+$")
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -143,76 +131,6 @@ class Checkpoint:
     path: str
     step: int
     meta: dict = field(default_factory=dict)
-
-
-def _step_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def _rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.json"
-
-
-def _non_string_key(obj: Any, where: str = "") -> str | None:
-    """The first dict key JSON would silently turn into a string, as a dotted path, or None."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if not isinstance(k, str):
-                return f"{where}[{k!r}]"
-            if found := _non_string_key(v, f"{where}.{k}" if where else k):
-                return found
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            if found := _non_string_key(v, f"{where}[{i}]"):
-                return found
-    return None
-
-
-def _to_json(obj: Any, what: str) -> bytes:
-    hint = "checkpoints store non-tensor state as JSON: plain numbers, strings, lists and dicts"
-    try:
-        blob = json.dumps(obj, sort_keys=True, allow_nan=True).encode("utf-8")
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{what} is not JSON-serializable ({e}); {hint}") from None
-    if key := _non_string_key(obj):
-        raise CheckpointError(f"{what} has a non-string dict key at {key}, which JSON would turn "
-                              f"into a string; {hint} with string keys")
-    return blob
-
-
-def frozen_fingerprint(model: nn.Module) -> dict[str, list[float]]:
-    """{name: [sum, sum of squares]} in float64 over the full tensor of every frozen parameter.
-
-    Sharded parameters (DTensors) reduce over their mesh, so every rank gets the same numbers
-    whatever the layout; a collective then, called by all ranks in the same order.
-    """
-    out = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            continue
-        with torch.no_grad():
-            x = p.detach().to(torch.float64)
-            sums = [x.sum(), x.square().sum()]
-        out[name] = [float(v.full_tensor() if isinstance(v, DTensor) else v) for v in sums]
-    return out
-
-
-def _check_frozen(uri: str, saved: dict[str, list[float]], now: dict[str, list[float]]) -> None:
-    """Refuse a resume whose rebuilt frozen parameters are not those the checkpoint trained with."""
-    hint = ("the run rebuilds frozen parameters (a LoRA base, a distillation teacher) from "
-            "their source instead of saving them; was the base checkpoint replaced or the "
-            "config changed since this run started?")
-    if saved.keys() != now.keys():
-        missing, extra = sorted(saved.keys() - now.keys()), sorted(now.keys() - saved.keys())
-        raise CheckpointError(f"{uri}: the model's frozen parameters differ from the ones this "
-                              f"checkpoint was trained with (missing {missing[:3]}, new "
-                              f"{extra[:3]}); {hint}")
-    for name, got in now.items():   # the model's order (meta.json's keys are sorted)
-        want = saved[name]
-        if any(abs(g - w) > 1e-9 * max(1.0, abs(w)) for g, w in zip(got, want)):
-            raise CheckpointError(f"{uri}: frozen parameter {name} is not the one this "
-                                  f"checkpoint was trained with (sum, sum of squares: saved "
-                                  f"{want}, now {got}); {hint}")
 
 
 class CheckpointManager:
@@ -280,14 +198,14 @@ class CheckpointManager:
         # a collective on sharded models, so outside the per-rank checks below
         frozen = None if self.cfg.save_frozen else frozen_fingerprint(model)
         try:
-            rank_blob = _to_json({"rank": self.rank, "rng": capture_rng(), "extra": rank_extra},
+            rank_blob = to_json({"rank": self.rank, "rng": capture_rng(), "extra": rank_extra},
                                  f"rank_extra (rank {self.rank})")
             meta_blob = b""
             if self.rank == 0:
                 sched_sd = None if scheduler is None else scheduler.state_dict()
-                _to_json(extra, "extra")
-                _to_json(sched_sd, "scheduler.state_dict()")
-                meta_blob = _to_json({"format": _FORMAT, "step": step,
+                to_json(extra, "extra")
+                to_json(sched_sd, "scheduler.state_dict()")
+                meta_blob = to_json({"format": FORMAT, "step": step,
                                       "world_size": self.world_size,
                                       "has_optimizer": optimizer is not None,
                                       "has_frozen": self.cfg.save_frozen,
@@ -302,7 +220,7 @@ class CheckpointManager:
             raise CheckpointError(bad[0])
         nonce = answers[0][1]
 
-        name = _step_name(step)
+        name = step_name(step)
         final = self._store.join(name)
         work = final if self._store.remote else self._store.join(f"{name}.tmp-{nonce}")
         if self.rank == 0:
@@ -312,29 +230,29 @@ class CheckpointManager:
         self._barrier()
 
         state = self._state_dict(model, optimizer, self.cfg.save_frozen)
-        writing = f"{work}/{_DCP}"
+        writing = f"{work}/{DCP}"
         try:
             self._dcp(writing, lambda: dcp.save(
-                state, storage_writer=self._store.dcp_writer(f"{work}/{_DCP}"),
+                state, storage_writer=self._store.dcp_writer(f"{work}/{DCP}"),
                 no_dist=self.world_size == 1))
-            writing = f"{work}/{_rank_file(self.rank)}"
+            writing = f"{work}/{rank_file(self.rank)}"
             _write_file(self._store, writing, rank_blob)
             if self.rank == 0:
-                writing = f"{work}/{_META}"
+                writing = f"{work}/{META}"
                 _write_file(self._store, writing, meta_blob)
             full = None
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-            if (cause := _no_space(e)) is None:
+            if (cause := no_space(e)) is None:
                 raise
             full = (self._store.uri(writing), str(cause))
         # In place of a barrier: a full disk on any rank fails them all, with the save's size.
-        outcomes = self._gather((full, _tensor_bytes(state) + len(rank_blob) + len(meta_blob)))
+        outcomes = self._gather((full, tensor_bytes(state) + len(rank_blob) + len(meta_blob)))
         needed = sum(size for _, size in outcomes)
         if fulls := [f for f, _ in outcomes if f]:
             self._fail_no_space(step, work, fulls[0], needed)
 
         # Each rank hashes a share of the files, so no rank reads the whole checkpoint.
-        names = [n for n in self._store.files(work) if n != _MANIFEST]
+        names = [n for n in self._store.files(work) if n != MANIFEST]
         mine = {n: {"size": self._store.size(f"{work}/{n}"),
                     "sha256": self._store.sha256(f"{work}/{n}")}
                 for n in names[self.rank::self.world_size]}
@@ -342,15 +260,15 @@ class CheckpointManager:
         if self.rank == 0:
             files = {k: v for share in shares for k, v in share.items()}
             assert sorted(files) == names, "every file must be hashed by exactly one rank"
-            manifest = {"format": _FORMAT, "step": step, "world_size": self.world_size,
+            manifest = {"format": FORMAT, "step": step, "world_size": self.world_size,
                         "files": files}
-            writing = f"{work}/{_MANIFEST}"
+            writing = f"{work}/{MANIFEST}"
             try:
-                _write_file(self._store, writing, _to_json(manifest, "manifest"))
+                _write_file(self._store, writing, to_json(manifest, "manifest"))
                 writing = final
                 self._store.commit(work, final, nonce)
             except OSError as e:
-                if (cause := _no_space(e)) is None:
+                if (cause := no_space(e)) is None:
                     raise
                 full = (self._store.uri(writing), str(cause))
             else:
@@ -375,22 +293,13 @@ class CheckpointManager:
         resume = (f"the previous checkpoint, {previous.path}, which is untouched"
                   if previous else "the start: no checkpoint has been saved yet")
         basis = "its tensors and state files; DCP's index adds a little"
-        if previous and (size := self._size_of(previous.path)) and size >= needed:
+        if previous and (size := size_of(self._store, previous.path)) and size >= needed:
             needed, basis = size, "the size of the previous checkpoint"
         raise CheckpointError(
-            f"checkpoint {self._store.uri(self._store.join(_step_name(step)))} could not be "
+            f"checkpoint {self._store.uri(self._store.join(step_name(step)))} could not be "
             f"saved: {why} (writing {where}). The save needs about {needed:,} bytes "
-            f"({_readable(needed)}: {basis}){free}. Free that much space (or point the run at "
+            f"({readable(needed)}: {basis}){free}. Free that much space (or point the run at "
             f"a larger disk) and start the run again: it resumes from {resume}.")
-
-    def _size_of(self, path: str) -> int | None:
-        """The bytes of a complete checkpoint: its manifest's file sizes and the manifest."""
-        root = self._store.strip(path)
-        with contextlib.suppress(CheckpointError, OSError):
-            files = self._read_manifest(root)
-            return sum(int(f["size"]) for f in files.values()) + \
-                self._store.size(f"{root}/{_MANIFEST}")
-        return None
 
     def _dcp(self, path: str, run: Callable[[], Any]) -> None:
         """A DCP save or load (`run`), run again as a whole after a transient error of the
@@ -444,7 +353,7 @@ class CheckpointManager:
         keep = set(complete)
         for name in self._store.listdir():
             # Saves are synchronous, so after a commit every other unfinished directory is dead.
-            if _TMP_RE.match(name) or (_STEP_RE.match(name) and name not in keep):
+            if TMP_RE.match(name) or (STEP_RE.match(name) and name not in keep):
                 dead = self._store.join(name)
                 log.info("removing unfinished checkpoint attempt %s", self._store.uri(dead))
                 self._store.remove_tree(dead)
@@ -452,13 +361,13 @@ class CheckpointManager:
     # -- list / verify --------------------------------------------------------------------------
 
     def _complete_names(self) -> list[str]:
-        names = [n for n in self._store.listdir() if _STEP_RE.match(n)]
-        return [n for n in names if self._store.exists(self._store.join(n, _MANIFEST))]
+        names = [n for n in self._store.listdir() if STEP_RE.match(n)]
+        return [n for n in names if self._store.exists(self._store.join(n, MANIFEST))]
 
     def list(self) -> list[Checkpoint]:
         """Complete checkpoints (those with a manifest), oldest first. Not verified."""
         return [Checkpoint(path=self._store.uri(self._store.join(n)),
-                           step=int(_STEP_RE.match(n)[1])) for n in self._complete_names()]
+                           step=int(STEP_RE.match(n)[1])) for n in self._complete_names()]
 
     def latest(self) -> Checkpoint | None:
         """The newest complete checkpoint, or None. Not verified; `load` verifies."""
@@ -472,46 +381,18 @@ class CheckpointManager:
         missing, or its size or sha256 different from the manifest's.
         """
         root = self._store.strip(path)
-        files = self._read_manifest(root)
+        files = read_manifest(self._store, root)
         for name in sorted(files):
-            self._verify_file(root, name, files[name])
-
-    def _read_manifest(self, root: str) -> dict:
-        where = self._store.uri(f"{root}/{_MANIFEST}")
-        try:
-            manifest = json.loads(self._store.read(f"{root}/{_MANIFEST}"))
-            files = manifest["files"]
-            assert isinstance(files, dict) and manifest["format"] == _FORMAT
-        except FileNotFoundError:
-            raise CheckpointError(f"{where}: manifest missing; the checkpoint is incomplete") \
-                from None
-        except (ValueError, KeyError, TypeError, AssertionError) as e:
-            raise CheckpointError(f"{where}: unreadable manifest ({type(e).__name__}: {e})") \
-                from None
-        return files
-
-    def _verify_file(self, root: str, name: str, want: dict) -> None:
-        where = self._store.uri(f"{root}/{name}")
-        path = f"{root}/{name}"
-        if not self._store.exists(path):
-            raise CheckpointError(f"{where}: file missing (listed in the manifest)")
-        size = self._store.size(path)
-        if size != want["size"]:
-            raise CheckpointError(f"{where}: size mismatch, {size} bytes but the manifest says "
-                                  f"{want['size']}")
-        digest = self._store.sha256(path)
-        if digest != want["sha256"]:
-            raise CheckpointError(f"{where}: sha256 mismatch, file has {digest} but the manifest "
-                                  f"says {want['sha256']}")
+            verify_file(self._store, root, name, files[name])
 
     def _verify_collective(self, root: str) -> CheckpointError | None:
         """Verify with every rank checking a share of the files; all ranks get the same answer.
         An unreachable store raises (`CheckpointStorageError`) instead of calling it damage."""
         problem = None
         try:
-            files = self._read_manifest(root)
+            files = read_manifest(self._store, root)
             for name in sorted(files)[self.rank::self.world_size]:
-                self._verify_file(root, name, files[name])
+                verify_file(self._store, root, name, files[name])
         except CheckpointError as e:
             problem = (type(e) is CheckpointStorageError, str(e))
         problems = [p for p in self._gather(problem) if p]
@@ -553,7 +434,7 @@ class CheckpointManager:
 
     def _load_from(self, root: str, model, optimizer, scheduler, restore_rng: bool) -> Checkpoint:
         uri = self._store.uri(root)
-        meta = json.loads(self._store.read(f"{root}/{_META}"))
+        meta = json.loads(self._store.read(f"{root}/{META}"))
         saved_ws = meta["world_size"]
         if optimizer is not None and not meta["has_optimizer"]:
             raise CheckpointError(f"{uri}: holds no optimizer state, but load was given an "
@@ -565,10 +446,10 @@ class CheckpointManager:
         # checkpoints from before `has_frozen` existed hold every parameter
         has_frozen = meta.get("has_frozen", True)
         if not has_frozen and meta.get("frozen_fingerprint") is not None:
-            _check_frozen(uri, meta["frozen_fingerprint"], frozen_fingerprint(model))
+            check_frozen(uri, meta["frozen_fingerprint"], frozen_fingerprint(model))
         state = self._state_dict(model, optimizer, has_frozen)
-        self._dcp(f"{root}/{_DCP}", lambda: dcp.load(
-            state, storage_reader=self._store.dcp_reader(f"{root}/{_DCP}"),
+        self._dcp(f"{root}/{DCP}", lambda: dcp.load(
+            state, storage_reader=self._store.dcp_reader(f"{root}/{DCP}"),
             planner=SafeLoadPlanner(), no_dist=self.world_size == 1))
         # DCP has filled every key of `state` (a key the checkpoint lacks is an error there), so
         # the keys left out are exactly the frozen parameters, which stay as the model has them.
@@ -583,7 +464,7 @@ class CheckpointManager:
 
         rank_state = None
         if self.rank < saved_ws:
-            rank_state = json.loads(self._store.read(f"{root}/{_rank_file(self.rank)}"))
+            rank_state = json.loads(self._store.read(f"{root}/{rank_file(self.rank)}"))
         if restore_rng:
             if rank_state is not None:
                 _restore_rng(rank_state["rng"])
@@ -601,39 +482,6 @@ class CheckpointManager:
             "world_size": saved_ws,
             "world_size_changed": changed,
         })
-
-
-def _no_space(error: BaseException) -> OSError | None:
-    """The out-of-space OSError (ENOSPC, EDQUOT) behind a failed write, or None: `error` itself,
-    one it was raised from, or DCP's wrapped failure of the lowest rank."""
-    seen: set[int] = set()
-    e: BaseException | None = dcp_failure(error)
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in _NO_SPACE:
-            return e
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _tensor_bytes(state: Any) -> int:
-    """The bytes of the tensors in a (nested) state dict; a DTensor counts its local shard."""
-    if isinstance(state, DTensor):
-        state = state.to_local()
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(_tensor_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in state)
-    return 0
-
-
-def _readable(n: int) -> str:
-    for unit, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if n >= unit:
-            return f"{n / unit:.1f} {name}"
-    return f"{n} bytes"
 
 
 def _write_file(store: Store, path: str, data: bytes) -> None:

@@ -12,6 +12,7 @@ load with ``torch.load(weights_only=True)`` (see `checkpoint.py`).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import logging
@@ -63,6 +64,19 @@ def dcp_failure(error: BaseException) -> BaseException:
     if isinstance(error, CheckpointException) and error.failures:
         return error.failures[min(error.failures)][0]
     return error
+
+
+def no_space(error: BaseException) -> OSError | None:
+    """The out-of-space OSError (ENOSPC, EDQUOT: a quota) behind a failed write, or None:
+    `error` itself, one it was raised from, or DCP's wrapped failure of the lowest rank."""
+    seen: set[int] = set()
+    e: BaseException | None = dcp_failure(error)
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 class Store:

@@ -6,6 +6,7 @@ optimizer step over the micro-batches it is given:
 
     build:  meta model (HF config) -> LoRA -> parallelize (TP, AC, compile, FSDP2) over the
             loss module -> to_empty -> stream the HF tensors, each rank keeping its shard
+            (`posttrain.train.build`)
     step:   for each micro-batch: loss_sum(batch) * dp_size / N_global -> backward
             clip grad norm -> optimizer.step -> scheduler.step -> zero_grad
 
@@ -14,11 +15,11 @@ tokens for SFT, pairs for DPO and reward models), so the gradient is the one of 
 batch however the step is split (FSDP averages gradients over the data-parallel ranks, hence the
 `* dp_size`).
 
-Data goes by *data-parallel* rank (`Engine.dp`): the ranks of one tensor-parallel group hold
-different slices of the same weights, so they must see the same micro-batches; a step's
-micro-batches are dealt out over the "dp" dim of the mesh (`dp.share`), and sums over
-the data (losses, stats, eval) are taken over that dim only (`dp.sum`). With `tp=1` the
-data-parallel rank is the global rank.
+Data goes by *data-parallel* rank (`Engine.dp`, `posttrain.distributed.data_parallel`): the
+ranks of one tensor-parallel group hold different slices of the same weights, so they must see
+the same micro-batches; a step's micro-batches are dealt out over the "dp" dim of the mesh
+(`dp.share`), and sums over the data (losses, stats, eval) are taken over that dim only
+(`dp.sum`). With `tp=1` the data-parallel rank is the global rank.
 
 The loss module (the FSDP root, made by `loss_factory`) is called with the batch fields named
 in its `input_keys`, in that order (default: those of `CausalLMLoss`), and returns the loss
@@ -33,9 +34,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from dataclasses import replace
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,15 +43,13 @@ from torch import nn
 
 from posttrain.config.model import LoraSettings, ModelConfig, ModelInitConfig
 from posttrain.config.train import EngineConfig
-from posttrain.distributed.env import build_mesh, dp_mesh, get_device
-from posttrain.distributed.materialize import materialize
-from posttrain.distributed.parallelize import (ParallelConfig, count_params, param_device,
-                                               parallelize, parallelize_frozen)
+from posttrain.distributed.data_parallel import DataParallel, all_reduce_max, all_reduce_sum
+from posttrain.distributed.env import build_mesh, get_device
+from posttrain.distributed.parallelize import count_params
 from posttrain.errors import ConfigError
-from posttrain.models.args import DTYPES, ModelArgs
-from posttrain.models.families.base import VOCAB_PARAMS
-from posttrain.models.hf_io import grow_vocab_rows, iter_hf_tensors, load_hf
-from posttrain.models.transformer import LMHead, Transformer, build_model
+from posttrain.models.args import ModelArgs
+from posttrain.models.transformer import Transformer
+from posttrain.train.build import build_sharded, write_random_hf_model
 from posttrain.train.checkpoint import CheckpointConfig, CheckpointManager
 from posttrain.train.optim import build_optimizer, build_scheduler
 
@@ -60,59 +58,6 @@ __all__ = ["all_reduce_max", "all_reduce_sum", "build_sharded", "CausalLMLoss", 
            "write_random_hf_model"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class DataParallel:
-    """This rank's place on the data-parallel ("dp") dim of the device mesh: which share
-    of a step's data it takes, and the group over which sums of that data are taken. The ranks
-    of one tensor-parallel group have the same `rank` and see the same data."""
-
-    rank: int
-    size: int
-    group: Any = None             # the process group of the "dp" dim (None: no group)
-
-    @classmethod
-    def of_mesh(cls, mesh: Any) -> "DataParallel":
-        dim = dp_mesh(mesh)          # dp_replicate x dp_shard
-        return cls(dim.get_local_rank(), dim.size(), dim.get_group() if dim.size() > 1 else None)
-
-    def share(self, items: Sequence[T]) -> list[T]:
-        """This rank's items: r, r + size, r + 2 size, ..."""
-        return list(items[self.rank::self.size])
-
-    def rounds(self, n: int) -> int:
-        """Forwards every rank runs over n items dealt out by `share` (the most any rank gets):
-        under FSDP the all-gathers are collective, so a rank with fewer repeats one."""
-        return -(-n // self.size)
-
-    def sum(self, value: float) -> float:
-        """`value` summed over the data-parallel ranks (each data item counted once)."""
-        return value if self.group is None else _all_reduce(value, dist.ReduceOp.SUM, self.group)
-
-    def sum_all(self, values: dict[str, float]) -> dict[str, float]:
-        """Each of `values` summed over the data-parallel ranks, in one collective."""
-        if self.group is None:
-            return dict(values)
-        keys = sorted(values)
-        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        return dict(zip(keys, t.tolist()))
-
-    def all(self, flag: bool) -> bool:
-        """Whether `flag` holds on every data-parallel rank (a collective)."""
-        if self.group is None:
-            return flag
-        return bool(_all_reduce(float(flag), dist.ReduceOp.MIN, self.group))
-
-    def gather(self, obj: Any) -> list[Any]:
-        """The `obj` of every data-parallel rank, in rank order (a collective)."""
-        if self.group is None:
-            return [obj]
-        out: list = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
 
 
 class CausalLMLoss(nn.Module):
@@ -456,76 +401,6 @@ class Engine:
         return {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
 
 
-def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
-                  device: torch.device, loss_factory: Callable[[Transformer], nn.Module], *,
-                  vocab_size: int | None = None, frozen: bool = False,
-                  init_missing: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
-                  mesh: Any = None, added_tokens: Sequence[int] = ()
-                  ) -> tuple[Transformer, nn.Module]:
-    """The model of `hf_dir` inside `loss_factory(model)`, laid out on the device mesh and
-    filled from the checkpoint, each rank reading only its shards (see the module docstring).
-
-    `vocab_size` above the checkpoint's grows the embedding and head rows (tokens the data layer
-    added); `model_cfg.lora` wraps the targets first. `frozen` builds a model that is only run
-    forward without gradients (a KL reference): sharded the same way, no activation
-    checkpointing, everything resharded after each forward. `init_missing(name, param)` fills
-    parameters the checkpoint lacks (LoRA adapters, a custom head); without it they are an error.
-    `mesh` is the device mesh to lay it out on (default: a new one from `parallel`).
-    With LoRA, the vocabulary rows of `model_cfg.lora.trainable_tokens` (resolved ids) and
-    `modules_to_save` train too (`posttrain.models.trainable_tokens`); `added_tokens` (the ids
-    the tokenizer added) must be among them, or the build is refused.
-
-    An architecture without a native definition trains through transformers
-    (`posttrain.train.fallback_build`), with LoRA on its own Linear names.
-    """
-    from posttrain.models.auto import has_native_definition
-    from posttrain.models.hf_io import read_hf_config
-    if not has_native_definition(read_hf_config(hf_dir)):
-        lora_cfg = model_cfg.lora
-        if lora_cfg is not None and (added_tokens or lora_cfg.modules_to_save
-                                     or lora_cfg.token_ids(())):
-            raise ConfigError(f"model.lora: {hf_dir} has no native definition and trains "
-                              "through transformers, where LoRA cannot train vocabulary rows "
-                              "(model.lora.trainable_tokens / modules_to_save; the tokenizer "
-                              f"added {len(added_tokens)} tokens); train without model.lora")
-        from posttrain.train.fallback_build import build_fallback
-        return build_fallback(model_cfg, parallel, hf_dir, loss_factory, vocab_size=vocab_size,
-                               frozen=frozen, mesh=mesh, init_missing=init_missing)
-    model = load_hf(hf_dir, on_meta=True, param_filter=lambda name: False,
-                    vocab_multiple=model_cfg.vocab_multiple)
-    ckpt_args = model.args
-    if vocab_size is not None and vocab_size > ckpt_args.vocab_size:
-        log.info("growing the vocabulary from %d to %d (tokens added by the tokenizer)",
-                 ckpt_args.vocab_size, vocab_size)
-        model = build_model(ckpt_args.replace(vocab_size=vocab_size), device="meta")
-    if model_cfg.lora is not None:
-        lora = _lora_module()
-        lcfg = lora.LoraConfig(rank=model_cfg.lora.rank, alpha=model_cfg.lora.alpha,
-                               dropout=model_cfg.lora.dropout, targets=model_cfg.lora.targets)
-        lora.apply_lora(model, lcfg)
-        from posttrain.models.trainable_tokens import apply_trainable_tokens
-        apply_trainable_tokens(model, model_cfg.lora.token_ids(added_tokens),
-                               model_cfg.lora.modules_to_save, required=added_tokens)
-    fp32 = model.fp32_names()    # DeepSeek-V3's router: not rounded to a bf16 model.dtype
-    root = loss_factory(model)
-    mesh = mesh if mesh is not None else build_mesh(parallel.dp_shard, parallel.tp,
-                                                    parallel.dp_replicate, parallel.cp)
-    root = (parallelize_frozen if frozen else parallelize)(model, mesh, parallel, root=root)
-    dtype = DTYPES[model_cfg.dtype]
-    # a custom head (a reward model's scalar projection) replaces the LM head: it is
-    # initialized by `init_missing`, not read from the checkpoint
-    custom_head = not isinstance(model.head, LMHead)
-    tensors = ((name, _fit_vocab(name, t, ckpt_args, model.args).to(
-                    torch.float32 if name in fp32 else dtype))
-               for name, t in iter_hf_tensors(hf_dir, ckpt_args)
-               if not (custom_head and name.startswith("head.")))
-    # under parallel.offload the shards live in host memory (FSDP2 copies them in to gather)
-    materialize(root, param_device(parallel, device), tensors, prefix="model.",
-                init_missing=init_missing)
-    model.tie_weights()
-    return model, root
-
-
 def _real_token_mask(batch: dict) -> torch.Tensor | None:
     """[B, T] with 1 on real tokens, 0 on the trailing padding of each row (None: no padding
     recorded, every position is real)."""
@@ -540,55 +415,8 @@ def _real_token_mask(batch: dict) -> torch.Tensor | None:
     return mask
 
 
-def _fit_vocab(name: str, t: torch.Tensor, ckpt: ModelArgs, model: ModelArgs) -> torch.Tensor:
-    if name not in VOCAB_PARAMS or ckpt.vocab_size == model.vocab_size:
-        return t
-    return grow_vocab_rows(t, ckpt.vocab_size, model.vocab_size, model.padded_vocab_size)
-
-
-def all_reduce_sum(value: float) -> float:
-    return _all_reduce(value, dist.ReduceOp.SUM)
-
-
-def all_reduce_max(value: float) -> float:
-    return _all_reduce(value, dist.ReduceOp.MAX)
-
-
-def _all_reduce(value: float, op, group: Any = None) -> float:
-    """`value` reduced over `group` (default: every rank)."""
-    if group is None and (not dist.is_initialized() or dist.get_world_size() == 1):
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=op, group=group)
-    return float(t.item())
-
-
 def _stable_hash(text: str) -> int:
     h = 0
     for ch in text.encode():
         h = (h * 131 + ch) % 1_000_000_007
     return h
-
-
-def write_random_hf_model(init: ModelInitConfig, vocab_size: int, out_dir: str | Path,
-                          tokenizer_dir: str | None = None) -> str:
-    """Create a random HF checkpoint from a tiny config (deterministic for `init.seed`)."""
-    from transformers import AutoModelForCausalLM
-
-    from posttrain.models.verify import tiny_hf_config
-    out = Path(out_dir)
-    if (out / "config.json").is_file():
-        return str(out)
-    config = tiny_hf_config(init.family, **{"initializer_range": 0.02, "vocab_size": vocab_size,
-                                            **init.overrides})
-    torch.manual_seed(init.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    if tokenizer_dir:
-        import shutil
-        for f in Path(tokenizer_dir).iterdir():
-            if f.is_file():
-                shutil.copy2(f, tmp / f.name)
-    tmp.rename(out)
-    return str(out)

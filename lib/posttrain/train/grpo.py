@@ -1,13 +1,10 @@
-"""The GRPO recipe's parts: config schema, the loss root, the trainer rank and the rollout actor.
+"""The GRPO recipe's parts: the driver-side recipe, the trainer rank and the rollout actor.
 
 The controller (`steps/train_grpo.py`) owns the loop and the prompt stream; this module owns
 what runs on the ranks:
 
-- `GRPOLoss`, the FSDP root. It runs the model over a packed micro-batch
-  (`posttrain.rl.batch`), takes the chunked log-probs of the completion tokens at the sampling
-  temperature, lays them out per sequence and applies `posttrain.losses.grpo.grpo_loss`. With
-  ``score_only`` it returns the log-probs (old-policy and reference passes, the weight-sync
-  probe) through the same code.
+- `GRPOLoss`, the FSDP root (`posttrain.train.grpo_loss_root`): the model over a packed
+  micro-batch, the completion tokens' log-probs, `posttrain.losses.grpo.grpo_loss`.
 - `GRPOWorker`, one trainer rank: an `Engine` (FSDP2, optimizer, checkpoints) and, when the
   rollout placement is ``colocated``, a rollout engine on the same device that it keeps in step
   with the trainer's weights.
@@ -35,7 +32,6 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import nn
 
 from posttrain.config.grpo import (AlgorithmConfig, GRPOConfig, GRPOEvalConfig, GRPOTrainConfig,
                                    SamplingSettings, SyncCheckConfig, check_advantage)
@@ -44,19 +40,15 @@ from posttrain.data.prepared import local_view
 from posttrain.distributed.env import init_process_group
 from posttrain.distributed.sync_group import GroupAddress
 from posttrain.errors import ConfigError
-from posttrain.eval.suites import TaskConfig
-from posttrain.losses.grpo import grpo_loss
-from posttrain.models.routing_replay import (moe_blocks, routing_replay_counts,
-                                             set_routing_replay)
-from posttrain.models.transformer import Transformer
-from posttrain.ops.cross_entropy import chunked_logprobs
-from posttrain.ops.vocab import restrict_head
+from posttrain.config.eval import TaskConfig
+from posttrain.models.routing_replay import moe_blocks
 from posttrain.rl.engine import Rollout, SamplingConfig
 from posttrain.rl.factory import build_rollout_engine
 from posttrain.rl.weight_sync import SyncPlan, WeightReceiver, WeightSender
 from posttrain.train.critic import Critic
 from posttrain.models.args import DTYPES
 from posttrain.train.engine import Engine, all_reduce_max, build_sharded
+from posttrain.train.grpo_loss_root import TOKEN_STATS, GRPOLoss
 from posttrain.train.metrics import device_peak_flops, step_metrics
 from posttrain.train.recipe import tokenizer_added_ids, tokenizer_vocab
 
@@ -65,11 +57,6 @@ __all__ = ["AlgorithmConfig", "check_advantage", "GRPO", "GRPOConfig", "GRPOEval
            "SyncCheckConfig"]
 
 log = logging.getLogger(__name__)
-
-# stats the root returns as sums over response tokens; the worker divides by the token count
-_TOKEN_STATS = ("pg_loss", "clip_fraction_low", "clip_fraction_high", "ratio_mean", "kl",
-                "is_weight_mean", "is_truncated_fraction", "entropy", "logprob_gap")
-
 
 class GRPO:
     """The GRPO recipe for the one driver: its worker (`GRPOWorker`) and controller
@@ -82,7 +69,7 @@ class GRPO:
     def eval_suite(cfg: GRPOConfig, models: dict[str, str]) -> Any:
         """Held-out prompts answered by the export and by the starting model (the run's
         evaluation sampling, its rollout engine) and scored by the run's reward functions."""
-        from posttrain.eval.suites import GenerationSettings, SuiteConfig
+        from posttrain.config.eval import GenerationSettings, SuiteConfig
         if not cfg.data.eval:
             return None
         ev, s = cfg.eval, cfg.sampling
@@ -133,129 +120,6 @@ class GRPO:
                 before = f"{base[key]:.3f} -> " if key in base else ""
                 lines.append(f"held-out {key.split('/')[1]}: {before}{final[key]:.3f}")
         return lines
-
-
-# --------------------------------------------------------------------------- loss root
-
-
-class GRPOLoss(nn.Module):
-    """FSDP root over a packed micro-batch (layout in `posttrain.rl.batch`).
-
-    Returns ``(loss, stats)``: `loss` is this micro-batch's share of the mini-batch loss
-    (already divided by the mini-batch's global counts, times ``live``), `stats` are sums over
-    its response tokens (see `_TOKEN_STATS`).
-    """
-
-    input_keys = ("input_ids", "position_ids", "document_lengths", "targets", "token_index",
-                  "mask", "advantages", "engine_logp", "old_logp", "ref_logp",
-                  "global_tokens", "global_sequences", "live", "routing")
-    # cut by context parallelism
-    row_keys = ("input_ids", "position_ids", "targets", "routing")
-
-    def __init__(self, model: Transformer, algo: AlgorithmConfig, temperature: float,
-                 constant_norm: float | None, chunk_tokens: int = 1024,
-                 allowed_token_ranges: tuple = ()):
-        super().__init__()
-        self.model, self.algo = model, algo
-        self.temperature, self.constant_norm = temperature, constant_norm
-        self.chunk_tokens = chunk_tokens
-        # the ids the engine may sample (`SamplingConfig.allowed_token_ranges`; empty: all):
-        # log-probs over the head's rows for them, as the engine computes its own
-        self.allowed_token_ranges = allowed_token_ranges
-        self._replaying = False
-
-    def replay(self, routing: torch.Tensor | None) -> None:
-        """Route this call's forwards (and their recomputation in the backward) through the
-        recorded experts `routing` [1, L, L_moe, k] of the batch, or the model's own (None)."""
-        if routing is not None or self._replaying:
-            set_routing_replay(self.model, routing)
-            self._replaying = routing is not None
-
-    def sequence_logprobs(self, input_ids, position_ids, document_lengths, targets,
-                          token_index, mask, with_entropy: bool = False
-                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(log-probs [S, T] of the completion tokens, 0 off the mask; with `with_entropy` the
-        summed entropy of the sampling distribution over the targeted positions, from the same
-        chunked logits, else None)."""
-        hidden = self.model(input_ids, position_ids, document_lengths)
-        head = self.model.head
-        weight, bias, real = head.weight, getattr(head, "bias", None), head.real_vocab_size
-        if self.allowed_token_ranges:
-            weight, bias, targets = restrict_head(weight, bias, targets,
-                                                  self.allowed_token_ranges)
-            real = weight.shape[0]
-        out = chunked_logprobs(hidden, weight, targets, real_vocab_size=real,
-                               chunk_tokens=self.chunk_tokens,
-                               softcap=getattr(head, "softcap", None), bias=bias,
-                               temperature=self.temperature, return_entropy=with_entropy)
-        logp, entropy = out if with_entropy else (out, None)
-        logp_flat = self._whole_row(logp.reshape(-1))
-        return (logp_flat[token_index].where(mask, 0.0),
-                None if entropy is None else entropy.sum())
-
-    def _whole_row(self, local_flat: torch.Tensor) -> torch.Tensor:
-        """Per-position values of this rank's tokens of the row placed at their positions in
-        the whole row (0 at the others' positions); unchanged without context parallelism,
-        where `token_index` addresses this rank's row as it is."""
-        shard = self.model.context_shard(local_flat.shape[0]) if hasattr(
-            self.model, "context_shard") else None
-        if shard is None:
-            return local_flat
-        whole = local_flat.new_zeros(shard.seq_len)
-        return whole.index_copy(0, shard.positions().to(local_flat.device), local_flat)
-
-    def held(self, token_index: torch.Tensor, local_len: int) -> torch.Tensor | None:
-        """[S, T] bool: the response tokens whose positions this rank holds under context
-        parallelism (None without it)."""
-        shard = self.model.context_shard(local_len) if hasattr(self.model,
-                                                               "context_shard") else None
-        if shard is None:
-            return None
-        mine = torch.zeros(shard.seq_len, dtype=torch.bool, device=token_index.device)
-        mine[shard.positions().to(token_index.device)] = True
-        return mine[token_index]
-
-    def forward(self, input_ids, position_ids, document_lengths, targets, token_index, mask,
-                advantages, engine_logp, old_logp=None, ref_logp=None, global_tokens=None,
-                global_sequences=None, live=True, routing=None, *, score_only: bool = False):
-        seq_args = (input_ids, position_ids, document_lengths, targets, token_index, mask)
-        self.replay(routing)         # every pass: old policy, reference, update (None: own)
-        if score_only:
-            return self.sequence_logprobs(*seq_args)[0].detach()
-        algo = self.algo
-        if algo.reference == "lora_base":
-            from posttrain.models.lora import disable_adapters
-            with torch.no_grad(), disable_adapters(self.model):
-                ref_logp = self.sequence_logprobs(*seq_args)[0]
-        logp, entropy_sum = self.sequence_logprobs(*seq_args, with_entropy=self.algo.log_entropy)
-        held = self.held(token_index, input_ids.shape[1])
-        old = old_logp if old_logp is not None else logp.detach()
-        use_engine = algo.use_engine_logprobs
-        aggregation = algo.aggregation
-        loss, m = grpo_loss(
-            logp, old, advantages, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
-            ref_logp_BT=ref_logp, kl_coef=algo.kl_coef,
-            engine_logp_BT=engine_logp if use_engine else None,
-            is_cap=algo.is_cap if use_engine else None, aggregation=aggregation,
-            constant_norm=self.constant_norm if aggregation == "constant" else None,
-            global_tokens=global_tokens if aggregation == "token_mean" else None,
-            global_sequences=None if aggregation == "token_mean" else global_sequences,
-            held_BT=held, ratio=algo.ratio)
-        if held is not None:
-            mask = mask & held
-        n = mask.sum()
-        stats = {k: v * n for k, v in m.items() if k != "ratio_max"}
-        with torch.no_grad():
-            stats["logprob_gap"] = (old - engine_logp).abs().where(mask, 0.0).sum()
-            if entropy_sum is not None:
-                stats["entropy"] = entropy_sum
-            if routing is not None:
-                replayed, mismatched = routing_replay_counts(self.model).tolist()
-                stats["routing_replayed"] = torch.tensor(float(replayed))
-                stats["routing_mismatched"] = torch.tensor(float(mismatched))
-        if not live:                       # a dummy micro-batch: collectives, no contribution
-            return loss * 0.0, {k: torch.zeros_like(v) for k, v in stats.items()}
-        return loss, stats
 
 
 # --------------------------------------------------------------------------- trainer rank
@@ -464,7 +328,7 @@ class GRPOWorker:
             m = self.engine.train_step(batches, 1)
             losses.append(m["loss"])
             grad_norms.append(m["grad_norm"])
-            for k in _TOKEN_STATS:
+            for k in TOKEN_STATS:
                 if k in m:
                     totals[k] = totals.get(k, 0.0) + m[k]
             if "routing_replayed" in m:       # sums over the data-parallel ranks

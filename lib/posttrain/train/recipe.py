@@ -182,7 +182,7 @@ class Recipe:
         (`posttrain.eval.suites`) over the config's `data.eval` sources; `models` are the
         run's other model directories (a teacher). SFT's: held-out loss and perplexity
         against the starting model, and a few greedy answers."""
-        from posttrain.eval.suites import GenerationSettings
+        from posttrain.config.eval import GenerationSettings
         gen = cfg.eval.generate
         return eval_suite(cfg, "heldout_loss", lambda i: {
             "format": cfg.data.format,
@@ -222,7 +222,7 @@ def eval_suite(cfg: Any, kind: str, options: Any = lambda i: {}, *,
     `sources`; None without any), rows read and tokenized as prepare did: the config's
     tokenizer, columns, length limit and bad-row policy; `options(i)` adds task i's own
     options; the config's `eval.tasks` (benchmarks, any suite task) follow them."""
-    from posttrain.eval.suites import SuiteConfig, TaskConfig
+    from posttrain.config.eval import SuiteConfig, TaskConfig
     sources = cfg.data.eval if sources is None else sources
     if not sources:
         return None

@@ -120,7 +120,7 @@ class Reward(Recipe):
 def export_reward_model(state: dict[str, torch.Tensor], engine: Any, out_dir: str, *,
                         tokenizer_dir: str) -> str:
     from posttrain.models.hf_io import iter_hf_tensors
-    from posttrain.train.engine import _fit_vocab
+    from posttrain.train.build import fit_vocab
     from posttrain.train.export import export_hf
     head = {k[len("head."):]: state.pop(k) for k in list(state) if k.startswith("head.")}
     args = engine.args
@@ -133,7 +133,7 @@ def export_reward_model(state: dict[str, torch.Tensor], engine: Any, out_dir: st
         from posttrain.models.hf_io import load_hf
         base_args = load_hf(base, on_meta=True, param_filter=lambda n: False).args
         for name, t in iter_hf_tensors(base, base_args, names={"head.weight"}):
-            state[name] = _fit_vocab(name, t, base_args, args)
+            state[name] = fit_vocab(name, t, base_args, args)
     export_hf(state, args, out_dir, fmt="full", tokenizer_dir=tokenizer_dir)
     return _write_head(Path(out_dir), head, args.hidden_size)
 

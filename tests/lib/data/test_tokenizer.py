@@ -872,7 +872,7 @@ def _tok_with_added_tokens() -> ChatTokenizer:
 def test_mask_from_offsets_equals_the_loop(widths, cuts):
     """The vectorised mask equals the plain scan: a token is trained iff its first character
     lies in a span."""
-    from posttrain.data.tokenizer import _mask_from_offsets
+    from posttrain.data.turn_regions import mask_from_offsets
     offsets, pos = [], 0
     for w in widths:
         offsets.append((pos, pos + w))
@@ -880,7 +880,7 @@ def test_mask_from_offsets_equals_the_loop(widths, cuts):
     cuts = sorted(cuts)
     spans = [(a, b) for a, b in zip(cuts[::2], cuts[1::2]) if a < b]
     want = [int(any(a <= s < b for a, b in spans)) for s, _ in offsets]
-    assert _mask_from_offsets(offsets, spans) == want
+    assert mask_from_offsets(offsets, spans) == want
 
 
 @settings(max_examples=100, deadline=None)
@@ -888,13 +888,13 @@ def test_mask_from_offsets_equals_the_loop(widths, cuts):
                 min_size=1, max_size=30).map("".join), st.data())
 def test_mask_from_encoding_equals_mask_from_offsets(text, data):
     """The per-span lookup gives the per-token scan's mask on any spans of the text."""
-    from posttrain.data.tokenizer import _mask_from_encoding, _mask_from_offsets
+    from posttrain.data.turn_regions import mask_from_encoding, mask_from_offsets
     enc = _tok_with_added_tokens()._backend.encode(text, add_special_tokens=False)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6, unique=True)))
     spans = [(a, b) for a, b in zip(cuts[::2], cuts[1::2]) if a < b]
-    got = _mask_from_encoding(enc, spans)
+    got = mask_from_encoding(enc, spans)
     if got is not None:
-        assert got == _mask_from_offsets(enc.offsets, spans)
+        assert got == mask_from_offsets(enc.offsets, spans)
 
 
 def test_encode_chats_is_encode_chat_row_by_row():

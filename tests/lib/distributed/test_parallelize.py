@@ -309,13 +309,13 @@ def test_parallel_config_validates():
 
 
 def test_tp_refuses_blocks_without_linear_mlp():
-    from posttrain.distributed.parallelize import _check_tp_block
+    from posttrain.distributed.tensor_parallel import check_tp_block
     block = _Block()
     block.mlp = nn.Sequential(nn.Linear(HIDDEN, HIDDEN))
     with pytest.raises(UnsupportedParallelismError, match="gated MLP"):
-        _check_tp_block(block, 0, 2)
+        check_tp_block(block, 0, 2)
     with pytest.raises(UnsupportedParallelismError, match="num_heads=4"):
-        _check_tp_block(_Block(), 0, 3)
+        check_tp_block(_Block(), 0, 3)
 
 
 def test_activation_checkpointing_and_compile_keep_names_and_numbers():

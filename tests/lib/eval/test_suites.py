@@ -287,7 +287,7 @@ def test_generation_grading_counts(env, tmp_path):
 
 
 def test_reward_task_scores_with_the_registry(env):
-    from posttrain.rl.rewards import exact_match_number, format_reward
+    from posttrain.rl.builtin_rewards import exact_match_number, format_reward
     result = run_suite(_suite({
         "name": "reward", "kind": "reward", "data": {"path": env["prompts"]},
         "rewards": [{"name": "exact_match_number", "weight": 1.0},

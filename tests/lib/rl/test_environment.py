@@ -13,7 +13,7 @@ import pytest
 from posttrain.config.loader import build
 from posttrain.config.recipes import load_recipe
 from posttrain.errors import ConfigError
-from posttrain.rl import rewards
+from posttrain.rl import reward_registry
 from posttrain.rl.environment import (EnvironmentConfig, RetryEnvironment,
                                       SingleTurnEnvironment, StepResult, Turn)
 from posttrain.rl.prompts import PromptRow
@@ -58,8 +58,8 @@ def user_module(tmp_path, monkeypatch) -> str:
     (tmp_path / f"{name}.py").write_text(textwrap.dedent(USER_MODULE))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield name
-    for key in [k for k in rewards._REGISTRY if k.startswith(f"{name}:")]:
-        rewards._REGISTRY.pop(key)
+    for key in [k for k in reward_registry._REGISTRY if k.startswith(f"{name}:")]:
+        reward_registry._REGISTRY.pop(key)
 
 
 def turn(text: str, index: int = 0) -> Turn:

@@ -88,14 +88,14 @@ def test_item_rewards_score_completions_against_their_histories(prepared):
         seen.update(completions=completions, histories=histories, future=columns["future"])
         return [float(len(c)) for c in completions]
 
-    from posttrain.rl import rewards
-    rewards.register("test_items_spy")(spy)
+    from posttrain.rl import reward_registry
+    reward_registry.register("test_items_spy")(spy)
     try:
         reward = combine([RewardSpec("test_items_spy"), RewardSpec("synthetic_dwell")])
         groups = [[Rollout(r.prompt_ids, [5, 6, 2], [0.0] * 3, "stop")] * 2 for r in rows]
         out = ItemEpisodes(VOCAB, ["<eos>"]).score(reward, rows, groups)
     finally:
-        del rewards._REGISTRY["test_items_spy"]
+        del reward_registry._REGISTRY["test_items_spy"]
     assert seen["completions"] == [[2, 3]] * 4                    # <eos> left out
     assert seen["histories"] == [[t - 3 for t in r.prompt_ids[1:]] for r in rows for _ in "ab"]
     assert seen["future"] == [r.extras["future"] for r in rows for _ in "ab"]

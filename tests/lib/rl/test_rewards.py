@@ -7,9 +7,9 @@ import pytest
 
 from posttrain.config import build, load_yaml
 from posttrain.errors import ConfigError
-from posttrain.rl import rewards
-from posttrain.rl.rewards import (RewardConfig, RewardSpec, combine, extract_code, parse_number,
-                                  register)
+from posttrain.rl import builtin_rewards, reward_registry, rewards
+from posttrain.rl.builtin_rewards import extract_code
+from posttrain.rl.rewards import RewardConfig, RewardSpec, combine, parse_number, register
 
 ROOT = Path(__file__).resolve().parents[3]
 P = [[{"role": "user", "content": "What is 23 + 58?"}]]
@@ -30,7 +30,7 @@ def temp_reward():
         added.append(name)
     yield add
     for name in added:
-        rewards._REGISTRY.pop(name)
+        reward_registry._REGISTRY.pop(name)
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -58,7 +58,7 @@ def test_exact_match_number():
 def test_exact_match_number_on_the_bundled_data_format():
     row = json.loads((ROOT / "assets/data/arithmetic/eval.jsonl").read_text().splitlines()[0])
     good = f"Let me add them. The answer is {row['answer']}."
-    assert rewards.exact_match_number([good], [row["prompt"]], {"answer": [row["answer"]]}) == [1.0]
+    assert builtin_rewards.exact_match_number([good], [row["prompt"]], {"answer": [row["answer"]]}) == [1.0]
 
 
 def test_numeric_closeness_gives_partial_credit():
@@ -258,8 +258,8 @@ def user_rewards(tmp_path, monkeypatch):
     (tmp_path / "user_rewards_columns.py").write_text(USER_REWARDS)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "user_rewards_columns"
-    for key in [k for k in rewards._REGISTRY if k.startswith("user_rewards_columns:")]:
-        rewards._REGISTRY.pop(key)
+    for key in [k for k in reward_registry._REGISTRY if k.startswith("user_rewards_columns:")]:
+        reward_registry._REGISTRY.pop(key)
 
 
 def test_built_ins_declare_the_columns_they_read():

@@ -495,19 +495,19 @@ def test_s3_outage_longer_than_the_retries_fails_naming_the_file(s3, s3_outage, 
     with pytest.raises(CheckpointStorageError, match="gave up after 3 attempts"):
         mgr.load(model, opt, scheduler=sched)
     s3_outage.start()
-    real_read_manifest = CheckpointManager._read_manifest
+    real_read_manifest = ckpt_mod.read_manifest
 
-    def down_then_read(self, root):   # down between listing and verifying
+    def down_then_read(store, root):   # down between listing and verifying
         s3_outage.stop()
-        return real_read_manifest(self, root)
+        return real_read_manifest(store, root)
 
-    monkeypatch.setattr(CheckpointManager, "_read_manifest", down_then_read)
+    monkeypatch.setattr(ckpt_mod, "read_manifest", down_then_read)
     caplog.clear()
     with pytest.raises(CheckpointStorageError, match="manifest.json: gave up after 3 attempts"):
         mgr.load(model, opt, scheduler=sched)
     assert not [r for r in caplog.records if "damaged" in r.getMessage()]
 
-    monkeypatch.setattr(CheckpointManager, "_read_manifest", real_read_manifest)
+    monkeypatch.setattr(ckpt_mod, "read_manifest", real_read_manifest)
     s3_outage.start()
     assert [c.step for c in mgr.list()] == [1]   # the failed save never committed
     assert mgr.load(model, opt, scheduler=sched).meta["extra"] == {"step": 1}

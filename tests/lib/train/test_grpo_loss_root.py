@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from posttrain.config.grpo import AlgorithmConfig
 from posttrain.rl.batch import pack_micro_batches
-from posttrain.train.grpo import AlgorithmConfig, GRPOLoss
+from posttrain.train.grpo_loss_root import GRPOLoss
 
 from ..rl.test_batch import masked_samples, random_samples
 from ..rl.test_native_engine import tiny_model
