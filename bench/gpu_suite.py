@@ -109,6 +109,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--long-packs", default="32768,65536",
                    help="long-context case: row lengths, ascending")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="SFT cases: one more step under the torch profiler; its top operators "
+                        "by device and host time go to FILE (appended) and a summary (device "
+                        "busy fraction, kernels, host ops) into the case's line")
+    p.add_argument("--slow-step-s", type=float, default=15.0,
+                   help="a case whose last warmup step took longer times one step, not --steps")
     a = p.parse_args(argv)
     unknown = sorted(set(a.cases.split(",")) - set(CASES))
     if unknown:
@@ -197,7 +203,8 @@ def sft_case(shape: str, a: argparse.Namespace, device, work: str, *,
         # (CheckpointError at the first backward)
         grouped_mm_available(device, torch.bfloat16 if bf16 else torch.float32)
     steps = a.warmup + a.steps
-    cfg = EngineConfig(max_steps=steps, optimizer=OptimizerConfig(lr=1e-5),
+    cfg = EngineConfig(max_steps=steps + 1,                 # + the profiled one
+                       optimizer=OptimizerConfig(lr=1e-5),
                        checkpoint_every_steps=10**9,
                        parallel=ParallelConfig(mixed_precision="bf16" if bf16 else "fp32",
                                                activation_checkpointing="full",
@@ -212,18 +219,33 @@ def sft_case(shape: str, a: argparse.Namespace, device, work: str, *,
     backends = sorted({build_mask(b["document_lengths"], 1, a.pack, device,
                                   tensors_only=a.compile).backend for b in batches})
     timed: list[dict] = []
-    seconds, flops, metrics = 0.0, 0.0, {}
-    for step in range(steps):
+    seconds, flops, metrics, timed_steps, to_time = 0.0, 0.0, {}, 0, a.steps
+
+    def one_step(step: int) -> tuple[list[dict], float]:
+        nonlocal metrics
         rows = batches[step * a.rows_per_step:(step + 1) * a.rows_per_step]
         micro = rows[engine.dp.rank::engine.dp.size]
         _sync(device)
         t1 = time.perf_counter()
         metrics = engine.train_step(micro, sum(int(b["num_loss_tokens"]) for b in rows))
         _sync(device)
+        return micro, time.perf_counter() - t1
+
+    for step in range(steps):
+        if step >= a.warmup and timed_steps >= to_time:
+            break
+        micro, step_s = one_step(step)
+        if step == a.warmup - 1 and step_s > a.slow_step_s:
+            to_time = 1                                 # a slow case times one step
         if step >= a.warmup:
-            seconds += time.perf_counter() - t1
+            seconds += step_s
             flops += sum(policy_flops(engine.model, b) for b in micro)
             timed += micro
+            timed_steps += 1
+    final_loss = float(metrics["loss"])
+    profiled = (_profile_step(lambda: one_step(steps - 1), device, a.profile,
+                              f"{shape} {parallel or ''}".strip())
+                if a.profile and rank == 0 and world == 1 else {})
     out = step_metrics(batch_counts(timed), seconds=seconds, data_wait_s=0.0, flops=flops,
                        peak_flops=peak, device=device)
     layout = {"world": world, **(parallel or {})} if world > 1 else {}
@@ -240,14 +262,45 @@ def sft_case(shape: str, a: argparse.Namespace, device, work: str, *,
             "attention_backends": backends, "activation_checkpointing": "full",
             "compile_blocks": a.compile, "loss_chunk_tokens": engine.model_cfg.loss_chunk_tokens,
             "pack_tokens": a.pack, "rows_per_step": a.rows_per_step, "warmup_steps": a.warmup,
-            "timed_steps": a.steps, "setup_s": round(setup_s, 1),
-            "step_s": round(seconds / max(a.steps, 1), 3), **layout,
+            "timed_steps": timed_steps, "setup_s": round(setup_s, 1),
+            "step_s": round(seconds / max(timed_steps, 1), 3), **layout,
             "real_tokens_per_s": round(out["real_tokens_per_s"] * world, 1),
             "padding_fraction": round(out["padding_fraction"], 4),
             "model_flops_per_s": flops / seconds, "mfu": round(out["mfu"], 4),
             "peak_flops": peak, "peak_flops_source": peak_source,
             "peak_memory_gib": round(out["peak_memory_bytes"] / 2**30, 2),
-            "final_loss": round(float(metrics["loss"]), 4)}
+            "final_loss": round(final_loss, 4), **profiled}
+
+
+def _profile_step(step: Callable[[], Any], device, path: str, title: str) -> dict[str, Any]:
+    """One more training step under the torch profiler (the last batch again, after the timed
+    ones): the top operators by device and by host time appended to `path`, and a summary:
+    the step's wall time, the device's busy time (kernels' self time summed) and its fraction of
+    the wall, kernels launched, and host-side ATen ops. A busy fraction well under one means
+    the device waits on the host (launch-bound or synchronising)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    with profile(activities=activities) as prof:
+        _, wall_s = step()
+    from torch.autograd import DeviceType
+    on_device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    device_us = sum(e.device_time_total for e in on_device)
+    kernels = len(on_device)
+    events = prof.key_averages()
+    aten_ops = sum(e.count for e in events if e.key.startswith("aten::"))
+    sort_device = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    with open(path, "a") as f:
+        f.write(f"=== {title}: step {wall_s:.3f} s under the profiler, device busy "
+                f"{device_us / 1e6:.3f} s, {kernels} kernels, {aten_ops} ATen ops\n")
+        f.write(events.table(sort_by=sort_device, row_limit=30, max_name_column_width=60))
+        f.write("\n--- by host time\n")
+        f.write(events.table(sort_by="self_cpu_time_total", row_limit=20,
+                             max_name_column_width=60))
+        f.write("\n")
+    return {"profile": {"step_s": round(wall_s, 3), "device_busy_s": round(device_us / 1e6, 3),
+                        "device_busy_fraction": round(device_us / 1e6 / wall_s, 3),
+                        "kernels": kernels, "aten_ops": aten_ops}}
 
 
 def long_case(shape: str, a: argparse.Namespace, device, work: str) -> dict[str, Any]:
@@ -269,7 +322,8 @@ def long_case(shape: str, a: argparse.Namespace, device, work: str) -> dict[str,
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         lengths.append({k: r[k] for k in ("pack_tokens", "step_s", "real_tokens_per_s", "mfu",
-                                          "peak_memory_gib", "attention_backends")})
+                                          "peak_memory_gib", "attention_backends", "profile")
+                        if k in r})
         fitted = pack
     return {"kind": "long_context", "shape": shape, "cp": 1, "lengths": lengths,
             "longest_fitting_row": fitted}

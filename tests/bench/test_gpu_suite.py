@@ -39,7 +39,7 @@ def test_tiny_cpu_mode_prints_one_json_line_per_case(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "lib"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", _BLOCKED_RUN, str(ROOT / "bench" / "gpu_suite.py"),
-         "--device", "cpu", "--tiny", "--out", str(out)],
+         "--device", "cpu", "--tiny", "--out", str(out), "--profile", str(tmp_path / "prof.txt")],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -58,6 +58,11 @@ def test_tiny_cpu_mode_prints_one_json_line_per_case(tmp_path) -> None:
         assert SFT_FIELDS <= set(record), SFT_FIELDS - set(record)
         assert record["real_tokens_per_s"] > 0 and 0 < record["mfu"] < 1
         assert record["attention_backends"] and record["dtype"] == "fp32"
+    # each one-rank SFT case profiled one more step: its operators in the file, a summary here
+    profiled = [r for r in printed if r["kind"] == "sft" and "world" not in r]
+    assert len(profiled) == 4 and all(r["profile"]["aten_ops"] > 100 for r in profiled)
+    # ... and the long case's two lengths
+    assert (tmp_path / "prof.txt").read_text().count("=== ") == 6
     assert "split" in {b for r in printed if r["kind"] == "sft" for b in r["attention_backends"]}
     assert by_case["sft_qwen3_moe"]["num_experts"] == 4
     # two gloo ranks with the experts split over them train the same first steps as one
