@@ -55,8 +55,11 @@ def one_run(flow: str, max_steps: int) -> dict:
         data["train"]["max_steps"] = max_steps
         cfg = Path(tmp) / "config.yaml"
         cfg.write_text(yaml.safe_dump(data, sort_keys=False))
+        # this checkout's lib/ and steps/ first: an editable install may point elsewhere
+        path = os.pathsep.join([str(REPO / "lib"), str(REPO),
+                                *filter(None, [os.environ.get("PYTHONPATH")])])
         env = {**os.environ, "METAFLOW_HOME": f"{tmp}/mfhome", "USERNAME": "bench",
-               "METAFLOW_DATASTORE_SYSROOT_LOCAL": f"{tmp}/datastore",
+               "METAFLOW_DATASTORE_SYSROOT_LOCAL": f"{tmp}/datastore", "PYTHONPATH": path,
                "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
         t0 = time.perf_counter()
         done = subprocess.run([sys.executable, flow_file, "--config", "config", str(cfg), "run"],

@@ -162,13 +162,21 @@ def gpus_per_node(cfg: Any) -> int:
 
 
 @contextlib.contextmanager
-def ray_cluster(num_nodes: int) -> Iterator[None]:
+def ray_cluster(num_nodes: int, run: Any = None) -> Iterator[None]:
     """Join `@metaflow_ray`'s cluster (several nodes) and stop its processes here at the end.
 
-    With one node nothing is joined: the training step starts and stops its own local Ray.
+    With one node nothing is joined: the training step starts its own local Ray, and with the
+    run's `run` config section it starts now, in the background (`steps.common.start_local_ray`),
+    while the block imports the driver and prepares; it is stopped when the block ends.
     """
     if num_nodes <= 1:
-        yield
+        from steps.common import start_local_ray, stop_local_ray
+        if run is not None:
+            start_local_ray(run)
+        try:
+            yield
+        finally:
+            stop_local_ray()
         return
     import ray
     ray.init(log_to_driver=True)            # no address: the cluster metaflow_ray started
@@ -343,18 +351,17 @@ def train_recipe(step_module: str, schema: str, config: Any, prepared_uri: str, 
     import importlib
     import time
 
-    from posttrain.train.metrics import read_metrics
     from steps.cli import configure_logging
     from steps.common import summarize
     configure_logging()                          # the driver's step lines in the task's log
-    module = importlib.import_module(f"steps.{step_module}")
     cfg = build_config(schema, config)
     changes = {"run": dataclasses.replace(cfg.run, dir=scratch_dir(root, name))}
     if start_from:
         changes["model"] = dataclasses.replace(cfg.model, hf_dir=fetch(start_from), init=None)
     cfg = dataclasses.replace(cfg, **changes)
     started = time.time()
-    with ray_cluster(num_nodes):
+    with ray_cluster(num_nodes, cfg.run):        # a local Ray starts while the driver imports
+        module = importlib.import_module(f"steps.{step_module}")
         result = module.run(cfg, prepared_dir=prepared_uri, checkpoint_dir=join(root, name),
                             show_progress=False,
                             lineage=tracker_lineage(config) if cfg.run.trackers else None)
@@ -367,6 +374,7 @@ def train_recipe(step_module: str, schema: str, config: Any, prepared_uri: str, 
     result["checkpoint_uri"] = result["checkpoint_dir"]
     if card is not None:
         from _flow_cards import training_card
+        from posttrain.train.metrics import read_metrics
         training_card(card, module.RECIPE.name, read_metrics(result["metrics_path"]), result)
     print(summarize(module.RECIPE, result, time.time() - started))
     return result

@@ -22,7 +22,9 @@ import contextlib
 import json
 import logging
 import os
-
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -33,8 +35,6 @@ from posttrain.config.loader import to_dict
 from posttrain.config.recipes import OutputConfig, PrepareConfig, load_recipe
 from posttrain.data.prepared import local_view
 from posttrain.errors import ConfigError
-from posttrain.train.engine import write_random_hf_model
-from posttrain.train.metrics import MetricsWriter
 from steps.arguments import overrides_from
 
 log = logging.getLogger("posttrain.driver")
@@ -94,6 +94,7 @@ def base_model_dir(cfg: Any, prepared_dir: str, run_dir: Path) -> str:
     if cfg.model.hf_dir:
         check_base_model(cfg.model)
         return cfg.model.hf_dir
+    from posttrain.train.engine import write_random_hf_model
     manifest = json.loads((Path(prepared_dir) / "manifest.json").read_text())
     vocab = int(manifest["tokenizer"]["vocab_size"])
     return write_random_hf_model(cfg.model.init, vocab, run_dir / "base_model",
@@ -124,15 +125,14 @@ def launch_workers(run_cfg: Any, worker_cls: type, args: tuple) -> Iterator[Any]
         return
     import ray
     from posttrain.distributed.worker_group import WorkerGroup
-    started_here = False
-    if not ray.is_initialized():
+    if _LOCAL_RAY is None and not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         else:
-            ray.init(num_cpus=max(run_cfg.num_workers, os.cpu_count() or 1),
-                     include_dashboard=False, log_to_driver=True,
-                     _temp_dir=os.environ.get("RAY_TMPDIR"))
-            started_here = True
+            start_local_ray(run_cfg)
+    started_here = _LOCAL_RAY is not None
+    if started_here:
+        _LOCAL_RAY.wait()                   # (started early, or just now)
     # torch threads per rank: the CPUs its bundle asks for, else an equal share of this machine
     threads = int(run_cfg.resources_per_worker.get("CPU", 0)) or max(
         1, (os.cpu_count() or 1) // run_cfg.num_workers)
@@ -148,7 +148,109 @@ def launch_workers(run_cfg: Any, worker_cls: type, args: tuple) -> Iterator[Any]
                     group.call("close")
     finally:
         if started_here:
-            ray.shutdown()
+            stop_local_ray()
+
+
+# --------------------------------------------------------------------------- this machine's Ray
+
+
+def lean_ray_options(run_cfg: Any) -> dict[str, Any]:
+    """`ray.init` arguments of the Ray a driver starts on its own machine: the CPUs the ranks
+    need (at least this machine's), and nothing a run does not use: no dashboard, no idle
+    Python workers started ahead (the ranks' processes start with their own environment, so
+    they could not use them) and no metrics export."""
+    return {"num_cpus": max(run_cfg.num_workers, os.cpu_count() or 1),
+            "include_dashboard": False, "log_to_driver": True,
+            "_temp_dir": os.environ.get("RAY_TMPDIR"),
+            "_system_config": {"enable_worker_prestart": False,
+                               "prestart_worker_first_driver": False,
+                               "enable_metrics_collection": False}}
+
+
+class _LocalRay:
+    """This machine's Ray, started by `ray.init` in a background thread (`start_local_ray`).
+
+    The thread lives until `stop`, and stops Ray itself: Ray ties its daemons' lives to the
+    thread that started them (the parent-death signal follows the creating thread), so they
+    would die with a thread that only ran `ray.init`."""
+
+    def __init__(self, options: dict[str, Any]):
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.ready, self.done = threading.Event(), threading.Event()
+        # what ray.init does when called in the main thread: SIGTERM exits through
+        # SystemExit, so `finally` blocks and atexit (Ray's own shutdown) run
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+        self.thread = threading.Thread(target=self._run, args=(options,), name="local-ray",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, options: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        ray_log = logging.getLogger("ray._private.worker")
+        sigterm_note = _DropMessage("SIGTERM handler is not set")      # set above instead
+        ray_log.addFilter(sigterm_note)
+        try:
+            import ray
+            ray.init(**options)
+        except BaseException as e:          # raised in the driver by wait()
+            self.error = e
+            return
+        finally:
+            ray_log.removeFilter(sigterm_note)
+            self.seconds = round(time.perf_counter() - t0, 3)
+            self.ready.set()
+        self.done.wait()
+        # The autoscaler's monitor answers SIGTERM by reporting to the GCS, which ray.shutdown
+        # has already stopped, and is killed after a second; a one-machine cluster has nothing
+        # to autoscale, so it goes first and at once.
+        with contextlib.suppress(Exception):
+            ray._private.worker._global_node.kill_monitor(check_alive=False)
+        ray.shutdown()
+
+    def wait(self) -> None:
+        self.ready.wait()
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+_LOCAL_RAY: _LocalRay | None = None
+
+
+def start_local_ray(run_cfg: Any) -> None:
+    """Start, in the background, the Ray that `launch_workers` would start for `run_cfg`
+    (`launcher: ray`, no cluster to join in RAY_ADDRESS, none running here): its few seconds
+    then pass while the driver imports, prepares and writes the base model, instead of before
+    the workers. `launch_workers` waits for it and stops it when the workers are done;
+    `stop_local_ray` stops it on a path that never reaches them."""
+    global _LOCAL_RAY
+    if run_cfg.launcher != "ray" or os.environ.get("RAY_ADDRESS") or _LOCAL_RAY is not None:
+        return
+    import ray
+    if not ray.is_initialized():
+        _LOCAL_RAY = _LocalRay(lean_ray_options(run_cfg))
+
+
+def stop_local_ray() -> None:
+    """Stop the Ray `start_local_ray` started; nothing when there is none."""
+    global _LOCAL_RAY
+    if _LOCAL_RAY is not None:
+        local, _LOCAL_RAY = _LOCAL_RAY, None
+        local.stop()
 
 
 def step_loop(group: Any, *, name: str, start: int, max_steps: int, checkpoint_every: int,
@@ -251,10 +353,17 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.model.hf_dir:
         check_base_model(cfg.model)         # before any work: a missing base names its maker
-    prepared_dir = prepared_dir or ensure_prepared(cfg, str(run_dir / "prepared"), show_progress)
-    local = local_view(prepared_dir)
-    hf_dir = base_model_dir(cfg, local, run_dir)
-    model_dirs = models(cfg, local, run_dir) if models else {}
+    start_local_ray(cfg.run)                # starts while the driver prepares (launch_workers)
+    try:
+        prepared_dir = prepared_dir or ensure_prepared(cfg, str(run_dir / "prepared"),
+                                                       show_progress)
+        local = local_view(prepared_dir)
+        hf_dir = base_model_dir(cfg, local, run_dir)
+        model_dirs = models(cfg, local, run_dir) if models else {}
+    except BaseException:
+        stop_local_ray()
+        raise
+    from posttrain.train.metrics import MetricsWriter
     state_dir = checkpoint_dir or str(run_dir)
     metrics_path = run_dir / "metrics.jsonl"
     writer = MetricsWriter(metrics_path, tensorboard_dir=cfg.run.tensorboard_dir)
@@ -262,10 +371,12 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
     if worker is None:                  # the kernel's worker runs the recipe it is given
         worker, args = RecipeWorker, (recipe, *args)
     seconds = Seconds()
-    seconds.start("workers")                # Ray (when started here), actors, model build
+    seconds.start("workers")                # what is left of Ray's start, actors, model build
     with launch_workers(cfg.run, worker, args) as group:
         info = group.call("describe")[0]
         seconds.stop("workers")
+        if _LOCAL_RAY is not None:          # Ray's start, in the background since run_recipe began
+            seconds.parts["ray_start"] = _LOCAL_RAY.seconds
         ctl = controller(cfg, group, {"hf_dir": hf_dir, "prepared_dir": prepared_dir,
                                       "writer": writer, "info": info})
         try:

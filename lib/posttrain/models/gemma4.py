@@ -44,7 +44,8 @@ from torch import nn
 
 from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
-from posttrain.models.layers import _ACTIVATIONS, Attention, FeedForward, SharedKV, make_norm
+from posttrain.models.layers import (_ACTIVATIONS, Attention, FeedForward, SharedKV, embedding,
+                                     make_norm)
 from posttrain.ops.attention import DocumentMask
 
 __all__ = ["Gemma4Block", "PerLayerInputs"]
@@ -75,7 +76,7 @@ class PerLayerInputs(nn.Module):
                 "its unused tokens instead")
         self.num_layers, self.size = args.num_layers, g.per_layer_input_size
         width = args.num_layers * g.per_layer_input_size
-        self.embed = nn.Embedding(g.per_layer_vocab_size, width)
+        self.embed = embedding(g.per_layer_vocab_size, width)
         self.proj = nn.Linear(args.hidden_size, width, bias=False)
         self.norm = make_norm(args, g.per_layer_input_size)
 

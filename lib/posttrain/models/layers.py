@@ -56,6 +56,17 @@ class RMSNorm(nn.Module):
                 + (", scale_fp32=True" if self.scale_fp32 else ""))
 
 
+def embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """`nn.Embedding(num_embeddings, dim)`; under ``torch.device("meta")`` without its default
+    normal init, whose meta kernel imports `torch._dynamo` (about 0.5 s in every process that
+    builds a model on the meta device: the trainer ranks, the evaluation, the memory plan).
+    A meta tensor holds no values, so nothing changes; on a real device the default init runs
+    as before (the random stream stays the same)."""
+    if torch.empty(0).is_meta:
+        return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
+    return nn.Embedding(num_embeddings, dim)
+
+
 def make_norm(args: ModelArgs, dim: int) -> RMSNorm:
     """An RMSNorm over `dim` in the model's convention (`norm_offset`, `norm_scale_fp32`)."""
     return RMSNorm(dim, args.rms_norm_eps, offset=args.norm_offset,

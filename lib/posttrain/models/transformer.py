@@ -42,7 +42,7 @@ from torch import nn
 from posttrain.errors import ConfigError
 from posttrain.models.args import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, ModelArgs
 from posttrain.models.layers import (Attention, FeedForward, RMSNorm, RotaryEmbedding, SharedKV,
-                                     make_norm, position_ids_from_documents)
+                                     embedding, make_norm, position_ids_from_documents)
 from posttrain.ops.attention import DocumentMask, build_mask
 from posttrain.ops.vocab import mask_padded_logits
 
@@ -183,7 +183,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, mlp_factory: MLPFactory = default_mlp_factory):
         super().__init__()
         self.args = args
-        self.embed = nn.Embedding(args.padded_vocab_size, args.hidden_size)
+        self.embed = embedding(args.padded_vocab_size, args.hidden_size)
         self.rope = nn.ModuleDict({FULL: RotaryEmbedding(args.rotary_dim_of(FULL),
                                                          args.rope_theta, args.rope_scaling)})
         if any(args.is_sliding_layer(i) for i in range(args.num_layers)):

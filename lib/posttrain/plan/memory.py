@@ -145,14 +145,13 @@ def model_args(cfg: Any) -> ModelArgs:
     when it has added tokens, as in training."""
     from posttrain.models.hf_io import read_hf_config
     m = cfg.model
+    vocab = _tokenizer_vocab(cfg)           # loads the tokenizer: once
     if m.hf_dir:
         args = args_from_hf_config(read_hf_config(m.hf_dir), vocab_multiple=m.vocab_multiple)
     else:
         from posttrain.models.verify import tiny_hf_config
-        hf = tiny_hf_config(m.init.family, **{"vocab_size": _tokenizer_vocab(cfg) or 256,
-                                              **m.init.overrides})
+        hf = tiny_hf_config(m.init.family, **{"vocab_size": vocab or 256, **m.init.overrides})
         args = args_from_hf_config(hf.to_dict(), vocab_multiple=m.vocab_multiple)
-    vocab = _tokenizer_vocab(cfg)
     if vocab and vocab > args.vocab_size:
         args = args.replace(vocab_size=vocab)
     return args
@@ -195,7 +194,7 @@ def plan_run(cfg: Any, *, gpu: str | None = None, process: str | None = None) ->
     run, engine_cfg = cfg.run, cfg.train.engine
     par = engine_cfg.parallel
     gpu = gpu or getattr(run, "gpu", None)
-    from posttrain.distributed.env import resolve_mesh_shape
+    from posttrain.config.parallel import resolve_mesh_shape
     world = run.num_workers
     dp_shard, tp = resolve_mesh_shape(world, par.dp_shard, par.tp, par.dp_replicate, par.cp)
     cp, ep = par.cp, getattr(par, "ep", 1)

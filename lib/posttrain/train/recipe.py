@@ -41,7 +41,6 @@ from posttrain.data.loader import (LoaderConfig, StreamLoader, TrainLoader,
 from posttrain.data.prepared import local_view
 from posttrain.errors import ConfigError, DataError
 from posttrain.models.transformer import Transformer
-from posttrain.train.engine import CausalLMLoss, Engine
 from posttrain.train.metrics import batch_counts, device_peak_flops, step_metrics
 
 __all__ = ["check_context_parallel", "check_eval_tasks", "check_export", "check_step_split",
@@ -105,6 +104,7 @@ class Recipe:
     # ---------------------------------------------------------------- rank side
     def loss_root(self, model: Transformer) -> nn.Module:
         """The FSDP root around the (meta) policy model; see `posttrain.train.engine`."""
+        from posttrain.train.engine import CausalLMLoss
         return CausalLMLoss(model, self.cfg.model.loss_chunk_tokens)
 
     def ready(self) -> None:
@@ -284,7 +284,9 @@ class RecipeWorker:
 
     def __init__(self, recipe_cls: type[Recipe], cfg: dict[str, Any], hf_dir: str,
                  prepared_dir: str, run_dir: str, models: dict[str, str] | None = None):
+        # here, not at import: the driver and the evaluation import the recipes, not the engine
         from posttrain.distributed.env import init_process_group
+        from posttrain.train.engine import Engine
         self.cfg = build(recipe_cls.config_cls, cfg, where=f"{recipe_cls.name} config")
         self.prepared_uri, self.prepared_dir = prepared_dir, local_view(prepared_dir)
         self.run_dir, self.models = run_dir, dict(models or {})
