@@ -42,6 +42,12 @@ only some of them it runs part of it.
 What the kernel spends on its layout is not model work and is not counted: a document's last
 chunk filled up to C tokens, rows filled to a common width, and, where a document starts
 inside a packed row, the write before and the reads after the state is zeroed.
+Nor is the scan by which the kernel passes the state between chunks (more than two per row):
+it forms each chunk's [Dk, Dk] state map and composes them, about 2 Dk^2 (c + Dk + 2 Dv) FLOPs
+per chunk forward beyond the counts above, which describe the chunk-by-chunk loop the scan
+replaces (the model's work; the scan is there for fewer, larger kernels). For Qwen3.5-0.8B at
+8k tokens that is ~4.5% on top of a training step's model FLOPs, counting the forward, its
+activation-checkpoint recompute and a backward of twice the forward.
 
 Gemma 4 (`models/gemma4.py`): each layer's attention at its own head width (full layers have
 their own, and their own kv heads); no v projection on full layers with k_eq_v, no k or v on

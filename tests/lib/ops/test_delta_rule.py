@@ -1,6 +1,8 @@
 """The gated delta rule (`posttrain.ops.delta_rule`): the chunked form against the recurrent one
 and against transformers' reference, packed rows against documents run alone (outputs, final
-states, gradients), chunk-size invariance, and the restarting causal convolution."""
+states, gradients), the two ways of passing the state between chunks (serial loop, scan) against
+each other over many chunks with resets, chunk-size invariance, and the restarting causal
+convolution."""
 
 from __future__ import annotations
 
@@ -8,10 +10,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from posttrain.ops import delta_rule
 from posttrain.ops.delta_rule import (causal_conv, chunk_gated_delta_rule, gated_delta_rule,
                                       recurrent_gated_delta_rule)
 
 HK, HV, DK, DV = 2, 4, 8, 6
+FORMS = {"serial": 10 ** 9, "scan": 0}      # the _SERIAL_MAX_CHUNKS that selects each form
+
+
+@pytest.fixture(params=list(FORMS))
+def form(request, monkeypatch) -> str:
+    """Run the test with the state passed by the serial loop and by the scan."""
+    monkeypatch.setattr(delta_rule, "_SERIAL_MAX_CHUNKS", FORMS[request.param])
+    return request.param
 
 
 def _inputs(B: int, T: int, seed: int = 0, dtype=torch.float64, grad: bool = False):
@@ -51,7 +62,7 @@ def test_matches_the_transformers_reference() -> None:
     torch.testing.assert_close(state, ref_state, atol=2e-6, rtol=0)
 
 
-def test_packed_rows_equal_documents_alone() -> None:
+def test_packed_rows_equal_documents_alone(form: str) -> None:
     """Documents that cross chunk boundaries, rows of different layouts; forward, the state
     after each row's last document, and every input gradient."""
     lengths = [[5, 11, 3, 13], [32]]
@@ -78,6 +89,61 @@ def test_packed_rows_equal_documents_alone() -> None:
         torch.testing.assert_close(state[b], ref_state[0].to(state.dtype), atol=1e-6, rtol=0)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def _documents_alone(inputs: list[torch.Tensor], starts: list[int], initial: torch.Tensor,
+                     weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """The recurrent form over each document of one row ([1, T, ...] inputs, documents
+    starting at `starts`; tokens before the first start continue from `initial`, every
+    document starts from zero): the output, the last document's final state, and the
+    gradients of sum(out * weights) for the inputs and `initial`."""
+    inputs = [x.detach().requires_grad_(True) for x in inputs]
+    initial = initial.detach().requires_grad_(True)
+    T = inputs[0].shape[1]
+    bounds = sorted({0, *starts, T})
+    outs = []
+    for a, b in zip(bounds, bounds[1:]):
+        out, state = recurrent_gated_delta_rule(*(x[:, a:b] for x in inputs),
+                                                initial_state=None if a in starts else initial)
+        outs.append(out)
+    out = torch.cat(outs, dim=1)
+    (out * weights).sum().backward()
+    grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in (*inputs, initial)]
+    return out.detach(), state.detach(), grads
+
+
+@pytest.mark.parametrize("resets", [[], [5, 6, 17, 36], [0, 9, 10, 36]])
+def test_scan_equals_serial_over_many_chunks(resets: list[int], monkeypatch) -> None:
+    """37 chunks (more than 32, not a power of two), an initial state, and documents starting
+    at none of them, at chunks 5 and 6 (adjacent), 17 and 36 (the last chunk), or at chunk 0
+    (the initial state is dropped), 9, 10 and 36: the scan, the serial loop and the recurrent
+    form over each document give the same outputs, final state and gradients (inputs and
+    initial state)."""
+    chunk, N = 4, 37
+    inputs = _inputs(1, N * chunk, seed=5)
+    initial = torch.randn(1, HV, DK, DV, generator=torch.Generator().manual_seed(6))
+    weights = torch.randn(1, N * chunk, HV, DV, generator=torch.Generator().manual_seed(7),
+                          dtype=torch.float64)
+    reset = torch.zeros(1, N, dtype=torch.bool)
+    reset[0, resets] = True
+    want_out, want_state, want_grads = _documents_alone(inputs, [n * chunk for n in resets],
+                                                        initial, weights)
+    for form, max_chunks in FORMS.items():
+        monkeypatch.setattr(delta_rule, "_SERIAL_MAX_CHUNKS", max_chunks)
+        xs = [x.detach().requires_grad_(True) for x in (*inputs, initial)]
+        out, state = chunk_gated_delta_rule(*xs[:5], chunk_size=chunk, initial_state=xs[5],
+                                            reset_BN=reset)
+        (out * weights).sum().backward()
+        torch.testing.assert_close(out, want_out, atol=1e-6, rtol=0,
+                                   msg=lambda m: f"{form}, out: {m}")
+        torch.testing.assert_close(state, want_state, atol=1e-6, rtol=0,
+                                   msg=lambda m: f"{form}, final state: {m}")
+        for name, x, want in zip(("q", "k", "v", "g", "beta", "initial"), xs, want_grads):
+            torch.testing.assert_close(x.grad, want.to(x.dtype), atol=1e-6, rtol=0,
+                                       msg=lambda m: f"{form}, d{name}: {m}")
+        _, none = chunk_gated_delta_rule(*inputs, chunk_size=chunk, initial_state=initial,
+                                         reset_BN=reset, output_final_state=False)
+        assert none is None
 
 
 def test_chunk_size_does_not_change_the_result() -> None:
