@@ -14,7 +14,9 @@ Recipes, one JSON line each (`ratio` > 1 means posttrain is faster / smaller):
   posttrain: packed rows of 2,048 with document-masked attention and the chunked loss. TRL: each
   of its SFT modes (BFD packing with one row of 2,048 per step, its fastest packed setting here;
   padding-free, group-by-length and plain padding with batch 8), max_length 2,048; the ratio is
-  against TRL's fastest mode.
+  against TRL's fastest mode. Group-by-length times the 49 steps after its warm-up, one whole
+  length-sorted mega-batch (the other modes 8): its first steps are the mega-batch's longest
+  rows.
 * ``prepare``: chat rendering + tokenization + loss masks (+ packing for TRL's BFD, + Parquet
   shards for posttrain) of all 4,000 rows, the tokenizer loaded beforehand on both sides
   (posttrain's prepare loads it itself: its load is measured separately and also reported); also with Qwen's 151,643-token vocabulary
@@ -22,11 +24,19 @@ Recipes, one JSON line each (`ratio` > 1 means posttrain is faster / smaller):
 * ``dpo``: preference pairs/s, reference pass counted (posttrain precomputes it once over the
   data and each trained pair is charged its share; TRL runs it inside the step).
 * ``grpo``: seconds per step (generation with the native engine vs HF `generate`, rewards,
-  one policy update) at 4 prompts x 4 completions x 32 new tokens and at 16 x 4 x 128;
-  generation and update tokens/s separately.
+  one policy update) at 4 prompts x 4 completions x 32 new tokens and at 16 x 4 x 128
+  (``--grpo-shapes``), median of 4 steps after a warm-up step (TRL's steps still shrink ~10-15%
+  over the first three); generation and update tokens/s separately.
+
+The machine may be shared: a run at 2 threads on 2 cores while another process holds a core
+takes 5-20x longer per step (each of torch's parallel regions waits for the descheduled thread),
+TRL's GRPO more than posttrain's. Each run starts when the machine is quiet, the CPU the others
+used during it is measured (``others_cpu``, cores, in every line), and a run above
+``--max-others-cpu`` (0.1) is repeated up to ``--retries`` (2) times.
 
 Run: ``make trl-env && .venv/bin/python bench/vs_trl.py [--recipes sft,prepare,dpo,grpo]
-[--repeats 3] [--threads 2]``. Results go to stdout and, with ``--out``, a JSONL file.
+[--repeats 3] [--threads 2] [--grpo-shapes 4x4x32]``. Results go to stdout and, with ``--out``,
+a JSONL file.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -47,31 +58,87 @@ SFT_MODES = ("packing", "padding_free", "group_by_length", "padded")
 GRPO_SHAPES = ((4, 4, 32), (16, 4, 128))
 
 
-def child(cmd: list[str], threads: int, timeout: int = 3600) -> dict[str, Any]:
-    """Run one measurement in a fresh process; its last stdout line is its JSON."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               PYTHONPATH=f"{ROOT}:{ROOT / 'lib'}")
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds every process on this machine has used since boot (Linux /proc/stat: all
+    but idle, iowait and steal), or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    return (sum(v) - v[3] - v[4] - v[7]) / os.sysconf("SC_CLK_TCK")
+
+
+def _run_once(cmd: list[str], env: dict, timeout: int) -> tuple[dict[str, Any], float | None]:
+    """One child process; its JSON, and the CPU the rest of the machine used meanwhile, in cores
+    (None where that cannot be read)."""
+    r0, b0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), _busy_cpu_seconds(), time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
                           cwd=ROOT)
+    r1, b1, wall = resource.getrusage(resource.RUSAGE_CHILDREN), _busy_cpu_seconds(), \
+        time.time() - t0
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    own = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+    others = None if b0 is None or b1 is None else max(0.0, (b1 - b0 - own) / wall)
+    return json.loads(lines[-1]), others
 
 
-def ours(work: Path, threads: int, *args: str) -> dict[str, Any]:
+def _wait_quiet(limit: float, max_wait: float = 120.0) -> None:
+    """Wait (at most `max_wait` s) until the machine's busy CPU over one second is <= `limit`
+    cores, so a run does not start inside another job's burst."""
+    t_end = time.time() + max_wait
+    while time.time() < t_end:
+        b0 = _busy_cpu_seconds()
+        time.sleep(1.0)
+        b1 = _busy_cpu_seconds()
+        if b0 is None or b1 is None or b1 - b0 <= limit:
+            return
+
+
+def child(cmd: list[str], a: argparse.Namespace, timeout: int = 3600) -> dict[str, Any]:
+    """Run one measurement in a fresh process; its last stdout line is its JSON.
+
+    The machine may be shared: while another process holds a core, each of torch's parallel
+    regions waits for the thread that was descheduled, and a run at 2 threads on 2 cores took
+    5-20x longer per step (TRL's GRPO, whose `generate` and chunked log-prob issue many small
+    ops, more than posttrain's). So the CPU the rest of the machine used during the run is
+    measured (``others_cpu``, in cores); each run starts when the machine is quiet
+    (`_wait_quiet`), and one during which the others used more than ``--max-others-cpu`` is
+    repeated, up to ``--retries`` times; the figure of the run kept is reported either way."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads),
+               PYTHONPATH=f"{ROOT}:{ROOT / 'lib'}")
+    for attempt in range(a.retries + 1):
+        _wait_quiet(a.max_others_cpu)
+        res, others = _run_once(cmd, env, timeout)
+        if others is None or others <= a.max_others_cpu:
+            break
+        print(f"[vs_trl] others used {others:.2f} cores during {Path(cmd[1]).name} "
+              f"{' '.join(cmd[2:6])}: {'repeating' if attempt < a.retries else 'kept'}",
+              file=sys.stderr, flush=True)
+    res["others_cpu"] = None if others is None else round(others, 3)
+    res["attempts"] = attempt + 1
+    return res
+
+
+def ours(work: Path, a: argparse.Namespace, *args: str) -> dict[str, Any]:
     return child([sys.executable, __file__, "--side", "posttrain", "--work", str(work),
-                  "--threads", str(threads), *args], threads)
+                  "--threads", str(a.threads), *args], a)
 
 
-def trl(work: Path, threads: int, *args: str) -> dict[str, Any]:
-    return child([str(TRL_PY), str(ROOT / "bench" / "trl_peer.py"), "--threads", str(threads),
-                  "--model", str(work / "model"), "--tokenizer", str(work / "tok"), *args],
-                 threads)
+def trl(work: Path, a: argparse.Namespace, *args: str) -> dict[str, Any]:
+    return child([str(TRL_PY), str(ROOT / "bench" / "trl_peer.py"), "--threads", str(a.threads),
+                  "--model", str(work / "model"), "--tokenizer", str(work / "tok"), *args], a)
 
 
 def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
+
+
+def others_cpu(runs: list[dict]) -> list[float | None]:
+    """Cores the rest of the machine used during each run (`child`)."""
+    return [r.get("others_cpu") for r in runs]
 
 
 def line(recipe: str, **fields: Any) -> dict[str, Any]:
@@ -89,18 +156,19 @@ def bench_sft(work: Path, a: argparse.Namespace) -> dict[str, Any]:
     peer: dict[str, list[dict]] = {m: [] for m in a.sft_modes}
     mine: list[dict] = []
     for _ in range(a.repeats):
-        mine.append(ours(work, a.threads, "--recipe", "sft", "--steps", str(a.sft_steps),
+        mine.append(ours(work, a, "--recipe", "sft", "--steps", str(a.sft_steps),
                          "--prepared", prepared))
         for mode in a.sft_modes:
             # TRL's packing flattens the batch into one sequence with a dense mask over it on a
             # CPU: its fastest packed setting is one row of 2,048 per step (8 rows: 211 tok/s)
             batch = "1" if mode == "packing" else "8"
-            peer[mode].append(trl(work, a.threads, "--recipe", "sft", "--mode", mode,
+            peer[mode].append(trl(work, a, "--recipe", "sft", "--mode", mode,
                                   "--data", data, "--max-length", "2048", "--batch-size", batch,
                                   "--steps", str(a.trl_sft_steps[mode])))
     modes = {m: {"real_tokens_per_s": median_of(r, "real_tokens_per_s"),
                  "peak_rss_bytes": median_of(r, "peak_rss_bytes"),
-                 "runs": [round(x["real_tokens_per_s"], 1) for x in r]} for m, r in peer.items()}
+                 "runs": [round(x["real_tokens_per_s"], 1) for x in r],
+                 "others_cpu": others_cpu(r)} for m, r in peer.items()}
     best = max(modes, key=lambda m: modes[m]["real_tokens_per_s"])
     tps = median_of(mine, "real_tokens_per_s")
     rss = median_of(mine, "peak_rss_bytes")
@@ -111,7 +179,8 @@ def bench_sft(work: Path, a: argparse.Namespace) -> dict[str, Any]:
                 trl_modes=modes, peak_rss_bytes={"posttrain": rss,
                                                  "trl": modes[best]["peak_rss_bytes"]},
                 rss_ratio=round(modes[best]["peak_rss_bytes"] / rss, 3),
-                posttrain_mode=mine[0]["mode"], threads=a.threads, repeats=a.repeats)
+                posttrain_mode=mine[0]["mode"], others_cpu={"posttrain": others_cpu(mine)},
+                threads=a.threads, repeats=a.repeats)
 
 
 def bench_prepare(work: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -122,13 +191,13 @@ def bench_prepare(work: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
     for name, tok in vocabs:
         mine, peer = [], []
         for i in range(a.repeats):
-            mine.append(ours(work, a.threads, "--recipe", "prepare", "--tokenizer", str(tok),
+            mine.append(ours(work, a, "--recipe", "prepare", "--tokenizer", str(tok),
                              "--prepared", str(work / f"prep_bench_{name}_{i}")))
             peer.append(child([str(TRL_PY), str(ROOT / "bench" / "trl_peer.py"), "--threads",
                                str(a.threads), "--recipe", "prepare", "--mode", "packing",
                                "--model", str(work / "model"), "--tokenizer", str(tok),
                                "--data", str(work / "data" / "chat.jsonl"),
-                               "--max-length", "2048"], a.threads))
+                               "--max-length", "2048"], a))
         s_ours, s_trl = median_of(mine, "seconds"), median_of(peer, "seconds")
         s_load = median_of(mine, "tokenizer_load_seconds")
         s_work = median_of(mine, "seconds_without_tokenizer_load")
@@ -145,6 +214,7 @@ def bench_prepare(work: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
                         trl_runs=[round(x["seconds"], 3) for x in peer],
                         peak_rss_bytes={"posttrain": median_of(mine, "peak_rss_bytes"),
                                         "trl": median_of(peer, "peak_rss_bytes")},
+                        others_cpu={"posttrain": others_cpu(mine), "trl": others_cpu(peer)},
                         threads=a.threads, repeats=a.repeats))
     return out
 
@@ -152,9 +222,9 @@ def bench_prepare(work: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
 def bench_dpo(work: Path, a: argparse.Namespace) -> dict[str, Any]:
     mine, peer = [], []
     for _ in range(a.repeats):
-        mine.append(ours(work, a.threads, "--recipe", "dpo", "--steps", str(a.dpo_steps),
+        mine.append(ours(work, a, "--recipe", "dpo", "--steps", str(a.dpo_steps),
                          "--prepared", str(work / "prep_dpo")))
-        peer.append(trl(work, a.threads, "--recipe", "dpo",
+        peer.append(trl(work, a, "--recipe", "dpo",
                         "--data", str(work / "data" / "preference.jsonl"),
                         "--max-length", "1024", "--batch-size", "8",
                         "--steps", str(a.trl_dpo_steps)))
@@ -165,20 +235,22 @@ def bench_dpo(work: Path, a: argparse.Namespace) -> dict[str, Any]:
                 posttrain_runs=[round(x["pairs_per_s"], 3) for x in mine],
                 trl_runs=[round(x["pairs_per_s"], 3) for x in peer],
                 peak_rss_bytes={"posttrain": r_ours, "trl": r_trl},
-                rss_ratio=round(r_trl / r_ours, 3), threads=a.threads, repeats=a.repeats)
+                rss_ratio=round(r_trl / r_ours, 3),
+                others_cpu={"posttrain": others_cpu(mine), "trl": others_cpu(peer)},
+                threads=a.threads, repeats=a.repeats)
 
 
 def bench_grpo(work: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
     out = []
-    for prompts, k, new in GRPO_SHAPES:
+    for prompts, k, new in a.grpo_shapes:
         shape = ["--prompts-per-step", str(prompts), "--completions", str(k),
                  "--max-new-tokens", str(new)]
         mine, peer = [], []
         for _ in range(a.repeats):
-            mine.append(ours(work, a.threads, "--recipe", "grpo", "--steps", str(a.grpo_steps),
+            mine.append(ours(work, a, "--recipe", "grpo", "--steps", str(a.grpo_steps),
                              "--prepared", str(work / f"prep_grpo_{prompts}x{k}x{new}"),
                              *shape))
-            peer.append(trl(work, a.threads, "--recipe", "grpo",
+            peer.append(trl(work, a, "--recipe", "grpo",
                             "--data", str(work / "data" / "prompts.jsonl"),
                             "--steps", str(a.grpo_steps), *shape))
         fields = ("seconds_per_step", "generation_tokens_per_s", "update_tokens_per_s",
@@ -200,6 +272,7 @@ def bench_grpo(work: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
                         trl_runs=[round(x["seconds_per_step"], 3) for x in peer],
                         peak_rss_bytes={"posttrain": m["peak_rss_bytes"],
                                         "trl": t.get("peak_rss_bytes")},
+                        others_cpu={"posttrain": others_cpu(mine), "trl": others_cpu(peer)},
                         threads=a.threads, repeats=a.repeats))
     return out
 
@@ -255,7 +328,13 @@ def main() -> None:
     p.add_argument("--sft-modes", default=",".join(SFT_MODES))
     p.add_argument("--dpo-steps", type=int, default=8)
     p.add_argument("--trl-dpo-steps", type=int, default=4)
-    p.add_argument("--grpo-steps", type=int, default=2)
+    p.add_argument("--grpo-steps", type=int, default=4)
+    p.add_argument("--grpo-shapes", default=",".join("x".join(map(str, s)) for s in GRPO_SHAPES),
+                   help="PROMPTSxCOMPLETIONSxNEW_TOKENS, comma-separated (e.g. 4x4x32)")
+    p.add_argument("--max-others-cpu", type=float, default=0.1,
+                   help="cores other processes may use during a run before it is repeated")
+    p.add_argument("--retries", type=int, default=2,
+                   help="repeats of a run during which others used more than --max-others-cpu")
     p.add_argument("--skip-qwen", action="store_true", help="prepare: only the 8k vocabulary")
     # the child side
     p.add_argument("--side", choices=["driver", "posttrain"], default="driver")
@@ -272,8 +351,20 @@ def main() -> None:
     if not TRL_PY.exists():
         sys.exit("TRL's environment is missing: run `make trl-env` first")
     a.sft_modes = a.sft_modes.split(",")
-    # TRL's steps differ in size by mode (packing: 8 x 2,048 slots; the others: 8 samples)
-    a.trl_sft_steps = {"packing": 8, "padding_free": 8, "group_by_length": 8, "padded": 8}
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in a.grpo_shapes.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 3 for s in shapes):
+        p.error(f"--grpo-shapes {a.grpo_shapes!r}: expected e.g. 4x4x32,16x4x128")
+    a.grpo_shapes = shapes
+    # TRL's steps differ in size by mode (packing: 8 x 2,048 slots; the others: 8 samples).
+    # group_by_length: transformers' LengthGroupedSampler sorts each mega-batch of 50 batches by
+    # length, longest first, and the warm-up takes the longest batch; 8 timed steps would be
+    # batches 2-9, the longest rows of the mega-batch (~6,000 real tokens a step against ~2,200
+    # over an epoch), 1.32x below its tokens/s over the whole mega-batch. Its timed window is the
+    # rest of that mega-batch, whose rows are a random draw from the data.
+    a.trl_sft_steps = {"packing": 8, "padding_free": 8, "group_by_length": 49, "padded": 8}
     work = Path(a.work)
     t0 = time.time()
     build_inputs(work, a.skip_qwen)
