@@ -243,9 +243,8 @@ def sft_case(shape: str, a: argparse.Namespace, device, work: str, *,
             timed += micro
             timed_steps += 1
     final_loss = float(metrics["loss"])
-    profiled = (_profile_step(lambda: one_step(steps - 1), device, a.profile,
-                              f"{shape} {parallel or ''}".strip())
-                if a.profile and rank == 0 and world == 1 else {})
+    profiled = (_profile_step(lambda: one_step(steps - 1), device, a.profile, shape)
+                if a.profile and world == 1 else {})
     out = step_metrics(batch_counts(timed), seconds=seconds, data_wait_s=0.0, flops=flops,
                        peak_flops=peak, device=device)
     layout = {"world": world, **(parallel or {})} if world > 1 else {}
@@ -275,15 +274,15 @@ def sft_case(shape: str, a: argparse.Namespace, device, work: str, *,
 def _profile_step(step: Callable[[], Any], device, path: str, title: str) -> dict[str, Any]:
     """One more training step under the torch profiler (the last batch again, after the timed
     ones): the top operators by device and by host time appended to `path`, and a summary:
-    the step's wall time, the device's busy time (kernels' self time summed) and its fraction of
+    the step's wall time, the device's busy time (its kernels' durations summed) and its fraction of
     the wall, kernels launched, and host-side ATen ops. A busy fraction well under one means
     the device waits on the host (launch-bound or synchronising)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
     with profile(activities=activities) as prof:
         _, wall_s = step()
-    from torch.autograd import DeviceType
     on_device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     device_us = sum(e.device_time_total for e in on_device)
     kernels = len(on_device)
