@@ -1,4 +1,4 @@
-"""Qwen3-0.6B's real shape end to end on a CPU (`make test-long`: about 4 minutes on 2 cores,
+"""Qwen3-0.6B's real shape end to end on a CPU (`make test-long`: about 1.5 minutes on 2 cores,
 ~8 GB of RAM: two ranks holding the fp32 model each, rank 0 gathering it again to export).
 
 A random checkpoint written as the Hub lays Qwen3-0.6B out (bf16, five safetensors shards with
@@ -11,11 +11,9 @@ input (both compute in fp32 from the same bf16 weights, so only the fp32 summati
 differs: 1e-4, `posttrain verify-model`'s tolerance), and that rank 0's peak process memory
 (VmHWM at its last step) is within the memory plan's predicted peak and above 75 % of it.
 
-Known failing (xfail, strict): rank 0 peaked at 4.20-4.70 GB against a plan of 3.47 GB
-(docs/training.md, "Memory plan"). Of the first gap, gloo's staging copy of the gathered
-embedding (0.62 GB) is now in the plan; the rest is glibc keeping the step's freed tensors (its
-mmap threshold grows after the first large free, so later mid-size tensors come from a heap
-that fragments): with `MALLOC_MMAP_THRESHOLD_=1048576` one rank's step peak falls by 0.94 GiB.
+Without `parallel.release_host_heap` (on by default) this check fails: rank 0 peaked at
+4.10-4.70 GB against a plan of 3.47 GB, glibc keeping the step's freed mid-size tensors
+resident (docs/training.md, "Memory plan"); with it, 3.25 GB.
 """
 
 from __future__ import annotations
@@ -72,10 +70,6 @@ def test_qwen3_0p6b_lora_two_ranks_export_loads_with_the_native_logits(trained):
     assert report["passed"], report["unpacked"]["max_abs_diff"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rank 0 peaks 1.2-1.35x the plan: glibc's dynamic mmap threshold keeps ~0.94 GiB of the "
-    "step's freed tensors (MALLOC_MMAP_THRESHOLD_=1048576 removes it), which the plan does "
-    "not model (docs/training.md, Memory plan)"))
 def test_qwen3_0p6b_lora_two_ranks_peak_memory_is_within_the_plan(trained):
     path, run_dir = trained
     steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "peak_memory_bytes" in r]

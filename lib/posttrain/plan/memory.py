@@ -253,6 +253,9 @@ def plan_run(cfg: Any, *, gpu: str | None = None, process: str | None = None) ->
     notes = [f"logits_chunk: the loss kernel's peak over {rows * local_seq} target positions "
              f"in chunks of {min(cfg.model.loss_chunk_tokens, rows * local_seq)} x "
              f"{args.vocab_size} fp32 logits (its gradient buffers included)"]
+    if not on_gpu and not par.release_host_heap:
+        notes.append("parallel.release_host_heap is off: the heap keeps freed tensors resident "
+                     "(glibc), which this plan does not count; the measured peak can exceed it")
 
     ranks: dict[str, RankPlan] = {}
     rollout = getattr(cfg, "rollout", None)

@@ -51,6 +51,7 @@ from posttrain.models.args import ModelArgs
 from posttrain.models.transformer import Transformer
 from posttrain.train.build import build_sharded, write_random_hf_model
 from posttrain.train.checkpoint import CheckpointConfig, CheckpointManager
+from posttrain.train.host_heap import release_after_blocks, release_free_heap
 from posttrain.train.optim import build_optimizer, build_scheduler
 
 __all__ = ["all_reduce_max", "all_reduce_sum", "build_sharded", "CausalLMLoss", "DataParallel",
@@ -124,6 +125,8 @@ class Engine:
                                "one)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = get_device()
+        # on a CPU, freed transients leave the heap after each block and phase (`host_heap`)
+        self._release_heap = cfg.parallel.release_host_heap and self.device.type == "cpu"
         self.mesh = build_mesh(cfg.parallel.dp_shard, cfg.parallel.tp,
                                cfg.parallel.dp_replicate, cfg.parallel.cp)
         self.dp = DataParallel.of_mesh(self.mesh)
@@ -139,6 +142,8 @@ class Engine:
             added_tokens=added_tokens)
         # None for a transformers model (no native definition): see `posttrain.train.fallback_build`
         self.args: ModelArgs | None = getattr(self.model, "args", None)
+        if self._release_heap:
+            release_after_blocks(self.model)
         self.optimizer = build_optimizer(self.root, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.max_steps, cfg.scheduler)
         self.checkpoints = CheckpointManager(
@@ -198,6 +203,7 @@ class Engine:
                                                                     global_loss_tokens)
         grad_norm = self._clip()
         self.optimizer.step()
+        self._phase_done()
         balance = self._update_score_bias() if self.bias_update_speed else {}
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
@@ -212,6 +218,11 @@ class Engine:
         return {"step": self.step, "loss": loss_total / max(global_loss_tokens, 1), **stats,
                 **balance, "grad_norm": grad_norm, "lr": lr,
                 "step_time_s": time.perf_counter() - t0}
+
+    def _phase_done(self) -> None:
+        """A phase of the step (forward, backward, optimizer step) freed its transients."""
+        if self._release_heap:
+            release_free_heap()
 
     def _update_score_bias(self) -> dict[str, float]:
         """Auxiliary-loss-free balancing after the optimizer step: the step's expert loads,
@@ -241,8 +252,10 @@ class Engine:
         router: dict[str, float] = {}
         # FSDP averages gradients over its shard ranks: the data-parallel ones x the cp ones
         scale = self.dp.size * self.cp_size / max(global_loss_tokens, 1)
+        self._phase_done()
         for batch in micro_batches:
             loss_sum, stats = self._forward(batch)
+            self._phase_done()
             if self.bias_update_speed and batch.get("live", True):
                 loads = _moe_balance().expert_loads(self.model, _real_token_mask(batch))
                 self._expert_loads = (loads if self._expert_loads is None
@@ -256,6 +269,7 @@ class Engine:
                     objective = objective + value * (coef / len(micro_batches))
                     router[k] = router.get(k, 0.0) + float(value.detach())
             objective.backward()
+            self._phase_done()
             local_loss += loss_sum.detach().double().cpu()
             for k, v in stats.items():
                 local_stats[k] = local_stats.get(k, 0.0) + float(v)
