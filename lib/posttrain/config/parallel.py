@@ -46,7 +46,7 @@ class ParallelConfig:
         phase (forward, backward, optimizer step) has just freed its transients
         (`posttrain.train.host_heap`), so the process's peak follows its live tensors, which
         is what the memory plan predicts; false keeps glibc's default, which holds ~0.9 GiB
-        more per rank for the Qwen3-0.6B shape and is ~10 % faster per step on tiny models.
+        more per rank for the Qwen3-0.6B shape and is ~3 % faster per step on tiny models.
         Ignored on accelerators.
     """
 
