@@ -20,8 +20,9 @@ macOS) it does nothing.
 
 The pages given back are faulted in again when the next block reuses them: on a tiny model
 (hidden 256, 4 layers, 4 x 1,024 tokens per step, one thread) a step took 2.21 s against 2.14 s
-(+3 %, medians of 5 interleaved runs) for a peak of 1.31 GB against 1.47 GB; on the Qwen3-0.6B shape (two ranks, 256-token rows) the step time did not move (19-23 s)
-while rank 0's peak fell from 4.10-4.70 GB to 3.14 GB. `parallel.release_host_heap: false`
+(+3 %, medians of 5 interleaved runs) for a peak of 1.31 GB against 1.47 GB; on the
+Qwen3-0.6B shape (two ranks, 256-token rows) the step time did not move (18-23 s) while rank
+0's peak fell from 4.10-4.70 GB to 3.14 GB. `parallel.release_host_heap: false`
 keeps glibc's default.
 """
 
