@@ -79,21 +79,14 @@ class DistillFlow(RecipeFlow):
         self.eval_loss = first["model"]["loss"]
         self.next(self.end)
 
-    @card(type="blank", id="lineage")
-    @step
-    def end(self):
-        """Record what produced the outputs (lineage artifact, run tags, card); point at them."""
-        from _flow_cards import lineage_card, record_lineage
-        self.lineage = record_lineage(
-            self, outputs={"hf_uri": self.hf_uri, "checkpoint_uri": self.checkpoint_uri,
-                           "eval_uri": self.eval_uri},
-            started_from={"base_model_uri": self.base_student_uri,
-                          "teacher_uri": self.teacher_uri})
-        lineage_card(current.card["lineage"], self.lineage)
-        print(f"student Hugging Face checkpoint: {self.hf_uri}\nteacher: {self.teacher_uri}\n"
-              f"checkpoints: {self.checkpoint_uri}\neval: {self.eval_uri}\n"
-              f"held-out KL(teacher || student): {self.kl_before:.4f} -> {self.kl_after:.4f}; "
-              f"held-out student loss {self.eval_loss:.4f}")
+    def lineage_start(self) -> tuple[dict, list]:
+        return {"base_model_uri": self.base_student_uri, "teacher_uri": self.teacher_uri}, []
+
+    def report_lines(self) -> list[str]:
+        return [f"student Hugging Face checkpoint: {self.hf_uri}", f"teacher: {self.teacher_uri}",
+                f"checkpoints: {self.checkpoint_uri}", f"eval: {self.eval_uri}",
+                f"held-out KL(teacher || student): {self.kl_before:.4f} -> {self.kl_after:.4f}; "
+                f"held-out student loss {self.eval_loss:.4f}"]
 
 
 if __name__ == "__main__":

@@ -67,21 +67,12 @@ class DPOFlow(RecipeFlow):
         self.heldout = next(iter(result["tasks"].values()))["model"]
         self.next(self.end)
 
-    @card(type="blank", id="lineage")
-    @step
-    def end(self):
-        """Record what produced the outputs (lineage artifact, run tags, card); point at them."""
-        from _flow_cards import lineage_card, record_lineage
-        self.lineage = record_lineage(
-            self, outputs={"hf_uri": self.hf_uri, "reference_uri": self.base_uri,
-                           "checkpoint_uri": self.checkpoint_uri, "eval_uri": self.eval_uri},
-            started_from={"base_model_uri": self.config.model.hf_dir})
-        lineage_card(current.card["lineage"], self.lineage)
-        print(f"Hugging Face checkpoint: {self.hf_uri}\nstarting model: {self.base_uri}\n"
-              f"checkpoints: {self.checkpoint_uri}\neval: {self.eval_uri}\n"
-              f"dataset hash: {self.content_hash}")
-        for row in self.eval_table:
-            print(f"  {row['task']:<16}{row['metric']:<20}{row['model']:.4g}")
+    def lineage_outputs(self) -> dict:
+        return {**super().lineage_outputs(), "reference_uri": self.base_uri}
+
+    def report_lines(self) -> list[str]:
+        lines = super().report_lines()
+        return [lines[0], f"starting model: {self.base_uri}", *lines[1:]]
 
 
 if __name__ == "__main__":

@@ -139,24 +139,17 @@ class GRPOFlow(RecipeFlow):
         self.eval_metrics, self.baseline_metrics = first["model"], first["baseline"]
         self.next(self.end)
 
-    @card(type="blank", id="lineage")
-    @step
-    def end(self):
-        """Record what produced the outputs (lineage artifact, run tags, card); point at them."""
-        from _flow_cards import lineage_card, record_lineage
-        self.lineage = record_lineage(
-            self, outputs={"hf_uri": self.hf_uri, "checkpoint_uri": self.checkpoint_uri,
-                           "eval_uri": self.eval_uri},
-            parents=[self.parent_run],
-            started_from={"base_model_uri": self.base_model_uri, "parent_run": self.parent_run})
-        lineage_card(current.card["lineage"], self.lineage)
-        print(f"Hugging Face checkpoint: {self.hf_uri}\ncheckpoints: {self.checkpoint_uri}\n"
-              f"eval: {self.eval_uri}\nstarted from: {self.base_model_uri}"
-              f"{f' ({self.parent_run})' if self.parent_run else ''}")
-        print(f"  {'metric':<28}{'start':>10}{'trained':>10}{'delta':>10}")
-        for row in self.eval_table:
-            print(f"  {row['metric']:<28}{row['baseline']:>10.4g}{row['model']:>10.4g}"
-                  f"{row['delta']:>+10.4g}")
+    def lineage_start(self) -> tuple[dict, list]:
+        return ({"base_model_uri": self.base_model_uri, "parent_run": self.parent_run},
+                [self.parent_run])
+
+    def report_lines(self) -> list[str]:
+        return [f"Hugging Face checkpoint: {self.hf_uri}", f"checkpoints: {self.checkpoint_uri}",
+                f"eval: {self.eval_uri}", f"started from: {self.base_model_uri}"
+                f"{f' ({self.parent_run})' if self.parent_run else ''}",
+                f"  {'metric':<28}{'start':>10}{'trained':>10}{'delta':>10}",
+                *(f"  {row['metric']:<28}{row['baseline']:>10.4g}{row['model']:>10.4g}"
+                  f"{row['delta']:>+10.4g}" for row in self.eval_table)]
 
 
 if __name__ == "__main__":

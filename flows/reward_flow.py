@@ -16,7 +16,7 @@ Load the result as a GRPO reward with `posttrain.train.reward.load_reward_model(
 """
 
 from _posttrain_flow import parse_config, ray_nodes, ship_repo
-from _recipe_flow import RecipeFlow
+from _recipe_flow import RecipeFlow, eval_rows
 from metaflow import Config, card, current, retry, step
 
 REWARD_SCHEMA = "posttrain.config.reward.RewardConfig"
@@ -57,20 +57,14 @@ class RewardFlow(RecipeFlow):
         self.heldout = {**task["model"], "pairs": task["num_samples"]}
         self.next(self.end)
 
-    @card(type="blank", id="lineage")
-    @step
-    def end(self):
-        """Record what produced the outputs (lineage artifact, run tags, card); point at them."""
-        from _flow_cards import lineage_card, record_lineage
-        self.lineage = record_lineage(
-            self, outputs={"model_uri": self.model_uri, "checkpoint_uri": self.checkpoint_uri,
-                           "eval_uri": self.eval_uri},
-            started_from={"base_model_uri": self.config.model.hf_dir})
-        lineage_card(current.card["lineage"], self.lineage)
-        print(f"reward model: {self.model_uri}\ncheckpoints: {self.checkpoint_uri}\n"
-              f"eval: {self.eval_uri}\ndataset hash: {self.content_hash}")
-        for row in self.eval_table:
-            print(f"  {row['task']:<16}{row['metric']:<16}{row['model']:.4g}")
+    def lineage_outputs(self) -> dict:
+        return {"model_uri": self.model_uri, "checkpoint_uri": self.checkpoint_uri,
+                "eval_uri": self.eval_uri}
+
+    def report_lines(self) -> list[str]:
+        return [f"reward model: {self.model_uri}", f"checkpoints: {self.checkpoint_uri}",
+                f"eval: {self.eval_uri}", f"dataset hash: {self.content_hash}",
+                *eval_rows(self.eval_table)]
 
 
 if __name__ == "__main__":

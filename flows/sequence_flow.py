@@ -63,21 +63,14 @@ class SequenceFlow(RecipeFlow):
             current.card["evaluation"], provenance={"content_hash": self.content_hash})
         self.next(self.end)
 
-    @card(type="blank", id="lineage")
-    @step
-    def end(self):
-        """Record what produced the outputs (lineage artifact, run tags, card); point at them."""
-        from _flow_cards import lineage_card, record_lineage
-        self.lineage = record_lineage(
-            self, outputs={"hf_uri": self.hf_uri, "checkpoint_uri": self.checkpoint_uri,
-                           "eval_uri": self.eval_uri},
-            started_from={"base_model_uri": self.base_uri})
-        lineage_card(current.card["lineage"], self.lineage)
-        print(f"Hugging Face checkpoint (+ event_vocab.json, heads): {self.hf_uri}\n"
-              f"checkpoints: {self.checkpoint_uri}\neval: {self.eval_uri}\n"
-              f"dataset hash: {self.content_hash}")
-        for key, value in self.heldout.items():
-            print(f"  {key:<32}{value:.4g}")
+    def lineage_start(self) -> tuple[dict, list]:
+        return {"base_model_uri": self.base_uri}, []
+
+    def report_lines(self) -> list[str]:
+        return [f"Hugging Face checkpoint (+ event_vocab.json, heads): {self.hf_uri}",
+                f"checkpoints: {self.checkpoint_uri}", f"eval: {self.eval_uri}",
+                f"dataset hash: {self.content_hash}",
+                *(f"  {key:<32}{value:.4g}" for key, value in self.heldout.items())]
 
 
 if __name__ == "__main__":

@@ -98,22 +98,14 @@ class SequenceRLFlow(RecipeFlow):
                                                     "start_uri": self.start_uri})
         self.next(self.end)
 
-    @card(type="blank", id="lineage")
-    @step
-    def end(self):
-        """Record what produced the outputs (lineage artifact, run tags, card); point at them."""
-        from _flow_cards import lineage_card, record_lineage
-        self.lineage = record_lineage(
-            self, outputs={"hf_uri": self.hf_uri, "checkpoint_uri": self.checkpoint_uri,
-                           "eval_uri": self.eval_uri},
-            parents=[self.parent_run] if self.parent_run else [],
-            started_from={"base_model_uri": self.start_uri})
-        lineage_card(current.card["lineage"], self.lineage)
-        print(f"Hugging Face checkpoint (+ event_vocab.json): {self.hf_uri}\n"
-              f"checkpoints: {self.checkpoint_uri}\neval: {self.eval_uri}\n"
-              f"dataset hash: {self.content_hash}")
-        for key, value in self.heldout.items():
-            print(f"  {key:<40}{value:.4g}")
+    def lineage_start(self) -> tuple[dict, list]:
+        return {"base_model_uri": self.start_uri}, [self.parent_run] if self.parent_run else []
+
+    def report_lines(self) -> list[str]:
+        return [f"Hugging Face checkpoint (+ event_vocab.json): {self.hf_uri}",
+                f"checkpoints: {self.checkpoint_uri}", f"eval: {self.eval_uri}",
+                f"dataset hash: {self.content_hash}",
+                *(f"  {key:<40}{value:.4g}" for key, value in self.heldout.items())]
 
 
 if __name__ == "__main__":

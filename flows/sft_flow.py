@@ -70,20 +70,7 @@ class SFTFlow(RecipeFlow):
         self.samples = [r for r in first["records"] if "model_output" in r]
         self.next(self.end)
 
-    @card(type="blank", id="lineage")
-    @step
-    def end(self):
-        """Record what produced the outputs (lineage artifact, run tags, card); point at them."""
-        from _flow_cards import lineage_card, record_lineage
-        self.lineage = record_lineage(
-            self, outputs={"hf_uri": self.hf_uri, "checkpoint_uri": self.checkpoint_uri,
-                           "eval_uri": self.eval_uri},
-            started_from={"base_model_uri": self.config.model.hf_dir})
-        lineage_card(current.card["lineage"], self.lineage)
-        print(f"Hugging Face checkpoint: {self.hf_uri}\ncheckpoints: {self.checkpoint_uri}\n"
-              f"eval: {self.eval_uri}\ndataset hash: {self.content_hash}")
-        for row in self.eval_table:
-            print(f"  {row['task']:<16}{row['metric']:<16}{row['model']:.4g}")
+
 
 
 if __name__ == "__main__":
