@@ -247,9 +247,11 @@ class Engine:
         averaged over the step's micro-batches. Returns the local loss sum, the loss root's
         stats sums and the router losses' sums (unscaled, over this rank's micro-batches)."""
         self.root.train()
-        local_loss = torch.zeros((), dtype=torch.float64)
-        local_stats: dict[str, float] = {}
-        router: dict[str, float] = {}
+        # summed on the device in float64 and read once per step (`_host_sums`), not synced
+        # to the host after every micro-batch; the same float64 sums as on the host
+        local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        local_stats: dict[str, torch.Tensor] = {}
+        router: dict[str, torch.Tensor] = {}
         # FSDP averages gradients over its shard ranks: the data-parallel ones x the cp ones
         scale = self.dp.size * self.cp_size / max(global_loss_tokens, 1)
         self._phase_done()
@@ -267,19 +269,19 @@ class Engine:
                 terms = self._router_losses(batch)
                 for k, (coef, value) in terms.items():
                     objective = objective + value * (coef / len(micro_batches))
-                    router[k] = router.get(k, 0.0) + float(value.detach())
+                    router[k] = router.get(k, 0.0) + _as_float64(value, self.device)
             objective.backward()
             self._phase_done()
-            local_loss += loss_sum.detach().double().cpu()
+            local_loss += _as_float64(loss_sum, self.device)
             for k, v in stats.items():
-                local_stats[k] = local_stats.get(k, 0.0) + float(v)
+                local_stats[k] = local_stats.get(k, 0.0) + _as_float64(v, self.device)
         if not micro_batches:
             self._zero_contribution()
+        loss, stats_sums, router_sums = _host_sums(local_loss, local_stats, router)
         if self.cp_group is not None:      # each cp rank summed its share of the rows' tokens
-            local_loss = torch.tensor(self._cp_sum({"loss": float(local_loss)})["loss"],
-                                      dtype=torch.float64)
-            local_stats = self._cp_sum(local_stats)
-        return local_loss, local_stats, router
+            loss = torch.tensor(self._cp_sum({"loss": float(loss)})["loss"], dtype=torch.float64)
+            stats_sums = self._cp_sum(stats_sums)
+        return loss, stats_sums, router_sums
 
     def _cp_sum(self, values: dict[str, float]) -> dict[str, float]:
         """Sums over this rank's tokens added up over its "cp" group (each micro-batch's rows
@@ -413,6 +415,25 @@ class Engine:
         from posttrain.distributed.parallelize import gather_full_state_dict
         sd = gather_full_state_dict(self.root)
         return {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
+
+
+def _as_float64(value: Any, device: torch.device) -> torch.Tensor:
+    """A loss or stat (tensor or number) as a detached float64 scalar on `device`: adding
+    these equals adding their Python floats (float32 -> float64 is exact)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(()).to(device=device, dtype=torch.float64)
+    return torch.tensor(float(value), dtype=torch.float64, device=device)
+
+
+def _host_sums(loss: torch.Tensor, stats: dict[str, torch.Tensor],
+               router: dict[str, torch.Tensor]
+               ) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
+    """A step's device-side sums read back in one transfer: (the loss as a float64 CPU
+    tensor, the stats and router sums as floats)."""
+    values = torch.stack([loss, *stats.values(), *router.values()]).cpu().tolist()
+    n = 1 + len(stats)
+    return (torch.tensor(values[0], dtype=torch.float64), dict(zip(stats, values[1:n])),
+            dict(zip(router, values[n:])))
 
 
 def _real_token_mask(batch: dict) -> torch.Tensor | None:
