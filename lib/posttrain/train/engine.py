@@ -209,7 +209,7 @@ class Engine:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        loss_total = self.dp.sum(local_loss.item())
+        loss_total = self.dp.sum(local_loss)
         stats = {k: self.dp.sum(v) / max(global_loss_tokens, 1)
                  for k, v in sorted(local_stats.items())}
         # the MoE router losses: means over the step's micro-batches (unweighted)
@@ -241,7 +241,7 @@ class Engine:
         return {"moe/max_violation": balance.max_load_violation(loads)}
 
     def accumulate_gradients(self, micro_batches: list[dict], global_loss_tokens: int
-                             ) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
+                             ) -> tuple[float, dict[str, float], dict[str, float]]:
         """Forward and backward over this rank's micro-batches: the gradient of the step's
         loss (module doc), plus for MoE models coef x the router losses of each micro-batch
         averaged over the step's micro-batches. Returns the local loss sum, the loss root's
@@ -279,7 +279,7 @@ class Engine:
             self._zero_contribution()
         loss, stats_sums, router_sums = _host_sums(local_loss, local_stats, router)
         if self.cp_group is not None:      # each cp rank summed its share of the rows' tokens
-            loss = torch.tensor(self._cp_sum({"loss": float(loss)})["loss"], dtype=torch.float64)
+            loss = self._cp_sum({"loss": loss})["loss"]
             stats_sums = self._cp_sum(stats_sums)
         return loss, stats_sums, router_sums
 
@@ -427,13 +427,11 @@ def _as_float64(value: Any, device: torch.device) -> torch.Tensor:
 
 def _host_sums(loss: torch.Tensor, stats: dict[str, torch.Tensor],
                router: dict[str, torch.Tensor]
-               ) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
-    """A step's device-side sums read back in one transfer: (the loss as a float64 CPU
-    tensor, the stats and router sums as floats)."""
+               ) -> tuple[float, dict[str, float], dict[str, float]]:
+    """A step's device-side sums read back in one transfer, as floats."""
     values = torch.stack([loss, *stats.values(), *router.values()]).cpu().tolist()
     n = 1 + len(stats)
-    return (torch.tensor(values[0], dtype=torch.float64), dict(zip(stats, values[1:n])),
-            dict(zip(router, values[n:])))
+    return values[0], dict(zip(stats, values[1:n])), dict(zip(router, values[n:]))
 
 
 def _real_token_mask(batch: dict) -> torch.Tensor | None:
