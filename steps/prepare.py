@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,25 +130,44 @@ class _TextEncoder:
         record = self.rows.parse(row, file=file, line=line)
         return self.records.encode(record, file=file, line=line)
 
-    def encode_rows(self, raws: list) -> list[EncodedRow | DataError]:
-        """`encode_row` of many raw rows, each result or DataError in its place; the chat
-        rows among them are tokenized in one batch (`RecordEncoder.encode_many`)."""
-        out: list[EncodedRow | DataError | None] = []
-        records = []
-        for raw in raws:
-            try:
-                if raw.error is not None:
-                    raise raw.error
-                records.append((self.rows.parse(raw.data, file=raw.file, line=raw.line),
-                                raw.file, raw.line))
-                out.append(None)
-            except DataError as err:
-                out.append(err)
-        encoded = iter(self.records.encode_many(records))
-        return [next(encoded) if r is None else r for r in out]
+    def encode_batches(self, batches: Iterable[list]
+                       ) -> Iterator[tuple[list, list[EncodedRow | DataError]]]:
+        """(raw rows, their results) for each batch of raw rows: each row's `encode_row`
+        result or DataError in its place. Chat rows are tokenized a batch at a time, one
+        batch's tokenization overlapping the next one's rendering
+        (`RecordEncoder.encode_batches`)."""
+        def parsed():
+            for raws in batches:
+                out: list[DataError | None] = []
+                records = []
+                for raw in raws:
+                    try:
+                        if raw.error is not None:
+                            raise raw.error
+                        records.append((self.rows.parse(raw.data, file=raw.file, line=raw.line),
+                                        raw.file, raw.line))
+                        out.append(None)
+                    except DataError as err:
+                        out.append(err)
+                yield (raws, out), records
+
+        for (raws, out), encoded in self.records.encode_batches(parsed()):
+            it = iter(encoded)
+            yield raws, [next(it) if r is None else r for r in out]
 
 
 ROWS_PER_BATCH = 256     # rows tokenized per batch call; a few MB of text
+
+
+def _batches(stream, size: int) -> Iterator[list]:
+    batch = []
+    for raw in stream:
+        batch.append(raw)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def _encoded(stream, encoder: _TextEncoder | EventEncoder):
@@ -162,14 +182,8 @@ def _encoded(stream, encoder: _TextEncoder | EventEncoder):
             except DataError as err:
                 yield raw, err
         return
-    batch = []
-    for raw in stream:
-        batch.append(raw)
-        if len(batch) == ROWS_PER_BATCH:
-            yield from zip(batch, encoder.encode_rows(batch))
-            batch = []
-    if batch:
-        yield from zip(batch, encoder.encode_rows(batch))
+    for raws, encoded in encoder.encode_batches(_batches(stream, ROWS_PER_BATCH)):
+        yield from zip(raws, encoded)
 
 
 def _encoder(cfg: PrepareConfig) -> tuple[ChatTokenizer | EventVocab, _TextEncoder | EventEncoder]:

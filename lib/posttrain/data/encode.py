@@ -16,16 +16,17 @@ is trained and no chat template is applied.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import pyarrow as pa
 
 from posttrain.data.formats import (ChatRecord, FormatName, PreferenceRecord, PromptRecord,
                                     Record, SequenceRecord, UnpairedRecord)
-from posttrain.data.tokenizer import ChatTokenizer, Encoded
+from posttrain.data.tokenizer import ChatTokenizer, Encoded, RenderedChats
 from posttrain.errors import DataError
 
 
@@ -39,6 +40,7 @@ class LengthConfig:
             raise ValueError("max_tokens_per_sample must be at least 2")
 
 
+T = TypeVar("T")
 _IDS = pa.list_(pa.int32())
 _MASK = pa.list_(pa.int8())
 
@@ -128,18 +130,65 @@ class RecordEncoder:
                     ) -> list[EncodedRow | DataError]:
         """`encode` of many (record, file, line) at once, each result or DataError in its
         place; chat records are tokenized in one batch (`ChatTokenizer.encode_chats`)."""
-        chats = [(r.messages, f, ln) for r, f, ln in records if isinstance(r, ChatRecord)]
-        encoded = iter(self.tok.encode_chats(chats) if chats else [])
+        return self._finish(self._start(records, None))
+
+    def encode_batches(self, batches: Iterable[tuple[T, Sequence[tuple[Record, str | None,
+                                                                   int | None]]]]
+                       ) -> Iterator[tuple[T, list[EncodedRow | DataError]]]:
+        """`encode_many` of each (tag, batch) in turn, yielded as (tag, results), pipelined:
+        while a thread tokenizes one batch's chat texts (the Rust tokenizer releases the GIL
+        and spreads them over the cores), this thread renders the next batch's and the caller
+        consumes the batch before (writes its shards). The same results, in the same order, as
+        `encode_many` batch by batch."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize") as pool:
+            pending = None
+            for tag, records in batches:
+                started = (tag, self._start(records, pool))
+                if pending is not None:
+                    yield pending[0], self._finish(pending[1])
+                pending = started
+            if pending is not None:
+                yield pending[0], self._finish(pending[1])
+
+    def _start(self, records: Sequence[tuple[Record, str | None, int | None]],
+               pool: ThreadPoolExecutor | None) -> tuple[Sequence, RenderedChats, Any]:
+        """Render the batch's chat records here and start its tokenizer work (`_tokenize`) in
+        `pool`, or run it now."""
+        rendered = self.tok.render_chats([(r.messages, f, ln) for r, f, ln in records
+                                          if isinstance(r, ChatRecord)])
+        work = (records, rendered)
+        return records, rendered, (pool.submit(self._tokenize, *work) if pool is not None
+                                   else self._tokenize(*work))
+
+    def _tokenize(self, records: Sequence[tuple[Record, str | None, int | None]],
+                  rendered: RenderedChats) -> tuple[list[Any], dict[int, EncodedRow | DataError]]:
+        """All of a batch's tokenizer work, on one thread: the rendered chat texts in one batch
+        call, and each other record whole (the tokenizer is never used from two threads at
+        once, so none of its calls can find it borrowed)."""
+        others: dict[int, EncodedRow | DataError] = {}
+        for i, (record, file, line) in enumerate(records):
+            if not isinstance(record, ChatRecord):
+                try:
+                    others[i] = self.encode(record, file=file, line=line)
+                except DataError as err:
+                    others[i] = err
+        return self.tok.tokenize_texts(rendered.texts), others
+
+    def _finish(self, started: tuple[Sequence, RenderedChats, Any]
+                ) -> list[EncodedRow | DataError]:
+        records, rendered, work = started
+        encodings, others = work.result() if isinstance(work, Future) else work
+        encoded = iter(self.tok.mask_chats(rendered, encodings))
         out: list[EncodedRow | DataError] = []
-        for record, file, line in records:
+        for i, (record, file, line) in enumerate(records):
+            if i in others:
+                out.append(others[i])
+                continue
+            enc = next(encoded)
             try:
-                if isinstance(record, ChatRecord):
-                    enc = next(encoded)
-                    if isinstance(enc, DataError):
-                        raise enc
-                    out.append(self._single(enc, file, line, field="messages"))
-                else:
-                    out.append(self.encode(record, file=file, line=line))
+                if isinstance(enc, DataError):
+                    raise enc
+                out.append(self._single(enc, file, line, field="messages"))
             except DataError as err:
                 out.append(err)
         return out
@@ -160,15 +209,15 @@ class RecordEncoder:
 
     def _single(self, enc: Encoded, file, line, field) -> EncodedRow:
         enc, truncated = self._fit(enc, file, line, field)
-        n_loss = int(sum(enc.loss_mask))
+        mask = np.asarray(enc.loss_mask, np.int8)
+        n_loss = int(np.count_nonzero(mask))
         if n_loss == 0:
             raise DataError("no token left to train on (after truncation)" if truncated else
                             "no token to train on", file=file, line=line, field=field,
                             reason="no_loss_tokens")
         return EncodedRow({"input_ids": np.asarray(enc.input_ids, np.int32),
-                           "loss_mask": np.asarray(enc.loss_mask, np.int8),
-                           "num_tokens": len(enc.input_ids), "num_loss_tokens": n_loss},
-                          truncated)
+                           "loss_mask": mask, "num_tokens": len(mask),
+                           "num_loss_tokens": n_loss}, truncated)
 
     def _preference(self, rec: PreferenceRecord, file, line) -> EncodedRow:
         chosen, rejected = self.tok.encode_preference(rec.prompt, rec.chosen, rec.rejected)

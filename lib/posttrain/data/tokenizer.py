@@ -58,7 +58,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -70,6 +70,17 @@ from posttrain.data.turn_regions import (THINK_CLOSE, Message, assistant_regions
 from posttrain.errors import ConfigError, DataError
 
 __all__ = ["ChatTokenizer", "Encoded", "Message", "SemanticIdConfig", "TokenizerConfig"]
+
+
+@dataclass
+class RenderedChats:
+    """Conversations rendered by `ChatTokenizer.render_chats`, not yet tokenized: per item,
+    the index of its text in `texts` (and of its trained turns' character spans in `spans`)
+    or the DataError that refused it."""
+
+    items: list[int | DataError] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    spans: list[list[tuple[int, int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -199,24 +210,40 @@ class ChatTokenizer:
         rendered and checked on its own (a bad one gives its DataError in its place), then all
         texts are tokenized in one batch call, which the Rust tokenizer spreads over the
         cores."""
-        out: list[Encoded | DataError] = []
-        texts, spans, where = [], [], []
-        for i, (messages, source, line) in enumerate(items):
+        rendered = self.render_chats(items)
+        return self.mask_chats(rendered, self.tokenize_texts(rendered.texts))
+
+    def render_chats(self, items: Sequence[tuple[Sequence[Message], str | None, int | None]]
+                     ) -> RenderedChats:
+        """The first half of `encode_chats`, in Python: each conversation checked and rendered,
+        with the character spans of its trained turns, or its DataError."""
+        out = RenderedChats()
+        for messages, source, line in items:
             try:
                 self._check_messages(messages, source, line)
                 trained = _trained_indices(messages, self.cfg.train_on)
                 text, row_spans = self._render_with_spans(messages, trained, source, line)
             except DataError as err:
-                out.append(err)
+                out.items.append(err)
                 continue
-            out.append(None)                   # type: ignore[arg-type]  (filled below)
-            texts.append(text)
-            spans.append(row_spans)
-            where.append(i)
-        encodings = self._backend.encode_batch(texts, add_special_tokens=False) if texts else []
-        for i, enc, row_spans in zip(where, encodings, spans):
-            out[i] = self._masked(enc, row_spans)
+            out.items.append(len(out.texts))
+            out.texts.append(text)
+            out.spans.append(row_spans)
         return out
+
+    def tokenize_texts(self, texts: Sequence[str]) -> list[Any]:
+        """The tokenizer's encodings of `texts` (no special tokens added), in one batch call.
+        The Rust tokenizer releases the GIL for it, so a thread may run it while Python
+        renders the next batch (`posttrain.data.encode.RecordEncoder.encode_batches`)."""
+        return self._backend.encode_batch(list(texts), add_special_tokens=False) if texts else []
+
+    def mask_chats(self, rendered: RenderedChats, encodings: Sequence[Any]
+                   ) -> list[Encoded | DataError]:
+        """The second half of `encode_chats`: each rendered conversation's ids and loss mask
+        from its encoding (`tokenize_texts` of `rendered.texts`), errors in their places."""
+        return [item if isinstance(item, DataError)
+                else self._masked(encodings[item], rendered.spans[item])
+                for item in rendered.items]
 
     def encode_prompt(self, messages: Sequence[Message], *, source: str | None = None,
                       line: int | None = None, tools: Sequence[dict] | None = None

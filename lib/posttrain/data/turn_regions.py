@@ -161,7 +161,7 @@ def _tool_calls(message: Message) -> list[tuple[str, str]]:
 def mask_from_encoding(enc: Any, spans: list[tuple[int, int]]) -> list[int] | None:
     """`mask_from_offsets` from a few lookups per span (`char_to_token` at its ends) instead of
     the offsets of every token; None where a span end falls on a character no token covers."""
-    n = len(enc.ids)
+    n = len(enc)                  # not len(enc.ids): that copies every id into a list
     mask = [0] * n
     for start, end in spans:
         first, last = enc.char_to_token(start), enc.char_to_token(end - 1)

@@ -909,3 +909,32 @@ def test_encode_chats_is_encode_chat_row_by_row():
     for (messages, _, _), enc in zip(items[:2] + items[3:], got[:2] + got[3:]):
         want = tok.encode_chat(messages)
         assert (enc.input_ids, enc.loss_mask) == (want.input_ids, want.loss_mask)
+
+
+def test_pipelined_batches_give_encode_many_results_in_order():
+    """`RecordEncoder.encode_batches` (one batch tokenized in a thread while the next renders)
+    yields, per batch and with its tag, exactly what `encode_many` gives that batch: the same
+    ids, masks and counts, a bad conversation's DataError in its place."""
+    import numpy as np
+
+    from posttrain.data.encode import LengthConfig, RecordEncoder
+    from posttrain.data.formats import ChatRecord
+    tok = ChatTokenizer(TokenizerConfig(path=str(TOKENIZER_DIR)))
+    enc = RecordEncoder(tok, "chat", LengthConfig(max_tokens_per_sample=64))
+    convs = [*CONVERSATIONS, [{"role": "wizard", "content": "x"}], *CONVERSATIONS[::-1]]
+    records = [(ChatRecord(c), "f.jsonl", i) for i, c in enumerate(convs)]
+    batches = [(f"b{k}", records[k:k + 3]) for k in range(0, len(records), 3)]
+    got = list(enc.encode_batches(iter(batches)))
+    assert [tag for tag, _ in got] == [tag for tag, _ in batches]
+    for (_, rows), (_, batch) in zip(got, batches):
+        want = enc.encode_many(batch)
+        assert len(rows) == len(want) == len(batch)
+        for a, b in zip(rows, want):
+            if isinstance(b, DataError):
+                assert isinstance(a, DataError) and (a.line, a.reason) == (b.line, b.reason)
+                continue
+            assert a.truncated == b.truncated
+            for k in ("input_ids", "loss_mask"):
+                np.testing.assert_array_equal(a.columns[k], b.columns[k])
+            assert a.columns["num_loss_tokens"] == b.columns["num_loss_tokens"] > 0
+    assert sum(isinstance(r, DataError) for _, rows in got for r in rows) == 1
