@@ -3,11 +3,11 @@
 What is proved here, against one uninterrupted reference run (a subprocess, 1 inline worker,
 a checkpoint after every step):
 - 2 Ray workers (FSDP2 over gloo) follow it: per-step losses within 1e-5, weights within 1e-5;
-- SIGKILL + restart gives bit-identical exported weights, killed mid-epoch, at the checkpoint
-  where the loader's shard reader crossed into epoch 2, and killed twice; killed at 6 seeded
-  points over data loading, forward, optimizer step and checkpoint save, restarted after each
-  (the chaos test); a 1-worker checkpoint
-  resumed on 2 Ray workers trains the same global batches (losses within 1e-5);
+- SIGKILL + restart gives bit-identical exported weights: killed mid-epoch and again at the
+  checkpoint where the loader's shard reader crossed into epoch 2; killed inside each of a
+  checkpoint save's five parts in turn; killed at 6 seeded points over data loading, forward,
+  optimizer step and checkpoint save (the chaos test), restarted after each kill; a 1-worker
+  checkpoint resumed on 2 Ray workers trains the same global batches (losses within 1e-5);
 - a corrupted newest checkpoint is refused with a warning naming it, and the previous one used;
 - a checkpoint save on a full disk fails the run naming the checkpoint and the bytes it needs,
   and the restart resumes from the checkpoint before it, bit-identical;
@@ -154,27 +154,40 @@ def test_two_ray_workers_match_one_inline_worker(tiny, local_ray):
 
 
 # ---------------------------------------------------------------------------- 2. resume
-@pytest.mark.parametrize("point", ["dcp", "rank-00000.json", "meta.json", "manifest.json",
-                                   "commit"])
-def test_sigkill_inside_a_checkpoint_save_resumes_from_the_previous_one(tiny, point):
-    """SIGKILL at a point inside the save of checkpoint MID_EPOCH_STEP (tests/steps/
-    fault_at.py): the torn attempt is never loaded, the restart continues from the
-    checkpoint before it and ends bit-identical to the uninterrupted run."""
-    run_dir = tiny.tmp / f"torn_{point}"
-    proc = _run_with_fault(tiny, run_dir, "kill", f"save/{point}:{MID_EPOCH_STEP}")
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-3000:]
-    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    complete = [n for n in names if ".tmp-" not in n]
-    assert complete[-1] == f"step-{MID_EPOCH_STEP - 1:08d}", names
-    assert any(n.startswith(f"step-{MID_EPOCH_STEP:08d}.tmp-") for n in names), names
+SAVE_PARTS = ("dcp", "rank-00000.json", "meta.json", "manifest.json", "commit")
+
+
+def test_sigkill_inside_each_part_of_a_checkpoint_save_resumes_from_the_previous_one(tiny):
+    """SIGKILL inside each part of a checkpoint save in turn (tests/steps/fault_at.py), one
+    run restarted after each kill: the i-th kill tears the save of checkpoint
+    MID_EPOCH_STEP + 2i. Each torn attempt is left as a `.tmp-` directory and never loaded:
+    the checkpoint before it is the newest complete one, and the restart resumes from it (the
+    next kill's marker shows the engine at the step that implies). The last restart ends
+    bit-identical to the uninterrupted run, with no torn attempt left behind."""
+    run_dir, marker = tiny.tmp / "torn", tiny.tmp / "torn.faults"
+    start = 0                                # the checkpoint each run resumes from
+    for i, part in enumerate(SAVE_PARTS):
+        step = MID_EPOCH_STEP + 2 * i
+        proc = _run_with_fault(tiny, run_dir, "kill", f"save/{part}:{step - start}", marker)
+        assert proc.returncode == -signal.SIGKILL, (part, proc.stderr.decode()[-3000:])
+        hit = json.loads(marker.read_text().splitlines()[-1])
+        assert (hit["point"], hit["step"]) == (f"save/{part}", step), hit
+        names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+        complete = [n for n in names if ".tmp-" not in n]
+        assert complete[-1] == f"step-{step - 1:08d}", (part, names)
+        assert any(n.startswith(f"step-{step:08d}.tmp-") for n in names), (part, names)
+        start = step - 1
     _run_to_end(tiny.config, run_dir)
     result = json.loads((run_dir / "result.json").read_text())
-    assert (result["started_at_step"], result["steps"]) == (MID_EPOCH_STEP - 1, MAX_STEPS)
+    assert (result["started_at_step"], result["steps"]) == (start, MAX_STEPS)
     assert _safetensors(run_dir / "hf") == _safetensors(tiny.ref_dir / "hf")
+    got = tiny.metrics(run_dir)
+    assert [got[s]["loss"] for s in range(1, MAX_STEPS + 1)] == \
+        [m["loss"] for m in tiny.ref_metrics]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if ".tmp-" in p.name]
 
 
 CHAOS_SEED, CHAOS_KILLS = 0, 6
-SAVE_PARTS = ("dcp", "rank-00000.json", "meta.json", "manifest.json", "commit")
 
 
 def chaos_plan(seed: int, kills: int, max_steps: int, micro_batches: int
@@ -233,11 +246,14 @@ def test_chaos_sigkill_at_seeded_points_each_restart_resumes_and_ends_byte_ident
     assert not [p for p in (run_dir / "checkpoints").iterdir() if ".tmp-" in p.name]
 
 
-@pytest.mark.parametrize("kills", ["mid_epoch", "epoch_boundary", "mid_epoch_then_boundary"])
-def test_sigkill_and_restart_gives_bit_identical_weights(tiny, kills):
-    run_dir = tiny.tmp / f"killed_{kills}"
-    steps = {"mid_epoch": [MID_EPOCH_STEP], "epoch_boundary": [tiny.boundary_step],
-             "mid_epoch_then_boundary": [MID_EPOCH_STEP, tiny.boundary_step]}[kills]
+def test_sigkill_mid_epoch_then_at_the_epoch_boundary_restarts_bit_identical(tiny):
+    """Killed right after checkpoint MID_EPOCH_STEP (mid-epoch), restarted, killed again right
+    after the checkpoint where the loader's shard reader crossed into epoch 2, restarted to
+    the end: each restart resumes where it was killed (the first one crosses the epoch
+    boundary itself), and the run ends with the reference's losses and bit-identical weights
+    (the chaos test below kills at seeded points all over the run)."""
+    run_dir = tiny.tmp / "killed"
+    steps = [MID_EPOCH_STEP, tiny.boundary_step]
     for step in steps:
         _run_and_kill(tiny.config, run_dir, step)
         if step == tiny.boundary_step:     # the kill is right after the reader changed epoch
