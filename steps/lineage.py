@@ -23,9 +23,13 @@ from posttrain.lineage import LineageError, check_pathspec, format_tree, walk
 def load_from_metaflow(pathspec: str) -> dict[str, Any]:
     """The `lineage` artifact of the run `pathspec`, read with the Metaflow client."""
     from metaflow import Run, get_namespace, namespace
-    from metaflow.exception import MetaflowInvalidPathspec, MetaflowNotFound
+    from metaflow.exception import (MetaflowInvalidPathspec, MetaflowNotFound,
+                                    MetaflowUnknownUser)
     check_pathspec(pathspec)
-    previous = get_namespace()
+    try:
+        previous = get_namespace()
+    except MetaflowUnknownUser:     # no user name to default to: every namespace is read anyway
+        previous = None
     namespace(None)             # a parent may come from another user's or a production run
     try:
         try:

@@ -44,8 +44,13 @@ def _resolved_config(schema: str, path) -> dict:
     return parse_config(schema)(path.read_text())
 
 
-def _lineage_cli(sandbox, *args: str) -> subprocess.CompletedProcess:
+def _lineage_cli(sandbox, *args: str, as_root: bool = False) -> subprocess.CompletedProcess:
+    """`posttrain lineage ARGS`; `as_root`: as root in a container is, with no user name
+    Metaflow can default its namespace to (USER=root, no METAFLOW_USER)."""
     env = {**os.environ, **sandbox.env}
+    if as_root:
+        env = {k: v for k, v in env.items()
+               if k not in ("METAFLOW_USER", "SUDO_USER", "USERNAME")} | {"USER": "root"}
     return subprocess.run([sys.executable, "-m", "steps.cli", "lineage", *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=300)
 
@@ -145,6 +150,10 @@ def test_lineage_of_an_sft_then_grpo_chain(arithmetic_chain, monkeypatch, tmp_pa
     assert f"   └─ eval_uri: {sft_lin['outputs']['eval_uri']}" in lines[sft_line + 1:]
     as_json = json.loads(_lineage_cli(sandbox, grpo.pathspec, "--json").stdout)
     assert as_json["parents"][0]["lineage"] == sft_lin
+    # no user name for Metaflow's default namespace (root in a container): the same tree,
+    # not MetaflowUnknownUser's traceback
+    as_root = _lineage_cli(sandbox, grpo.pathspec, as_root=True)
+    assert (as_root.returncode, as_root.stdout) == (0, out.stdout), as_root.stderr[-2000:]
 
     _check_eval_lineage(sandbox, sft, grpo)
 
