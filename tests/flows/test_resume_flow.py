@@ -3,8 +3,8 @@ flow that trains (the retraining flow's case is in test_retrain_flow.py, where t
 is also the better candidate that takes the `promoted` tag).
 
 The run's process group (the Metaflow runtime, its train task and the task's Ray cluster) is
-SIGKILLed once the train step has committed checkpoint 2 (of 4 steps; SFT: of 6), so the run
-fails without its @retry. `resume` then clones the steps before the train step (their
+SIGKILLed once the train step has committed checkpoint 2 (of 4 steps), so the run fails
+without its @retry. `resume` then clones the steps before the train step (their
 artifacts are reused: prepare, or the pipeline's SFT step, does not run again), reruns the
 train step, which continues from the killed run's checkpoint 2 in the same storage root, and
 exports weights byte-identical to an uninterrupted run's; the lineage of the resumed run names
@@ -15,8 +15,9 @@ flow's train step calls through `train_recipe`) on the same config, not a second
 same bytes (an uninterrupted DPO and sequence flow run exported exactly the driver's; SFT's
 and GRPO's, compared flow to flow before) for a fraction of the time. SFT trains on two Ray
 workers (the Ray launcher's resume), the other recipes inline on one (they share SFT's kernel;
-their multi-worker resume is tests/steps'): a case takes 30-50 s on two cores, SFT 85-90 s,
-the pipeline 50 s.
+their multi-worker resume is tests/steps'): a case takes 15-40 s on two cores, SFT 45-60 s.
+The start step's memory plan is off (`run.plan_check: off`): it is 3-4 s of imports and
+tracing per run that a resume does not exercise (the SFT flow tests and tests/lib/plan do).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.slow
 INLINE = {"run.launcher": "inline", "run.num_workers": 1}
 FOUR_STEPS = {"train.max_steps": 4, "train.checkpoint_every_steps": 2}
 ARITHMETIC_MODEL = str(REPO / "tests/fixtures/arithmetic_sft")
+NO_PLAN = {"run.plan_check": "off"}
 SHORT_GRPO = {**FOUR_STEPS, "train.prompts_per_step": 4, "train.samples_per_prompt": 4,
               "train.mini_batches": 1, "eval.max_prompts": 4, "eval.num_records": 2}
 
@@ -63,8 +65,8 @@ def _config(name: str) -> Path:
 
 CASES = {
     "sft": Case(SFT_FLOW, "SFTFlow", "train_sft", {"config": (TINY_SFT, {
-        "train.max_steps": 6, "train.checkpoint_every_steps": 2, "eval.max_batches": 2,
-        "eval.generate": {"num_samples": 1, "max_new_tokens": 4}})}, steps=6),
+        **FOUR_STEPS, "eval.max_batches": 2,
+        "eval.generate": {"num_samples": 1, "max_new_tokens": 4}})}),
     "dpo": Case(_flow("dpo"), "DPOFlow", "train_dpo", {"config": (_config("dpo"), {
         **INLINE, **FOUR_STEPS, "eval.max_batches": 2})}),
     "reward": Case(_flow("reward"), "RewardFlow", "train_reward", {"config": (
@@ -112,7 +114,7 @@ def test_resume_continues_a_killed_run_from_its_checkpoint(sandbox, monkeypatch,
     case = CASES[name]
     monkeypatch.setenv("USER", sandbox.env["USER"])
     configs = {key: _suite(sandbox) if key == "suite" else
-               sandbox.config(base, name=f"{key}.yaml", **changes)
+               sandbox.config(base, name=f"{key}.yaml", **{**NO_PLAN, **changes})
                for key, (base, changes) in case.configs.items()}
 
     origin_id = run_and_kill(sandbox, case.flow_file, configs, case.flow, case.checkpoints, 2)

@@ -1,11 +1,11 @@
 """The scheduled retraining flow, run twice locally through Metaflow's Runner:
 
 1. nothing is promoted yet: the candidate trained on the newest snapshot is promoted (tagged);
-2. a new snapshot arrives and the recipe is made worse (2 steps instead of 12): the candidate
+2. a new snapshot arrives and the recipe is made worse (2 steps instead of 4): the candidate
    loses to the promoted model on the held-out split, is refused with the reason, and the tag
    stays where it was;
-3. the recipe is made better (24 steps): that run is SIGKILLed once its train step has
-   committed checkpoint 12 and continued with `resume`, which exports the same bytes as an
+3. the recipe is made better (8 steps): that run is SIGKILLed once its train step has
+   committed checkpoint 4 and continued with `resume`, which exports the same bytes as an
    uninterrupted run (the SFT driver on the same recipe) and records `resumed_from`; the
    candidate beats the promoted model by the margin and takes the `promoted` tag from it.
    One run answers both questions (the resume of this flow, test_resume_flow.py's for the
@@ -77,7 +77,7 @@ def test_gate_promotes_refuses_a_worse_model_and_moves_the_tag_to_a_better_one(
             assert run.successful, run
             return Run(run.pathspec)
 
-    first = launch(12)
+    first = launch(4)
     d1 = first.data.decision
     assert d1["promote"] and d1["baseline_run"] is None
     assert d1["reason"].startswith("no promoted model yet")
@@ -89,7 +89,7 @@ def test_gate_promotes_refuses_a_worse_model_and_moves_the_tag_to_a_better_one(
     shutil.copytree(SNAPSHOTS / "2026-11-30", snapshots / "2026-11-30")   # new data arrives
     second = launch(2)
     d2 = second.data.decision
-    print(f"gate: 12-step baseline eval loss {d2['baseline']:.4f}, 2-step candidate "
+    print(f"gate: 4-step baseline eval loss {d2['baseline']:.4f}, 2-step candidate "
           f"{d2['candidate']:.4f} (margin {0.01})")
     assert second.data.snapshot["name"] == "2026-11-30"
     assert d2["baseline_run"] == first.pathspec
@@ -101,22 +101,22 @@ def test_gate_promotes_refuses_a_worse_model_and_moves_the_tag_to_a_better_one(
     assert any("not promoted" in str(c) for c in card)
 
     # a better recipe, its run killed mid-training and resumed
-    config = configure(24, **{"train.checkpoint_every_steps": 12})
+    config = configure(8, **{"train.checkpoint_every_steps": 4})
     origin_id = run_and_kill(sandbox, RETRAIN_FLOW, {"config": config}, "RetrainFlow",
-                             "train", 12)
+                             "train", 4)
     resumed, out = resume(sandbox, RETRAIN_FLOW)
     assert resumed.successful, out[-3000:]
     third = Run(resumed.pathspec)
     assert third["prepare"].task.origin_pathspec.startswith(f"RetrainFlow/{origin_id}/")
     result = third["train"].task.data.train_result
-    assert (result["started_at_step"], result["steps"]) == (12, 24)
+    assert (result["started_at_step"], result["steps"]) == (4, 8)
     assert third.data.lineage["resumed_from"] == f"RetrainFlow/{origin_id}"
     recipe = tmp_path / "trained_recipe.yaml"
     recipe.write_text(yaml.safe_dump(third.data.recipe))
     assert safetensors(third.data.hf_uri) == \
         safetensors(reference_export(sandbox, "train_sft", recipe))
     d3 = third.data.decision
-    print(f"gate: 12-step baseline eval loss {d3['baseline']:.4f}, 24-step candidate "
+    print(f"gate: 4-step baseline eval loss {d3['baseline']:.4f}, 8-step candidate "
           f"{d3['candidate']:.4f}")
     assert d3["promote"] and d3["baseline_run"] == first.pathspec
     assert d3["candidate"] < d3["baseline"] - 0.01
