@@ -33,6 +33,7 @@ import hashlib
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -189,12 +190,17 @@ def ray_cluster(num_nodes: int, run: Any = None) -> Iterator[None]:
         print(f"stopped {len(stopped)} Ray processes of {session_dir} on this machine")
 
 
-def stop_ray_processes(session_dir: str, timeout_s: float = 15.0) -> list[int]:
+def stop_ray_processes(session_dir: str, grace_s: float = 2.0,
+                       timeout_s: float = 15.0) -> list[int]:
     """Terminate (then kill) the processes whose command line names `session_dir`.
 
     Every Ray daemon and worker process of a session (gcs_server, raylet, dashboard, agents,
     actors) carries its session directory on the command line, and a session directory
     belongs to one cluster, so this stops exactly what that cluster started on this machine.
+    The workers exit on SIGTERM; gcs_server, the raylet and the autoscaler's monitor did not
+    within 20 s here, so what is left after `grace_s` is killed (a 15 s wait cost every
+    multi-node train step 15 s). An exited process that nobody reaps (a container's init may
+    not) stays a zombie: it counts as stopped.
     """
     import psutil
     me = os.getpid()
@@ -208,11 +214,30 @@ def stop_ray_processes(session_dir: str, timeout_s: float = 15.0) -> list[int]:
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    alive = _wait_stopped(procs, grace_s)
     for p in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
+    _wait_stopped(alive, timeout_s)
     return [p.pid for p in procs]
+
+
+def _wait_stopped(procs: list, timeout_s: float) -> list:
+    """Wait up to `timeout_s` for `procs` to exit (a zombie has); those still running."""
+    import psutil
+
+    def running(p) -> bool:
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in procs if running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if running(p)]
+    return alive
 
 
 # --------------------------------------------------------------------------- storage

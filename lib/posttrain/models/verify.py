@@ -116,18 +116,22 @@ _NOT_CONFIG_KWARGS = ("model_type", "architectures", "transformers_version")
 _NO_DENSE_MLP = ("qwen3_5_moe",)      # configs without intermediate_size
 
 
+_CONFIG_CLASSES = {"qwen3": "Qwen3Config", "llama": "LlamaConfig", "gemma3": "Gemma3TextConfig",
+                   "qwen3_moe": "Qwen3MoeConfig", "gpt_oss": "GptOssConfig",
+                   "qwen3_5": "Qwen3_5TextConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig",
+                   "deepseek_v3": "DeepseekV3Config", "gemma4": "Gemma4TextConfig"}
+
+
 def tiny_hf_config(family: str, **overrides: Any) -> Any:
     """A tiny transformers config (hidden 64, 2-4 layers, vocab 250) of `family`."""
-    from transformers import (DeepseekV3Config, Gemma3TextConfig, Gemma4TextConfig,
-                              GptOssConfig, LlamaConfig, Qwen3_5MoeTextConfig,
-                              Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig)
+    import transformers
 
-    classes = {"qwen3": Qwen3Config, "llama": LlamaConfig, "gemma3": Gemma3TextConfig,
-               "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig,
-               "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig,
-               "deepseek_v3": DeepseekV3Config, "gemma4": Gemma4TextConfig}
-    if family not in classes:
-        raise ConfigError(f"no tiny config for family '{family}'; known: {sorted(classes)}")
+    if family not in _CONFIG_CLASSES:
+        raise ConfigError(f"no tiny config for family '{family}'; known: "
+                          f"{sorted(_CONFIG_CLASSES)}")
+    # only this family's config module: transformers imports each on first use, and some pull
+    # in far more than a config (Gemma 4's took 0.9 s, a run's memory plan builds one config)
+    config_class = getattr(transformers, _CONFIG_CLASSES[family])
     kwargs = {**_TINY_COMMON, **_TINY[family]}
     if family in _NO_DENSE_MLP:
         kwargs.pop("intermediate_size")
@@ -140,7 +144,7 @@ def tiny_hf_config(family: str, **overrides: Any) -> Any:
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     if family == "gemma4":      # the per-layer input embeddings cover the vocabulary
         kwargs.setdefault("vocab_size_per_layer_input", kwargs["vocab_size"])
-    return classes[family](**kwargs)
+    return config_class(**kwargs)
 
 
 def random_hf_model(config: Any, *, seed: int = 0,
