@@ -42,7 +42,10 @@ def sft_config(work: Path, pack: int = 2048, rows: int = 4) -> dict[str, Any]:
 
 
 def prepare(work: Path, tokenizer: str, out: Path) -> dict[str, Any]:
-    """Chat rendering + tokenization + loss masks + Parquet shards of chat.jsonl."""
+    """Chat rendering + tokenization + loss masks + Parquet shards of chat.jsonl, into an
+    emptied `out` (a prepared directory left by an earlier run would be reused, not redone)."""
+    import shutil
+    shutil.rmtree(out, ignore_errors=True)
     from posttrain.config.loader import build
     from posttrain.train.sft import SFTConfig
     from steps.common import ensure_prepared
