@@ -65,6 +65,20 @@ def test_lora_0p6b_parts_are_exact_counts(qwen_dir):
         "fsdp_gathered_weights"}
 
 
+def test_lora_modules_to_save_train_the_whole_vocabulary_module(qwen_dir):
+    """`model.lora.modules_to_save: [embed]` trains Qwen3-0.6B's tied embedding whole beside the
+    adapters: its 151,936 x 1,024 weights get gradients and Adam state (the plan once counted
+    the adapters only, 1.9 GB short in fp32), and its gradient is formed in backward."""
+    embed = 151_936 * 1024
+    plain = plan_run(lora_cfg(qwen_dir), gpu="h100-80g").ranks["trainer"]
+    saved = plan_run(lora_cfg(qwen_dir, **{"model.lora.modules_to_save": ["embed"]}),
+                     gpu="h100-80g").ranks["trainer"]
+    assert saved.resident["parameters"] == plain.resident["parameters"]
+    assert saved.resident["gradients"] == (ADAPTERS_0P6B + embed) * 4
+    assert saved.resident["optimizer_state"] == 2 * (ADAPTERS_0P6B + embed) * 4
+    assert saved.peak_bytes >= plain.peak_bytes + 3 * embed * 4
+
+
 def test_activations_follow_checkpointing_pack_length_and_cp(qwen_dir):
     def act(**changes):
         return plan_run(lora_cfg(qwen_dir, **changes), gpu="h100-80g").ranks["trainer"] \
