@@ -130,7 +130,8 @@ class RecordEncoder:
                     ) -> list[EncodedRow | DataError]:
         """`encode` of many (record, file, line) at once, each result or DataError in its
         place; chat records are tokenized in one batch (`ChatTokenizer.encode_chats`)."""
-        return self._finish(self._start(records, None))
+        rendered = self._render(records)
+        return self._finish(records, rendered, self._tokenize(records, rendered))
 
     def encode_batches(self, batches: Iterable[tuple[T, Sequence[tuple[Record, str | None,
                                                                    int | None]]]]
@@ -143,22 +144,23 @@ class RecordEncoder:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize") as pool:
             pending = None
             for tag, records in batches:
-                started = (tag, self._start(records, pool))
+                rendered = self._render(records)
+                started = (tag, records, rendered,
+                           pool.submit(self._tokenize, records, rendered))
                 if pending is not None:
-                    yield pending[0], self._finish(pending[1])
+                    yield self._finished(*pending)
                 pending = started
             if pending is not None:
-                yield pending[0], self._finish(pending[1])
+                yield self._finished(*pending)
 
-    def _start(self, records: Sequence[tuple[Record, str | None, int | None]],
-               pool: ThreadPoolExecutor | None) -> tuple[Sequence, RenderedChats, Any]:
-        """Render the batch's chat records here and start its tokenizer work (`_tokenize`) in
-        `pool`, or run it now."""
-        rendered = self.tok.render_chats([(r.messages, f, ln) for r, f, ln in records
-                                          if isinstance(r, ChatRecord)])
-        work = (records, rendered)
-        return records, rendered, (pool.submit(self._tokenize, *work) if pool is not None
-                                   else self._tokenize(*work))
+    def _finished(self, tag: T, records: Sequence, rendered: RenderedChats,
+                  work: Future) -> tuple[T, list[EncodedRow | DataError]]:
+        return tag, self._finish(records, rendered, work.result())
+
+    def _render(self, records: Sequence[tuple[Record, str | None, int | None]]
+                ) -> RenderedChats:
+        return self.tok.render_chats([(r.messages, f, ln) for r, f, ln in records
+                                      if isinstance(r, ChatRecord)])
 
     def _tokenize(self, records: Sequence[tuple[Record, str | None, int | None]],
                   rendered: RenderedChats) -> tuple[list[Any], dict[int, EncodedRow | DataError]]:
@@ -174,10 +176,13 @@ class RecordEncoder:
                     others[i] = err
         return self.tok.tokenize_texts(rendered.texts), others
 
-    def _finish(self, started: tuple[Sequence, RenderedChats, Any]
+    def _finish(self, records: Sequence[tuple[Record, str | None, int | None]],
+                rendered: RenderedChats,
+                work: tuple[list[Any], dict[int, EncodedRow | DataError]]
                 ) -> list[EncodedRow | DataError]:
-        records, rendered, work = started
-        encodings, others = work.result() if isinstance(work, Future) else work
+        """The batch's rows from its tokenizer work (`_tokenize`): chat rows masked and fitted,
+        the others as encoded, each error in its row's place."""
+        encodings, others = work
         encoded = iter(self.tok.mask_chats(rendered, encodings))
         out: list[EncodedRow | DataError] = []
         for i, (record, file, line) in enumerate(records):

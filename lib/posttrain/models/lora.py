@@ -91,6 +91,12 @@ class LoraConfig:
         if not self.targets:
             raise ConfigError("lora.targets is empty; name at least one module, e.g. ['q', 'v']")
 
+    @classmethod
+    def of(cls, settings: Any, init_seed: int | None = None) -> "LoraConfig":
+        """The adapters of a run's `model.lora` (a `LoraSettings`)."""
+        return cls(rank=settings.rank, alpha=settings.alpha, dropout=settings.dropout,
+                   targets=tuple(settings.targets), init_seed=init_seed)
+
 
 class _Adapted:
     """What `LoRALinear` and `LoRAExperts` share: the merge state, the on/off switch, init,

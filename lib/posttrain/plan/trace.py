@@ -62,21 +62,10 @@ def meta_model(args: ModelArgs, lora: Any = None, dtype: torch.dtype | None = No
     from posttrain.models.transformer import build_model
     model = build_model(args, device="meta", dtype=dtype)
     if lora is not None:
-        apply_lora_settings(model, lora)
+        from posttrain.models.trainable_tokens import apply_lora_settings
+        # the tokenizer's added tokens are not known here: their rows are a vocabulary sliver
+        apply_lora_settings(model, lora, lora.token_ids(()))
     return model
-
-
-def apply_lora_settings(model: nn.Module, lora: Any) -> None:
-    """`lora` (a `LoraSettings`) applied as training applies it (`posttrain.train.build`): the
-    adapters, then the vocabulary modules of `modules_to_save`, which train whole (their
-    gradients and Adam state are the trainable parameters' too), and the rows of the ids
-    `trainable_tokens` lists (the tokenizer's added tokens are not known here: their rows are
-    a vocabulary-sized sliver)."""
-    from posttrain.models.lora import LoraConfig, apply_lora
-    from posttrain.models.trainable_tokens import apply_trainable_tokens
-    apply_lora(model, LoraConfig(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                                 targets=tuple(lora.targets)))
-    apply_trainable_tokens(model, lora.token_ids(()), getattr(lora, "modules_to_save", ()))
 
 
 def count_params(args: ModelArgs, lora: Any = None) -> ParamCounts:
@@ -168,7 +157,8 @@ def trace_step(args: ModelArgs, *, rows: int, seq_len: int, compute_dtype: torch
         finally:
             torch.set_default_dtype(previous)
         if lora is not None:
-            apply_lora_settings(model, lora)
+            from posttrain.models.trainable_tokens import apply_lora_settings
+            apply_lora_settings(model, lora, lora.token_ids(()))
         apply_activation_checkpointing(model, activation_checkpointing, every=ac_every)
         for p in model.parameters():
             if p.requires_grad:    # FSDP frees the unsharded gradient after reduce-scatter

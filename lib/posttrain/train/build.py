@@ -76,13 +76,9 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
                  ckpt_args.vocab_size, vocab_size)
         model = build_model(ckpt_args.replace(vocab_size=vocab_size), device="meta")
     if model_cfg.lora is not None:
-        from posttrain.models import lora
-        lcfg = lora.LoraConfig(rank=model_cfg.lora.rank, alpha=model_cfg.lora.alpha,
-                               dropout=model_cfg.lora.dropout, targets=model_cfg.lora.targets)
-        lora.apply_lora(model, lcfg)
-        from posttrain.models.trainable_tokens import apply_trainable_tokens
-        apply_trainable_tokens(model, model_cfg.lora.token_ids(added_tokens),
-                               model_cfg.lora.modules_to_save, required=added_tokens)
+        from posttrain.models.trainable_tokens import apply_lora_settings
+        apply_lora_settings(model, model_cfg.lora, model_cfg.lora.token_ids(added_tokens),
+                            required=added_tokens)
     fp32 = model.fp32_names()    # DeepSeek-V3's router: not rounded to a bf16 model.dtype
     root = loss_factory(model)
     mesh = mesh if mesh is not None else build_mesh(parallel.dp_shard, parallel.tp,

@@ -25,17 +25,13 @@ def model_from_state(state: dict[str, torch.Tensor], args: ModelArgs, lora=None)
     `model_cfg.lora`)."""
     model = build_model(args, device="meta")
     if lora is not None:
-        from posttrain.models import lora as lora_lib
-        from posttrain.models.trainable_tokens import apply_trainable_tokens, is_token_delta
-        lora_lib.apply_lora(model, lora_lib.LoraConfig(rank=lora.rank, alpha=lora.alpha,
-                                                       dropout=lora.dropout,
-                                                       targets=tuple(lora.targets)))
+        from posttrain.models.trainable_tokens import apply_lora_settings, is_token_delta
         ids = lora.token_ids(())
         if not ids and any(is_token_delta(n) for n in state):
             raise RuntimeError("export: the state has trainable token rows but lora."
                                "trainable_tokens names no ids; pass the engine's resolved "
                                "settings (engine.model_cfg.lora)")
-        apply_trainable_tokens(model, ids, lora.modules_to_save)
+        apply_lora_settings(model, lora, ids)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = {"head.weight"} if args.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
@@ -144,9 +140,7 @@ def _fallback_from_state(state: dict[str, torch.Tensor], base_dir: str, lora=Non
         model = HFCausalLM(AutoModelForCausalLM.from_config(config))
     if lora is not None:
         from posttrain.models import lora as lora_lib
-        lora_lib.apply_lora(model, lora_lib.LoraConfig(rank=lora.rank, alpha=lora.alpha,
-                                                       dropout=lora.dropout,
-                                                       targets=tuple(lora.targets)))
+        lora_lib.apply_lora(model, lora_lib.LoraConfig.of(lora))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = {"hf.lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:

@@ -71,8 +71,7 @@ def _fallback_lora(model: nn.Module, settings: LoraSettings, hf_dir: str,
                    init_missing: Callable[[str, torch.Tensor], torch.Tensor] | None) -> None:
     """LoRA on a transformers model's own Linear names, adapters from `init_missing`."""
     from posttrain.models import lora
-    cfg = lora.LoraConfig(rank=settings.rank, alpha=settings.alpha, dropout=settings.dropout,
-                          targets=settings.targets, init_seed=0)
+    cfg = lora.LoraConfig.of(settings, init_seed=0)
     try:
         lora.apply_lora(model, cfg)
     except ConfigError as e:
