@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -376,6 +376,17 @@ def init_lora_weights(model: nn.Module, seed: int | None = None) -> None:
 def is_adapter_name(name: str) -> bool:
     """Whether parameter `name` is a LoRA adapter (`...q.lora_A`, `...experts.gate_lora_B`)."""
     return name.endswith(("lora_A", "lora_B"))
+
+
+def apply_lora_settings(model: nn.Module, settings: Any, token_ids: Sequence[int] = (), *,
+                        required: Sequence[int] = ()) -> nn.Module:
+    """A native model's LoRA as a run's `model.lora` (a `LoraSettings`) sets it, the one way
+    training, export and the memory plan build it: the adapters on its targets, then the
+    vocabulary rows of `token_ids` (the resolved `trainable_tokens`) and the modules of
+    `modules_to_save` trainable (`posttrain.models.trainable_tokens.apply_trainable_tokens`, with `required`). Returns `model`."""
+    from posttrain.models.trainable_tokens import apply_trainable_tokens
+    apply_lora(model, LoraConfig.of(settings))
+    return apply_trainable_tokens(model, token_ids, settings.modules_to_save, required=required)
 
 
 def adapter_init_tensor(name: str, shape: tuple[int, ...],

@@ -185,17 +185,6 @@ def _is_tied(model: nn.Module) -> bool:
     return _is_lm_head(model) and "_tied_embedding" in model.head.__dict__
 
 
-def apply_lora_settings(model: nn.Module, settings: Any, token_ids: Sequence[int] = (), *,
-                        required: Sequence[int] = ()) -> nn.Module:
-    """A native model's LoRA as a run's `model.lora` (a `LoraSettings`) sets it, the one way
-    training, export and the memory plan build it: the adapters on its targets, then the
-    vocabulary rows of `token_ids` (the resolved `trainable_tokens`) and the modules of
-    `modules_to_save` trainable (`apply_trainable_tokens`, with `required`). Returns `model`."""
-    from posttrain.models.lora import LoraConfig, apply_lora
-    apply_lora(model, LoraConfig.of(settings))
-    return apply_trainable_tokens(model, token_ids, settings.modules_to_save, required=required)
-
-
 def apply_trainable_tokens(model: nn.Module, token_ids: Sequence[int] = (),
                            modules_to_save: Sequence[str] = (), *,
                            required: Sequence[int] = ()) -> nn.Module:

@@ -62,7 +62,7 @@ def meta_model(args: ModelArgs, lora: Any = None, dtype: torch.dtype | None = No
     from posttrain.models.transformer import build_model
     model = build_model(args, device="meta", dtype=dtype)
     if lora is not None:
-        from posttrain.models.trainable_tokens import apply_lora_settings
+        from posttrain.models.lora import apply_lora_settings
         # the tokenizer's added tokens are not known here: their rows are a vocabulary sliver
         apply_lora_settings(model, lora, lora.token_ids(()))
     return model
@@ -157,7 +157,7 @@ def trace_step(args: ModelArgs, *, rows: int, seq_len: int, compute_dtype: torch
         finally:
             torch.set_default_dtype(previous)
         if lora is not None:
-            from posttrain.models.trainable_tokens import apply_lora_settings
+            from posttrain.models.lora import apply_lora_settings
             apply_lora_settings(model, lora, lora.token_ids(()))
         apply_activation_checkpointing(model, activation_checkpointing, every=ac_every)
         for p in model.parameters():

@@ -76,7 +76,7 @@ def build_sharded(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str,
                  ckpt_args.vocab_size, vocab_size)
         model = build_model(ckpt_args.replace(vocab_size=vocab_size), device="meta")
     if model_cfg.lora is not None:
-        from posttrain.models.trainable_tokens import apply_lora_settings
+        from posttrain.models.lora import apply_lora_settings
         apply_lora_settings(model, model_cfg.lora, model_cfg.lora.token_ids(added_tokens),
                             required=added_tokens)
     fp32 = model.fp32_names()    # DeepSeek-V3's router: not rounded to a bf16 model.dtype

@@ -25,7 +25,8 @@ def model_from_state(state: dict[str, torch.Tensor], args: ModelArgs, lora=None)
     `model_cfg.lora`)."""
     model = build_model(args, device="meta")
     if lora is not None:
-        from posttrain.models.trainable_tokens import apply_lora_settings, is_token_delta
+        from posttrain.models.lora import apply_lora_settings
+        from posttrain.models.trainable_tokens import is_token_delta
         ids = lora.token_ids(())
         if not ids and any(is_token_delta(n) for n in state):
             raise RuntimeError("export: the state has trainable token rows but lora."
