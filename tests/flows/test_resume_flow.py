@@ -13,9 +13,11 @@ its origin.
 The uninterrupted run is the recipe's own driver (`python -m steps.<recipe>`, which the
 flow's train step calls through `train_recipe`) on the same config, not a second flow run: the
 same bytes (an uninterrupted DPO and sequence flow run exported exactly the driver's; SFT's
-and GRPO's, compared flow to flow before) for a fraction of the time. SFT trains on two Ray
-workers (the Ray launcher's resume), the other recipes inline on one (they share SFT's kernel;
-their multi-worker resume is tests/steps'): a case takes 15-40 s on two cores, SFT 45-60 s.
+and GRPO's, compared flow to flow before) for a fraction of the time. Every case trains inline
+on one worker: a case takes 15-40 s on two cores. The Ray launcher's resume inside a flow is
+test_sft_flow.py's killed train attempt (two Ray workers continue from its checkpoint under
+@retry), and its bit-identical multi-worker resume is tests/steps'; on two Ray workers here,
+the SFT case took 88-95 s in the suite for what those two already check.
 The start step's memory plan is off (`run.plan_check: off`): it is 3-4 s of imports and
 tracing per run that a resume does not exercise (the SFT flow tests and tests/lib/plan do).
 """
@@ -65,7 +67,7 @@ def _config(name: str) -> Path:
 
 CASES = {
     "sft": Case(SFT_FLOW, "SFTFlow", "train_sft", {"config": (TINY_SFT, {
-        **FOUR_STEPS, "eval.max_batches": 2,
+        **INLINE, **FOUR_STEPS, "eval.max_batches": 2,
         "eval.generate": {"num_samples": 1, "max_new_tokens": 4}})}),
     "dpo": Case(_flow("dpo"), "DPOFlow", "train_dpo", {"config": (_config("dpo"), {
         **INLINE, **FOUR_STEPS, "eval.max_batches": 2})}),

@@ -7,12 +7,9 @@ shrunk to 10 steps of 4 prompts x 4 samples x 16 new tokens.
   `routing/mismatch_rate`, which is > 0 (the second mini-batch's policy has moved, and routes
   some tokens otherwise than the engine did), and the engine's weights match the trainer's
   after every sync (the probe has no record: it routes itself).
-- Asynchronous (`rollout.max_staleness: 1`, a Ray trainer and a separate engine): every batch
-  after the first is sampled by the policy one update older, so the trainer's own routing
-  differs from the recorded one; a run SIGKILLed after checkpoint 1 (which holds the batch of
-  step 2 made ahead, with its routing records) and restarted ends with bit-identical weights
-  and per-step metrics, the mismatch rate of the replayed batch included. Had the record been
-  lost, that batch would route itself (no mismatch rate, other losses).
+- Asynchronous (`rollout.max_staleness: 1`, a Ray trainer and a separate engine), the routing
+  records of the batch made ahead kept across SIGKILLs: tests/steps/test_train_grpo_async.py,
+  whose async runs are on this config.
 - Refused at launch, naming the key: routing replay with vLLM, or with a dense model.
 
 Numerics of the replay itself (engine and trainer log-probs within 1e-5 under routing flips,
@@ -22,7 +19,6 @@ tests/lib/rl/test_routing_replay.py.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -33,14 +29,12 @@ from posttrain.errors import ConfigError
 from posttrain.train.grpo import GRPOConfig
 from steps import train_grpo
 
-from .conftest import run_and_kill, run_to_end, safetensors
 from .golden import GOLDEN_STEPS, check_golden
 from .test_train_grpo_algorithms import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs/grpo/moe_replay_tiny.yaml"
 pytestmark = pytest.mark.slow
-ASYNC_STEPS = 4
 # Measured (AMD EPYC, ATEN_CPU_CAPABILITY default / avx2 / the machine's x 1 / 2 threads): the
 # first 8 losses stay within 1e-7 of the stored ones; from step 9 a sampled token differs
 # between kernel settings (the random model's next-token distributions are nearly flat) and
@@ -48,12 +42,15 @@ ASYNC_STEPS = 4
 STABLE_STEPS = 8
 
 
-def small_config(tmp: Path, name: str, **changes) -> Path:
+def small_config(tmp: Path, name: str, keep_eval: bool = False, **changes) -> Path:
+    """The bundled config on 4 prompts x 4 samples x 16 new tokens, `changes` ("section.key")
+    applied; without `keep_eval`, no held-out evaluation."""
     cfg = yaml.safe_load(CONFIG.read_text())
     cfg["train"].update(max_steps=GOLDEN_STEPS, prompts_per_step=4, samples_per_prompt=4,
                         checkpoint_every_steps=GOLDEN_STEPS)
     cfg["sampling"]["max_new_tokens"] = 16
-    cfg["data"].pop("eval")
+    if not keep_eval:
+        cfg["data"].pop("eval")
     for dotted, value in changes.items():
         section, key = dotted.split(".")
         cfg[section][key] = value
@@ -75,37 +72,6 @@ def test_golden_losses_and_the_mismatch_rate(tmp_path):
     rates = [m["routing/mismatch_rate"] for m in steps]
     assert all(0 < r < 1 for r in rates), rates
     assert max(m["sync/max_abs_logprob_diff"] for m in steps) <= 1e-5
-
-
-def test_async_sigkill_restart_keeps_the_routing_of_the_batch_made_ahead(tmp_path):
-    config = small_config(tmp_path, "async", **{
-        "run.launcher": "ray", "run.resources_per_worker": {"CPU": 1},
-        "rollout.placement": "separate", "rollout.num_engines": 1,
-        "rollout.resources_per_engine": {"num_cpus": 1}, "rollout.max_staleness": 1,
-        "train.max_steps": ASYNC_STEPS, "train.mini_batches": 1,
-        "train.checkpoint_every_steps": 1, "train.keep_checkpoints": 10})
-    ref, killed = tmp_path / "reference", tmp_path / "killed"
-    run_to_end("steps.train_grpo", config, ref, launcher="ray")
-    want = metrics(ref)
-    assert [want[s]["rollout/staleness"] for s in sorted(want)] == [0.0] + [1.0] * (
-        ASYNC_STEPS - 1)
-    # one update behind, the engine chose experts the trainer would not: replay overrides them
-    assert all(want[s]["routing/mismatch_rate"] > 0 for s in range(2, ASYNC_STEPS + 1))
-
-    run_and_kill("steps.train_grpo", config, killed, 1, launcher="ray")
-    ahead = json.loads((killed / "checkpoints" / "step-00000001" / "meta.json").read_text())
-    batches = ahead["extra"]["controller"]["rollouts_ahead"]
-    assert [b["step"] for b in batches] == [1]
-    assert all(e["routing"]["shape"][1:] == [3, 2]       # 3 MoE layers x top-2
-               for g in batches[0]["batch"]["groups"] for e in g)
-    run_to_end("steps.train_grpo", config, killed, launcher="ray")
-    result = json.loads((killed / "result.json").read_text())
-    assert (result["started_at_step"], result["steps"]) == (1, ASYNC_STEPS)
-    assert safetensors(killed / "hf") == safetensors(ref / "hf")
-    got = metrics(killed)
-    keys = ("loss", "grad_norm", "reward/total/mean", "routing/mismatch_rate", "logprob_gap")
-    for step in want:
-        assert [got[step][k] for k in keys] == [want[step][k] for k in keys], step
 
 
 def test_replay_is_refused_where_it_cannot_work(tmp_path):
