@@ -206,13 +206,32 @@ def _assert_offloaded(engine) -> None:
     assert held and all(id(q) in shards for q in held)
 
 
+def _ranks(rank: int, world: int, layouts: list[str], root: str, inputs: dict) -> None:
+    """One rank of each of `layouts` (of one world size) in turn, each in a process group of
+    its own: the processes (and their imports) are shared, not the groups. Rank 0 takes a free
+    port for each group just before it forms and hands it to the others in a file."""
+    import time
+    for layout in layouts:
+        note = Path(root) / f"port-{layout}"
+        if rank == 0:
+            (tmp := note.with_suffix(".tmp")).write_text(str(free_port()))
+            tmp.rename(note)
+        deadline = time.monotonic() + 120
+        while not note.is_file():
+            assert time.monotonic() < deadline, f"{layout}: rank 0 gave no port"
+            time.sleep(0.01)
+        _rank(rank, world, int(note.read_text()), layout, root, inputs)
+
+
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dp")
     inputs = _prepare(root)
+    by_world: dict[int, list[str]] = {}
     for layout, (world, *_) in LAYOUTS.items():
-        mp.spawn(_rank, args=(world, free_port(), layout, str(root), inputs), nprocs=world,
-                 join=True)
+        by_world.setdefault(world, []).append(layout)
+    for world, group in by_world.items():
+        mp.spawn(_ranks, args=(world, group, str(root), inputs), nprocs=world, join=True)
     return root
 
 
