@@ -60,7 +60,7 @@ cards: setup
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
 test: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
-		--dist loadfile --no-loadscope-reorder --durations=25 -m "not long" tests
+		--dist loadfile --no-loadscope-reorder --durations=50 -m "not long" tests
 
 # Tests marked `long` train for many minutes (the tool-use task's SFT -> GRPO, about 14 min on two
 # cores); `make test` leaves them out, this runs only them.
