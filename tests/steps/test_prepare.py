@@ -1,6 +1,7 @@
 """steps/prepare.py end to end: counts, rejects, parity with apply_chat_template, s3 (also
 across an outage of the endpoint), CLI."""
 
+import gc
 import json
 import logging
 import subprocess
@@ -106,6 +107,7 @@ def test_skip_counts_and_reports_every_bad_row(tmp_path):
     assert src["rows_written"] == 3 and src["rows_rejected"] == len(BAD_LINES)
     assert src["rows_read"] == src["rows_written"] + src["rows_rejected"]
     assert len(src["shards"]) == 1 and src["shards"][0]["rows"] == 3
+    assert gc.get_freeze_count() == 0     # what prepare froze for its run is unfrozen
 
     rejects = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
     assert [r["reason"] for r in rejects] == [reason for _, reason, _ in BAD_LINES]
@@ -126,6 +128,7 @@ def test_error_mode_names_file_line_and_field(tmp_path, line, reason, field):
     if field:
         assert f"field '{field}'" in msg
     assert "on_bad_row: skip" in msg
+    assert gc.get_freeze_count() == 0     # unfrozen on the way out of an error too
 
 
 def _odd_config(tmp_path: Path, fmt: str, **data) -> PrepareConfig:

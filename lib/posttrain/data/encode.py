@@ -165,8 +165,9 @@ class RecordEncoder:
     def _tokenize(self, records: Sequence[tuple[Record, str | None, int | None]],
                   rendered: RenderedChats) -> tuple[list[Any], dict[int, EncodedRow | DataError]]:
         """All of a batch's tokenizer work, on one thread: the rendered chat texts in one batch
-        call, and each other record whole (the tokenizer is never used from two threads at
-        once, so none of its calls can find it borrowed)."""
+        call, and each other record whole (no two threads tokenize at once, so no call can
+        find the tokenizer borrowed by one that changes its settings; prepare's concurrent save
+        of the vocabulary only reads it)."""
         others: dict[int, EncodedRow | DataError] = {}
         for i, (record, file, line) in enumerate(records):
             if not isinstance(record, ChatRecord):

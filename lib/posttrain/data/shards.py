@@ -109,9 +109,11 @@ class ShardWriter:
         if self._writer is None:
             path = f"{self.root.rstrip('/')}/{self.prefix}-{len(self.shards):05d}.parquet"
             self._file = self.fs.open(path, "wb")
-            # page checksums: a shard damaged on disk fails to read instead of reading garbage
+            # page checksums: a shard damaged on disk fails to read instead of reading garbage.
+            # No dictionary pages: over token ids they made the shards larger (1,348 vs
+            # 1,282 KB for 4,000 chat rows, 151k vocabulary) and slower to write and read
             self._writer = pq.ParquetWriter(self._file, self.schema, compression="zstd",
-                                            write_page_checksum=True)
+                                            write_page_checksum=True, use_dictionary=False)
             self._path = path
         arrays = [pa.array(self._buffer[f.name], type=f.type) for f in self.schema]
         self._writer.write_table(pa.Table.from_arrays(arrays, schema=self.schema),

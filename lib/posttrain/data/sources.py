@@ -128,15 +128,20 @@ def _parse_jsonl_line(raw: bytes, file: str, line: int) -> RawRow:
     except RecursionError:
         return _bad_row(file, line, "too_deep", f"nested more than {MAX_JSON_DEPTH} levels deep "
                         "(too deep for the JSON decoder); flatten the row")
-    return _object_row(value, file, line, "one JSON object per line")
+    # each level of nesting opens with one of these characters, so a line with no more of them
+    # than the cap cannot nest deeper (strings holding brackets only make the count larger)
+    shallow = raw.count(b"{") + raw.count(b"[") <= MAX_JSON_DEPTH
+    return _object_row(value, file, line, "one JSON object per line", shallow=shallow)
 
 
-def _object_row(value: Any, file: str, line: int, expected: str) -> RawRow:
-    """A decoded row: a bad row unless it is an object no deeper than `MAX_JSON_DEPTH`."""
+def _object_row(value: Any, file: str, line: int, expected: str, *,
+                shallow: bool = False) -> RawRow:
+    """A decoded row: a bad row unless it is an object no deeper than `MAX_JSON_DEPTH`
+    (walked unless its text already showed it `shallow`)."""
     if not isinstance(value, dict):
         return _bad_row(file, line, "not_an_object",
                         f"expected {expected}, got a JSON {_json_kind(value)}")
-    deep = _too_deep_key(value)
+    deep = None if shallow else _too_deep_key(value)
     if deep is not None:
         return _bad_row(file, line, "too_deep",
                         f"nested more than {MAX_JSON_DEPTH} levels deep; flatten the row", deep)

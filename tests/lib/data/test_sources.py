@@ -158,18 +158,21 @@ def test_deeply_nested_rows_are_bad_rows_not_crashes(tmp_path):
              b'{"a": ' + nested(5000) + b"}",                      # past the JSON decoder
              b'{"ok": 2, "meta": {"x": ' + nested(MAX_JSON_DEPTH - 1) + b"}}",  # past the cap
              b'{"ok": 3, "meta": ' + nested(MAX_JSON_DEPTH - 1) + b"}",          # at the cap
-             nested(5000)]
+             nested(5000),
+             # brackets in a string are text: more of them than the cap, nesting of 1
+             b'{"ok": 5, "text": "' + nested(MAX_JSON_DEPTH) + b'"}']
     path.write_bytes(b"\n".join(lines) + b"\n")
     with RowStream([str(path)]) as stream:
         rows = list(stream)
     assert [r.error.reason if r.error else None for r in rows] == [
-        None, "too_deep", "too_deep", None, "too_deep"]
-    assert [r.error.field if r.error else None for r in rows] == [None, None, "meta", None, None]
+        None, "too_deep", "too_deep", None, "too_deep", None]
+    assert [r.error.field if r.error else None for r in rows] == [
+        None, None, "meta", None, None, None]
     assert all(r.data is None and r.error.line == r.line for r in rows if r.error)
     assert f"{path}:2" in str(rows[1].error) and f"{MAX_JSON_DEPTH} levels" in str(rows[1].error)
     assert f"{path}:3, field 'meta'" in str(rows[2].error)
-    assert rows[3].data["ok"] == 3
-    assert stream.stats[str(path)] == {"rows": 5, "errors": 3, "blank_lines": 0}
+    assert rows[3].data["ok"] == 3 and rows[5].data["ok"] == 5
+    assert stream.stats[str(path)] == {"rows": 6, "errors": 3, "blank_lines": 0}
 
 
 def test_utf8_bom_at_file_start_is_accepted(tmp_path):
