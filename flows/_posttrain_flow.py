@@ -54,6 +54,10 @@ _make_importable()
 
 from metaflow import FlowMutator, StepMutator  # noqa: E402
 
+from posttrain.process import tune_cycle_collector  # noqa: E402
+
+tune_cycle_collector()      # every task of a flow imports this module: the task's process
+
 
 # --------------------------------------------------------------------------- config
 def _schema(dotted: str) -> type:

@@ -28,6 +28,7 @@ import os
 import sys
 
 from posttrain.errors import PosttrainError
+from posttrain.process import tune_cycle_collector
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +53,7 @@ def configure_logging() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging()
+    tune_cycle_collector()
     if argv and argv[0] == "verify-model":
         from posttrain.models.verify import main as verify_main
         command, run = "verify-model", lambda: verify_main(argv[1:])

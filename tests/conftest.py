@@ -31,6 +31,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     _OWN_PATHS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                   if p and p not in _OWN_PATHS])
 
+# The test process trains inline as a CLI process does (`posttrain.process`)
+from posttrain.process import tune_cycle_collector  # noqa: E402
+
+tune_cycle_collector()
+
 _S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",

@@ -23,6 +23,8 @@ for argv in [["--help"]] + [[name, "--help"] for name in COMMANDS]:
         pass
     loaded[" ".join(argv)] = sorted(m for m in ("torch", "transformers", "numpy", "pyarrow")
                                     if m in sys.modules)
+import gc
+loaded["young collection every"] = gc.get_threshold()[0]    # posttrain.process, set by main
 print(json.dumps(loaded))
 """
 
@@ -31,5 +33,6 @@ def test_help_imports_no_heavy_module():
     out = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, capture_output=True,
                          text=True, check=True, env={"PYTHONPATH": f"{ROOT}/lib:{ROOT}"})
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert loaded.pop("young collection every") == 20_000
     assert len(loaded) >= 13
     assert all(mods == [] for mods in loaded.values()), loaded

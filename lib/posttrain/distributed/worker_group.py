@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.distributed import env as dist_env
 from posttrain.errors import PosttrainError
+from posttrain.process import tune_cycle_collector
 
 _READY_TIMEOUT_S = 300.0
 _TEARDOWN_TIMEOUT_S = 10.0
@@ -51,6 +52,7 @@ class _WorkerActor:
     """The Ray actor around one rank's worker object (turned into an actor by `ray.remote`)."""
 
     def __init__(self) -> None:
+        tune_cycle_collector()          # this actor's process is one rank of a run
         self.worker: Any = None
 
     def node_info(self) -> dict:

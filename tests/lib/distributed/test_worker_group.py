@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import sys
@@ -38,6 +39,7 @@ class RankWorker:
                 "POSTTRAIN_TEST_FLAG")
         return {"rank": dist.get_rank(), "world": dist.get_world_size(),
                 "backend": self.backend, "device": str(get_device()),
+                "young_collection_every": gc.get_threshold()[0],
                 "mesh": tuple(build_mesh().shape), **{k: os.environ.get(k) for k in keys}}
 
     def pid(self) -> int:
@@ -106,6 +108,7 @@ def test_group_forms_gloo_world_and_all_reduces(local_ray):
         assert all(i["mesh"] == (1, 2, 1, 1) for i in info)   # (dp_replicate, dp_shard, cp, tp)
         assert len({(i["MASTER_ADDR"], i["MASTER_PORT"]) for i in info}) == 1
         assert all(i["POSTTRAIN_TEST_FLAG"] == "on" for i in info)
+        assert all(i["young_collection_every"] == 20_000 for i in info)   # posttrain.process
         assert group.call_rank(1, "describe")["rank"] == 1
         refs = group.call_async("all_reduce_rank")
         assert ray.get(refs) == [30, 30]
