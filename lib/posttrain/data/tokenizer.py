@@ -34,10 +34,14 @@ assistant turns, so a prefix render is not a prefix of the full render. Instead:
    ``<|call|>``, which the tool's ``<|start|>functions.NAME`` turn follows). An assistant message
    that follows a tool result starts where the generation prompt for that point ends, when the
    conversation so far renders as a prefix of R and that prompt has no header of its own
-   (DeepSeek's templates go on after ``<｜tool▁outputs▁end｜>``). A region must contain the
-   message's (visible) content and the names of its tool calls, may not run into another turn
-   nor over the result of its own tool call, else the row is rejected with a `DataError` that
-   says why.
+   (DeepSeek's templates go on after ``<｜tool▁outputs▁end｜>``). A tool call whose turn the
+   end-of-turn marker does not close before the tool's result (Gemma 4 renders the result
+   inside the model's turn) ends where the conversation up to the call, rendered for
+   generation, ends, when that is a prefix of R ending with a special token: the token the
+   model writes to hand the turn to the tool (Gemma 4's ``<|tool_response>``). A region must
+   contain the message's (visible) content and the names of its tool calls, may not run into
+   another turn nor over the result of its own tool call, else the row is rejected with a
+   `DataError` that says why.
 3. R is tokenized once with offsets; a token is trained when it starts inside a trained region.
 
 (Step 1 is `posttrain.data.turn_layout`, steps 2 and 3 are `posttrain.data.turn_regions`.)

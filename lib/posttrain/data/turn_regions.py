@@ -6,8 +6,9 @@ module docstring tells the whole method; step 1, the template's `TurnLayout`, is
 * `assistant_regions` scans the full render forward and gives each assistant message's
   generated text as a character span: from the end of its header (or, after a tool result the
   template does not follow with a header, from the end of the generation prompt for that
-  point) to the end of its end-of-turn marker, going on through harmony's second headed part.
-  A span that misses the message's content or tool calls, runs into another turn, or holds the
+  point) to the end of its end-of-turn marker, going on through harmony's second headed part;
+  a tool call that marker does not close before the tool's result (Gemma 4) ends where the
+  conversation up to the call, rendered for generation, ends with a special token. A span that misses the message's content or tool calls, runs into another turn, or holds the
   result of its own tool call is refused with a `DataError` that says why.
 * `mask_from_encoding` / `mask_from_offsets` turn the trained spans into a token mask: a token
   is trained when its first character lies inside a span.
@@ -45,7 +46,8 @@ def assistant_regions(text: str, messages: Sequence[Message], layout: TurnLayout
         where = dict(file=source, line=line, field=f"messages[{i}]")
         start = _turn_start(text, messages, i, cursor, layout.header, render_prompt, where)
         goes_on = i + 1 == len(messages) or messages[i + 1]["role"] != "assistant"
-        end = _turn_end(text, start, goes_on, layout, special_tokens, where)
+        end = _generated_end(text, messages, i, start, goes_on, layout, special_tokens,
+                             render_prompt, where)
         _check_turn(text, messages, i, start, end, where)
         regions.append((i, start, end))
         cursor = end
@@ -96,6 +98,59 @@ def _turn_end(text: str, start: int, goes_on: bool, layout: TurnLayout,
         end += len(layout.header)
 
 
+def _generated_end(text: str, messages: Sequence[Message], i: int, start: int, goes_on: bool,
+                   layout: TurnLayout, special_tokens: frozenset[str],
+                   render_prompt: Callable[[Sequence[Message]], str],
+                   where: dict[str, Any]) -> int:
+    """Where assistant message i's generated text ends: at its end-of-turn marker
+    (`_turn_end`), or, for a tool call whose turn that marker does not close before the tool's
+    result (or closes nowhere), where the model hands the turn to the tool (`_call_end`)."""
+    try:
+        end = _turn_end(text, start, goes_on, layout, special_tokens, where)
+    except DataError:
+        call_end = _tool_calls(messages[i]) and _call_end(
+            text, messages, i, start, len(text) + 1, layout, special_tokens, render_prompt)
+        if not call_end:
+            raise
+        return call_end
+    if _holds_own_result(text, messages, i, start, end):
+        return _call_end(text, messages, i, start, end, layout, special_tokens,
+                         render_prompt) or end
+    return end
+
+
+def _holds_own_result(text: str, messages: Sequence[Message], i: int, start: int,
+                      end: int) -> bool:
+    """Whether assistant message i's span holds the result of its own tool call (the tool
+    message after it), which is not an argument of the call."""
+    calls = _tool_calls(messages[i])
+    result = messages[i + 1] if calls and i + 1 < len(messages) else {}
+    output = result.get("content", "") if result.get("role") == "tool" else ""
+    output = output.strip() if isinstance(output, str) else ""
+    return bool(output) and output in text[start:end] and \
+        not any(output in arguments for _, arguments in calls)
+
+
+def _call_end(text: str, messages: Sequence[Message], i: int, start: int, end: int,
+              layout: TurnLayout, special_tokens: frozenset[str],
+              render_prompt: Callable[[Sequence[Message]], str]) -> int | None:
+    """Where the generated text of tool-calling message i ends in a template that renders the
+    tool's result inside the same turn (Gemma 4): where the conversation up to the call ends,
+    rendered for generation, when that render is a prefix of `text` that ends with a special
+    token before `end`, and no header lies between `start` and there. That token is what the
+    model writes to hand the turn to the tool (Gemma 4 ends a call with ``<|tool_response>``,
+    which its template renders after a call that has no result yet). None otherwise."""
+    try:
+        prompt = render_prompt(messages[:i + 1])
+    except DataError:
+        return None
+    if start < len(prompt) < end and text.startswith(prompt) and \
+            layout.header not in text[start:len(prompt)] and \
+            ending_special_token(prompt, special_tokens):
+        return len(prompt)
+    return None
+
+
 def _check_turn(text: str, messages: Sequence[Message], i: int, start: int, end: int,
                 where: dict[str, Any]) -> None:
     """Reject a region that misses the message's content or tool calls, or that holds the
@@ -114,14 +169,14 @@ def _check_turn(text: str, messages: Sequence[Message], i: int, start: int, end:
                             "them; DeepSeek-R1-Distill's renders them only when content is "
                             "null); cannot build its loss mask", reason="turn_mismatch",
                             **where)
-    result = messages[i + 1] if calls and i + 1 < len(messages) else {}
-    output = result.get("content", "").strip() if result.get("role") == "tool" else ""
-    if output and output in region and not any(output in arguments for _, arguments in calls):
+    if _holds_own_result(text, messages, i, start, end):
+        output = messages[i + 1]["content"].strip()
         raise DataError(f"the template does not close this tool-call turn before the tool's "
                         f"result {output[:40]!r}, which would fall inside its loss mask (Gemma "
-                        "4 renders the result inside the model's turn; DeepSeek-R1-Distill's "
-                        "template leaves a single tool call unclosed); cannot build its loss "
-                        "mask", reason="turn_mismatch", **where)
+                        "4 renders the text of a message that also calls a tool after the "
+                        "tool's results: give the text its own message after them; "
+                        "DeepSeek-R1-Distill's template leaves a single tool call unclosed); "
+                        "cannot build its loss mask", reason="turn_mismatch", **where)
 
 
 def _first_of(text: str, markers: Sequence[str], start: int) -> tuple[int, str] | None:

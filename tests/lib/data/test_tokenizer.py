@@ -468,16 +468,64 @@ def test_deepseek_tool_turns_start_where_their_prompt_ends(family, trained, prom
     assert tok.encode_continuation(messages[:2], messages[2:3]) == enc.input_ids[call_end:starts[1]]
 
 
-@pytest.mark.parametrize("family,arguments,reason", [
-    # Gemma 4 renders the tool's result inside the model turn, which goes on with the answer.
-    ("gemma4", {"city": "Paris"}, "inside its loss mask"),
+def test_gemma4_tool_calls_end_where_the_model_hands_the_turn_to_the_tool():
+    """Gemma 4 renders a tool's result inside the model's turn, which goes on with the answer.
+    A call trains through ``<|tool_response>``, the token the model writes to hand the turn to
+    the tool (its template renders it after a call that has no result yet); the result is not
+    trained; the answer trains from where the generation prompt after the result ends. A
+    rollout's continuation after the sampled call is the result's ids, and a conversation that
+    ends with the call (a function-calling set's row) trains that call."""
+    tok = chat_tokenizer("gemma4")
+    messages = tool_conversation({"city": "Paris"})
+    enc = tok.encode_chat(messages)
+    assert enc.input_ids == reference_ids(tok, messages)
+    call = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>'
+    assert masked_runs(tok, enc.input_ids, enc.loss_mask) == [
+        call, "It is sunny.<turn|>", "You are welcome.<turn|>"]
+    starts = [j for j, m in enumerate(enc.loss_mask) if m and not enc.loss_mask[j - 1]]
+    prompt = tok.encode_prompt(messages[:3])
+    assert (len(prompt), prompt) == (starts[1], enc.input_ids[:starts[1]])
+    call_end = next(j for j in range(starts[0], len(enc.loss_mask)) if not enc.loss_mask[j])
+    continuation = tok.encode_continuation(messages[:2], messages[2:3])
+    assert continuation == enc.input_ids[call_end:starts[1]]
+    assert tok.hf.decode(continuation) == \
+        'response:get_weather{value:<|"|>sunny<|"|>}<tool_response|>'
+    ends_with_call = tok.encode_chat(messages[:2])
+    assert masked_runs(tok, ends_with_call.input_ids, ends_with_call.loss_mask) == [call]
+    # two calls in one message, their two results after it
+    calls = [{"id": name, "type": "function", "function": {"name": name, "arguments": args}}
+             for name, args in (("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"}))]
+    two = [messages[0], {"role": "assistant", "content": "", "tool_calls": calls},
+           {"role": "tool", "tool_call_id": "get_weather", "content": "sunny"},
+           {"role": "tool", "tool_call_id": "get_time", "content": "noon"},
+           {"role": "assistant", "content": "Sunny at noon."}]
+    enc = tok.encode_chat(two)
+    assert enc.input_ids == reference_ids(tok, two)
+    assert masked_runs(tok, enc.input_ids, enc.loss_mask) == [
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+        '<|tool_call>call:get_time{tz:<|"|>CET<|"|>}<tool_call|><|tool_response>',
+        "Sunny at noon.<turn|>"]
+    assert tok.hf.decode(tok.encode_continuation(two[:2], two[2:4])) == (
+        'response:get_weather{value:<|"|>sunny<|"|>}<tool_response|>'
+        '<|tool_response>response:get_time{value:<|"|>noon<|"|>}<tool_response|>')
+
+
+@pytest.mark.parametrize("family,messages,reason", [
+    # Gemma 4 renders the text of a message that also calls a tool after the tool's result.
+    ("gemma4", [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather",
+                                                      "arguments": {"city": "Paris"}}}]},
+                {"role": "tool", "content": "sunny"},
+                {"role": "assistant", "content": "It is sunny."}],
+     "after the tool's results"),
     # R1-Distill renders tool calls only when content is null (content must be a string here).
-    ("deepseek_r1_distill", '{"city": "Paris"}', "only when content is null")])
-def test_tool_turns_the_template_frames_otherwise_are_rejected_not_mismasked(family, arguments,
+    ("deepseek_r1_distill", tool_conversation('{"city": "Paris"}'), "only when content is null")])
+def test_tool_turns_the_template_frames_otherwise_are_rejected_not_mismasked(family, messages,
                                                                               reason):
     tok = chat_tokenizer(family)
     with pytest.raises(DataError) as e:
-        tok.encode_chat(tool_conversation(arguments))
+        tok.encode_chat(messages)
     assert (e.value.reason, e.value.field) == ("turn_mismatch", "messages[1]")
     assert reason in str(e.value)
 
