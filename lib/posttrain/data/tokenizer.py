@@ -68,7 +68,9 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.data import SemanticIdConfig, TokenizerConfig, TrainOn
-from posttrain.data.turn_layout import TurnLayout, ending_special_token, probe_layout
+from posttrain.data.chat_messages import check_messages
+from posttrain.data.turn_layout import (TurnLayout, ending_special_token, probe_layout,
+                                       probe_tool_handover)
 from posttrain.data.turn_regions import (THINK_CLOSE, Message, assistant_regions,
                                          mask_from_encoding, mask_from_offsets)
 from posttrain.errors import ConfigError, DataError
@@ -174,6 +176,16 @@ class ChatTokenizer:
         ids = self.hf.convert_tokens_to_ids([token])
         return ids[0] if ids and ids[0] != self.hf.unk_token_id else None
 
+    @cached_property
+    def tool_handover_token_id(self) -> int | None:
+        """The id of the special token a turn ends with when it hands over to a tool, where the
+        template does not end such a turn with its end-of-turn token (Gemma 4's
+        ``<|tool_response>``; `posttrain.data.turn_layout.probe_tool_handover`); else None."""
+        token = probe_tool_handover(self._render_or_none, self.layout, self.special_tokens,
+                                    self.hf.eos_token)
+        ids = self.hf.convert_tokens_to_ids([token]) if token else []
+        return ids[0] if ids and ids[0] != self.hf.unk_token_id else None
+
     # --- encoding ---------------------------------------------------------------------------
 
     @cached_property
@@ -204,7 +216,7 @@ class ChatTokenizer:
         message with ``"train": false`` is never trained. `source`/`line` locate errors.
         """
         train_on = train_on or self.cfg.train_on
-        self._check_messages(messages, source, line)
+        check_messages(messages, self._special_re, source, line)
         trained = _trained_indices(messages, train_on)
         return self._encode(messages, trained, source, line)
 
@@ -224,7 +236,7 @@ class ChatTokenizer:
         out = RenderedChats()
         for messages, source, line in items:
             try:
-                self._check_messages(messages, source, line)
+                check_messages(messages, self._special_re, source, line)
                 trained = _trained_indices(messages, self.cfg.train_on)
                 text, row_spans = self._render_with_spans(messages, trained, source, line)
             except DataError as err:
@@ -254,7 +266,7 @@ class ChatTokenizer:
                       ) -> list[int]:
         """Prompt ids ending in the template's generation prompt (what RL/DPO generate from);
         `tools` (JSON schemas) go to the template as its ``tools`` variable."""
-        self._check_messages(messages, source, line)
+        check_messages(messages, self._special_re, source, line)
         text = self._render(messages, source, line, add_generation_prompt=True, tools=tools)
         return self.encode_text(text)
 
@@ -280,7 +292,7 @@ class ChatTokenizer:
         if any(m.get("role") == "assistant" for m in new_messages):
             raise ValueError("encode_continuation: `new_messages` may not hold assistant turns")
         conversation = [*messages, *new_messages]
-        self._check_messages(conversation, None, None)
+        check_messages(conversation, self._special_re, None, None)
         text = self._render(conversation, None, None, add_generation_prompt=True, tools=tools)
         _, _, end = self._assistant_regions(text, conversation, None, None, tools)[-1]
         token = ending_special_token(text[:end], self.special_tokens)
@@ -313,7 +325,7 @@ class ChatTokenizer:
             raise DataError(f"'{name}' must be a non-empty list of assistant messages",
                             file=source, line=line, field=name, reason="invalid_response")
         messages = [*prompt, *completion]
-        self._check_messages(messages, source, line)
+        check_messages(messages, self._special_re, source, line)
         trained = {i for i in range(len(prompt), len(messages)) if _is_trained(messages[i])}
         return self._encode(messages, trained, source, line)
 
@@ -401,43 +413,20 @@ class ChatTokenizer:
         """The character offset where each token of `text` ends."""
         return [end for _, end in self._backend.encode(text, add_special_tokens=False).offsets]
 
+    def _render_or_none(self, messages: list[Message]) -> str | None:
+        """`messages` rendered with the generation prompt, or None where the template refuses
+        them."""
+        try:
+            return self._render(messages, None, None, add_generation_prompt=True)
+        except DataError:
+            return None
+
     def _probe_render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
         try:
             return self._render(messages, None, None, add_generation_prompt=add_generation_prompt)
         except DataError as e:
             raise ConfigError(f"tokenizer {self.cfg.path!r}: cannot probe the chat template with a "
                               f"minimal conversation: {e.detail}") from None
-
-    # --- validation -------------------------------------------------------------------------
-
-    def _check_messages(self, messages: Sequence[Message], source: str | None,
-                        line: int | None) -> None:
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise DataError("expected a non-empty list of messages", file=source, line=line,
-                            field="messages", reason="invalid_messages")
-        for i, message in enumerate(messages):
-            self._check_message(i, message, source, line)
-
-    def _check_message(self, i: int, message: Any, source: str | None, line: int | None) -> None:
-        def fail(what: str, name: str, reason: str) -> DataError:
-            return DataError(what, file=source, line=line, field=f"messages[{i}]{name}", reason=reason)
-
-        if not isinstance(message, dict):
-            raise fail(f"expected a mapping, got {type(message).__name__}", "", "invalid_message")
-        if not isinstance(message.get("role"), str):
-            raise fail("missing or non-string 'role'", ".role", "invalid_role")
-        if not isinstance(message.get("content"), str):
-            raise fail("missing or non-string 'content'", ".content", "invalid_content")
-        if not isinstance(message.get("train", True), bool):
-            raise fail("'train' must be true or false", ".train", "invalid_train")
-        for key in ("content", "reasoning_content", "thinking"):
-            value = message.get(key)
-            if isinstance(value, str) and self._special_re is not None:
-                found = self._special_re.search(value)
-                if found:
-                    raise fail(f"contains the special token {found.group()!r}; it would be read as "
-                               "a control token (remove or escape it)", f".{key}",
-                               "special_token_in_content")
 
     # --- persistence ------------------------------------------------------------------------
 

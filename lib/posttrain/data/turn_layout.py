@@ -81,6 +81,25 @@ def probe_layout(render: Any, special_tokens: frozenset[str],
                       turn_start=max(starts, key=len) if starts else None)
 
 
+def probe_tool_handover(render: Callable[[list[dict[str, Any]]], str | None], layout: TurnLayout,
+                        special_tokens: frozenset[str], eos_token: str | None) -> str | None:
+    """The special token a template ends a tool-calling turn with, where that is not how it
+    ends other turns: Gemma 4 renders ``<|tool_response>`` after a call that has no result yet
+    (a generator stops there, and the result follows inside the same turn). Found by rendering
+    a probe call with the generation prompt (`render`, None where the template refuses it);
+    None for a template whose calls end their turn as any other (its end-of-turn marker, or a
+    new header after it), or that takes no calls."""
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "probe_tool", "arguments": {}}}
+    text = render([{"role": "user", "content": _PROBE_USER},
+                   {"role": "assistant", "content": "", "tool_calls": [call]}])
+    token = ending_special_token(text, special_tokens) if text else None
+    if token is None or "probe_tool" not in text or token in layout.generation_prompt \
+            or token in layout.turn_ends or token == eos_token:
+        return None
+    return token
+
+
 def _split_generation_prompt(base: str, prompted: str, token_ends: Callable[[str], Sequence[int]]
                              ) -> tuple[str, str]:
     """(the conversation before the generation prompt, the generation prompt), from the render

@@ -57,21 +57,31 @@ Message = dict[str, Any]
 @dataclass(frozen=True)
 class Turn:
     """One assistant turn as the environment sees it: its text (special tokens removed, the
-    end-of-turn token dropped), the sampled ids, and why sampling stopped (``stop``: the
-    end-of-turn or another stop token; ``length``: the turn's token budget ran out)."""
+    end-of-turn or tool hand-over token dropped), the sampled ids, and why sampling stopped
+    (``stop``: the end-of-turn or another stop token; ``length``: the turn's token budget ran
+    out); `raw`, the same text with its special tokens (Gemma 4 writes tool calls between
+    them)."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str
     index: int                               # 0 for the first turn of the episode
+    raw: str = ""
 
 
 @dataclass(frozen=True)
 class StepResult:
+    """What answers a turn (module docstring). `tool_calls` are the calls the environment read
+    in a turn that handed over to a tool (OpenAI's shape, each with the ``id`` its result's
+    ``tool_call_id`` names): a template that renders calls from that structure, and the
+    results inside the model's turn (Gemma 4), needs them to render the results; the
+    episode then keeps them as that assistant message's ``tool_calls``."""
+
     messages: list[Message] = field(default_factory=list)
     reward: float = 0.0
     done: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 @runtime_checkable

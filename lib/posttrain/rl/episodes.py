@@ -12,7 +12,8 @@ configured environment (`posttrain.rl.environment`) and returns them as `Episode
              sampled with a seed derived from (the call's seed, t): a resumed run replays them
 
 An episode ends when the environment says done, when a turn is cut by the token budget, when the
-model stops without the template's end-of-turn token (e.g. at eos), or after
+model stops without the template's end-of-turn token (e.g. at eos; Gemma 4's
+``<|tool_response>``, which hands a tool call over, counts as one), or after
 `environment.max_turns` turns (``finish_reason``: ``stop``, ``length``, ``length``/``stop``,
 ``turns``). The token budget, `environment.max_total_tokens`, bounds everything after the prompt:
 a turn samples at most what is left, and an environment reply that does not fit (with room for
@@ -115,6 +116,7 @@ class EpisodeRunner:
                  stop_token_ids: Sequence[int], stop_key: str = "sampling.stop_tokens"):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.end_of_turn: int | None = None
+        self.handover: int | None = None      # Gemma 4's <|tool_response> after a tool call
         if not cfg.single_turn:
             self.end_of_turn = tokenizer.end_of_turn_token_id
             if self.end_of_turn is None or self.end_of_turn not in stop_token_ids:
@@ -122,6 +124,13 @@ class EpisodeRunner:
                     f"{stop_key}: a multi-turn environment needs the chat template's end of "
                     f"turn {tokenizer.layout.end_of_turn!r} as a stop token (one token), so a "
                     "turn ends where the environment answers")
+            self.handover = tokenizer.tool_handover_token_id
+            if self.handover is not None and self.handover not in stop_token_ids:
+                token = tokenizer.hf.convert_ids_to_tokens(self.handover)
+                raise ConfigError(
+                    f"{stop_key}: this chat template ends a turn that calls a tool with "
+                    f"{token!r}, where the tool's result follows; a multi-turn environment "
+                    "needs it as a stop token too, or the model writes the result itself")
 
     def run(self, rows: Sequence[PromptRow], n: int, generate: Generate,
             sampling: SamplingConfig) -> list[list[Episode]]:
@@ -176,6 +185,8 @@ class EpisodeRunner:
             for k, v in result.metrics.items():
                 ep.metrics[k] = ep.metrics.get(k, 0.0) + float(v)
             finish = self._finish(ep, turn, ends_turn, result)
+            if finish is None and ends_turn and turn.token_ids[-1] == self.handover:
+                ep.messages[-1] = self._tool_call_message(result)
             if finish is None:
                 reply = [{**m, "content": self.tokenizer.remove_special_tokens(m["content"])}
                          for m in result.messages]
@@ -191,6 +202,17 @@ class EpisodeRunner:
             ep.finish_reason = finish  # type: ignore[assignment]
         return going
 
+    def _tool_call_message(self, result: StepResult) -> Message:
+        """The assistant message of a turn that handed over to a tool, as the template renders
+        it before the results: the calls the environment read, as structure (Gemma 4 renders
+        each result after them, named by its call)."""
+        if not result.tool_calls:
+            raise ValueError(
+                f"environment {self.cfg.name}: the turn handed over to a tool, and this chat "
+                "template renders the results from the calls: return the calls read from "
+                "the turn as StepResult.tool_calls (posttrain.rl.tools does)")
+        return {"role": "assistant", "content": "", "tool_calls": list(result.tool_calls)}
+
     def _record(self, ep: Episode, rollout: Rollout, index: int, budget: int
                 ) -> tuple[Turn, bool]:
         """Append a sampled turn (cut to the budget); (the turn, whether it ends with the
@@ -204,14 +226,14 @@ class EpisodeRunner:
         if rollout.routing is not None:
             ep.routing = _merge_routing(
                 ep.routing, rollout.routing[:len(ep.prompt_ids) + len(ep.completion_ids)])
-        ends_turn = finish == "stop" and ids[-1] == self.end_of_turn
+        ends_turn = finish == "stop" and ids[-1] in (self.end_of_turn, self.handover)
         decode = self.tokenizer.hf.decode
-        text = self.tokenizer.remove_special_tokens(
-            decode(ids[:-1] if ends_turn else ids, skip_special_tokens=True))
+        own = ids[:-1] if ends_turn else ids
+        text = self.tokenizer.remove_special_tokens(decode(own, skip_special_tokens=True))
         ep.answer = decode(ids, skip_special_tokens=True)
         ep.messages.append({"role": "assistant", "content": text})
         ep.turns += 1
-        return Turn(text, tuple(ids), finish, index), ends_turn
+        return Turn(text, tuple(ids), finish, index, decode(own)), ends_turn
 
     def _finish(self, ep: Episode, turn: Turn, ends_turn: bool, result: StepResult
                 ) -> str | None:

@@ -7,6 +7,11 @@
     {"name": "calculator", "arguments": {"expression": "47 * 38"}}
     </tool_call>
 
+or Gemma 4's, read from the turn with its special tokens (`Turn.raw`), which ends the turn with
+``<|tool_response>``: ``<|tool_call>call:calculator{expression:<|"|>47 * 38<|"|>}<tool_call|>``
+(`parse_gemma4_tool_calls`). For Gemma 4 the environment also returns the calls as structure
+(`StepResult.tool_calls`), since its template renders the results from them.
+
 A turn may hold several calls; each result comes back as one ``{"role": "tool", "content": ...}``
 message, in order. A call that cannot be parsed (bad JSON, no name, an unknown tool, bad
 arguments, an unclosed tag) gets an error message as its result (``error: ...``), never an
@@ -45,7 +50,8 @@ from posttrain.rl.sandbox import IsolationMode, SandboxLimits, require_isolation
 if TYPE_CHECKING:                       # prompts reads shards (pyarrow, torch): not needed here
     from posttrain.rl.prompts import PromptRow
 
-__all__ = ["TOOL_SCHEMAS", "ToolCall", "ToolEnvironment", "calculator", "parse_tool_calls"]
+__all__ = ["TOOL_SCHEMAS", "ToolCall", "ToolEnvironment", "calculator", "parse_gemma4_tool_calls",
+           "parse_tool_calls"]
 
 _CALL_RE = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
@@ -100,6 +106,97 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             continue
         calls.append(ToolCall(data["name"], arguments))
     return calls
+
+
+# Gemma 4 writes a call in its own notation between special tokens, which `Turn.raw` keeps:
+# <|tool_call>call:NAME{key:VALUE,...}<tool_call|>, strings between <|"|> marks, numbers, true,
+# false, and nested {...} and [...] (its template's `format_argument`, read backwards).
+_GEMMA4_CALL_RE = re.compile(r"<\|tool_call>call:([^{<]*)\{(.*?)(<tool_call\|>|$)", re.DOTALL)
+_GEMMA4_QUOTE = '<|"|>'
+
+
+def parse_gemma4_tool_calls(raw: str) -> list[ToolCall]:
+    """Every Gemma 4 call in `raw` (a turn with its special tokens), in order; an unclosed or
+    malformed one as an error (module docstring)."""
+    calls = []
+    for match in _GEMMA4_CALL_RE.finditer(raw):
+        name, body, closed = match.group(1).strip(), match.group(2), bool(match.group(3))
+        if not closed:
+            calls.append(ToolCall(None, {}, "the tool call is not closed by <tool_call|>"))
+            continue
+        try:
+            arguments, end = _gemma4_object(body, 0)
+            if body[end:].strip():
+                raise ValueError(f"unexpected {body[end:end + 20]!r} after the arguments")
+        except ValueError as e:
+            calls.append(ToolCall(name or None, {}, f"the tool call's arguments: {e}"))
+            continue
+        calls.append(ToolCall(name, arguments) if name else
+                     ToolCall(None, {}, "the tool call has no name"))
+    return calls
+
+
+def _gemma4_object(text: str, at: int) -> tuple[dict[str, Any], int]:
+    """The mapping whose body starts at `at` (after its "{"), and the index after its "}"."""
+    out: dict[str, Any] = {}
+    while True:
+        if text.startswith("}", at):
+            return out, at + 1
+        if text.startswith(_GEMMA4_QUOTE, at):
+            key, at = _gemma4_string(text, at)
+        else:
+            colon = text.find(":", at)
+            if colon < 0:
+                raise ValueError("a key without a value")
+            key, at = text[at:colon].strip(), colon
+        if not text.startswith(":", at):
+            raise ValueError(f"expected ':' after {key!r}")
+        out[key], at = _gemma4_value(text, at + 1)
+        if text.startswith(",", at):
+            at += 1
+        elif not text.startswith("}", at):
+            raise ValueError("the arguments are not closed by '}'")
+
+
+def _gemma4_value(text: str, at: int) -> tuple[Any, int]:
+    if text.startswith(_GEMMA4_QUOTE, at):
+        return _gemma4_string(text, at)
+    if text.startswith("{", at):
+        return _gemma4_object(text, at + 1)
+    if text.startswith("[", at):
+        items: list[Any] = []
+        at += 1
+        while not text.startswith("]", at):
+            item, at = _gemma4_value(text, at)
+            items.append(item)
+            if text.startswith(",", at):
+                at += 1
+            elif not text.startswith("]", at):
+                raise ValueError("a list is not closed by ']'")
+        return items, at + 1
+    end = at
+    while end < len(text) and text[end] not in ",}]":
+        end += 1
+    word = text[at:end].strip()
+    if not word:
+        raise ValueError("a key without a value")
+    constants = {"true": True, "false": False, "null": None, "None": None}
+    if word in constants:
+        return constants[word], end
+    for kind in (int, float):
+        try:
+            return kind(word), end
+        except ValueError:
+            pass
+    return word, end                # a bare word: the model meant a string
+
+
+def _gemma4_string(text: str, at: int) -> tuple[str, int]:
+    start = at + len(_GEMMA4_QUOTE)
+    end = text.find(_GEMMA4_QUOTE, start)
+    if end < 0:
+        raise ValueError("a string is not closed by <|\"|>")
+    return text[start:end], end + len(_GEMMA4_QUOTE)
 
 
 # --------------------------------------------------------------------------- calculator
@@ -201,14 +298,24 @@ class ToolEnvironment:
         return row.messages
 
     def step(self, turn: Turn) -> StepResult:
-        calls = parse_tool_calls(turn.text)
+        gemma4 = "<|tool_call>" in turn.raw
+        calls = parse_gemma4_tool_calls(turn.raw) if gemma4 else parse_tool_calls(turn.text)
         if not calls:
             return StepResult(done=True)
         results = [self._call(c) for c in calls]
         errors = sum(r.startswith("error: ") for r in results)
-        return StepResult([{"role": "tool", "content": r} for r in results],
-                          metrics={"tool_calls": float(len(calls)),
-                                   "tool_errors": float(errors)})
+        metrics = {"tool_calls": float(len(calls)), "tool_errors": float(errors)}
+        if not gemma4:
+            return StepResult([{"role": "tool", "content": r} for r in results],
+                              metrics=metrics)
+        # Gemma 4 renders each result inside the model's turn, named by its call
+        ids = [f"call_{k}" for k in range(len(calls))]
+        structured = [{"id": i, "type": "function",
+                       "function": {"name": c.name or "unknown", "arguments": c.arguments}}
+                      for i, c in zip(ids, calls)]
+        return StepResult([{"role": "tool", "tool_call_id": i, "content": r}
+                           for i, r in zip(ids, results)], metrics=metrics,
+                          tool_calls=structured)
 
     def _call(self, call: ToolCall) -> str:
         if call.error is not None:

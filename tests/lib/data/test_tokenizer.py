@@ -510,6 +510,15 @@ def test_gemma4_tool_calls_end_where_the_model_hands_the_turn_to_the_tool():
         '<|tool_response>response:get_time{value:<|"|>noon<|"|>}<tool_response|>')
 
 
+def test_only_gemma4_hands_a_tool_call_over_with_a_token_of_its_own():
+    """The hand-over token (a multi-turn run's extra stop token) is found by probing each
+    template with a call: Gemma 4's <|tool_response>; every other template ends a calling turn
+    as any other turn (or takes no calls)."""
+    found = {family: chat_tokenizer(family).tool_handover_token_id for family in ALL}
+    assert {f: chat_tokenizer(f).hf.convert_ids_to_tokens(i) for f, i in found.items()
+            if i is not None} == {"gemma4": "<|tool_response>"}
+
+
 @pytest.mark.parametrize("family,messages,reason", [
     # Gemma 4 renders the text of a message that also calls a tool after the tool's result.
     ("gemma4", [{"role": "user", "content": "Weather in Paris?"},

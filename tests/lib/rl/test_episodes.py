@@ -27,6 +27,7 @@ from posttrain.rl.prompts import PromptRow
 from posttrain.rl.rewards import RewardSpec, combine
 from posttrain.rl.tools import TOOL_SCHEMAS
 
+from ..data.test_tokenizer import hf_tokenizer
 from .test_native_engine import tiny_model
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -47,18 +48,19 @@ def chat_tokenizer(template: str, **kwargs) -> ChatTokenizer:
 
 
 class ScriptedEngine:
-    """Samples `turns[k]` (then the end-of-turn token) at its k-th call, with made-up
-    log-probs; records what it was asked to continue from."""
+    """Samples `turns[k]` (then `ends[k]`, by default the end-of-turn token) at its k-th call,
+    with made-up log-probs; records what it was asked to continue from."""
 
-    def __init__(self, tok: ChatTokenizer, turns: list[str]):
+    def __init__(self, tok: ChatTokenizer, turns: list[str], ends: list[int] | None = None):
         self.tok, self.turns = tok, turns
+        self.ends = ends or [tok.end_of_turn_token_id] * len(turns)
         self.calls: list[tuple[list[list[int]], SamplingConfig, int]] = []
         self.sampled: list[list[int]] = []
 
     def generate(self, prompts, sampling, n=1):
-        text = self.turns[len(self.calls)]
+        text, end = self.turns[len(self.calls)], self.ends[len(self.calls)]
         self.calls.append(([list(p) for p in prompts], sampling, n))
-        ids = self.tok.encode_text(text) + [self.tok.end_of_turn_token_id]
+        ids = self.tok.encode_text(text) + [end]
         self.sampled.append(ids)
         logps = [-(len(self.calls) + 0.01 * i) for i in range(len(ids))]
         return [[Rollout(list(p), list(ids), list(logps), "stop") for _ in range(n)]
@@ -126,6 +128,45 @@ def test_tool_episode_trains_on_the_sampled_ids_and_masks_only_them(template):
                          "<|im_end|>\n<|im_start|>assistant\n")
     else:
         assert reply == "\n<|im_start|>tool\n47 * 38 = 1786<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_gemma4_tool_episode_hands_the_turn_over_at_tool_response():
+    """Gemma 4 ends a turn that calls a tool with <|tool_response> and renders the result inside
+    the model's turn, from the call's structure. The call's turn stops there (a stop token the
+    runner asks for), the tools environment reads the call from the turn's special tokens and
+    returns it as structure, the episode appends the result's ids (no header: the turn goes
+    on), and the answer follows. The full render of the conversation has exactly the episode's
+    ids, and its SFT loss mask marks exactly the sampled tokens (call and hand-over included)."""
+    tok = ChatTokenizer(TokenizerConfig(path="gemma4", chat_template_kwargs={
+        "tools": [TOOL_SCHEMAS["calculator"]], "enable_thinking": True}),
+        tokenizer=hf_tokenizer("gemma4"))
+    handover, end = tok.tool_handover_token_id, tok.end_of_turn_token_id
+    assert tok.hf.convert_ids_to_tokens(handover) == "<|tool_response>"
+    cfg = EnvironmentConfig(kind="tools", max_turns=4)
+    with pytest.raises(ConfigError, match="<\\|tool_response>.*as a stop token too"):
+        EpisodeRunner(cfg, tok, [end])
+    call = '<|tool_call>call:calculator{expression:<|"|>47 * 38<|"|>}<tool_call|>'
+    engine = ScriptedEngine(tok, [call, "The answer is 1786."], ends=[handover, end])
+    runner = EpisodeRunner(cfg, tok, [end, handover])
+    row = PromptRow(tok.encode_prompt(QUESTION), QUESTION, {"answer": "1786"})
+    [[episode]] = runner.run([row], 1, engine.generate, SamplingConfig(max_new_tokens=100))
+    assert (episode.turns, episode.finish_reason) == (2, "stop")
+    assert episode.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0", "type": "function",
+         "function": {"name": "calculator", "arguments": {"expression": "47 * 38"}}}]}
+    assert episode.messages[2] == {"role": "tool", "tool_call_id": "call_0",
+                                   "content": "47 * 38 = 1786"}
+    assert episode.answer == "The answer is 1786."
+    ids, _ = trained_ids(episode)
+    assert ids == engine.sampled[0] + engine.sampled[1]
+    environment = [t for t, m in zip(episode.completion_ids, episode.loss_mask) if not m]
+    assert tok.hf.decode(environment) == \
+        'response:calculator{value:<|"|>47 * 38 = 1786<|"|>}<tool_response|>'
+    full = tok.encode_chat(episode.messages)
+    everything = episode.prompt_ids + episode.completion_ids
+    assert full.input_ids[:len(everything)] == everything
+    assert full.loss_mask == [0] * len(episode.prompt_ids) + episode.loss_mask + [0] * (
+        len(full.input_ids) - len(everything))
 
 
 def test_qwen3_keeps_the_sampled_reasoning_its_template_drops():

@@ -7,7 +7,10 @@ import pytest
 
 from posttrain.rl.environment import Turn
 from posttrain.rl.prompts import PromptRow
-from posttrain.rl.tools import ToolEnvironment, calculator, parse_tool_calls
+from posttrain.rl.tools import (ToolEnvironment, calculator, parse_gemma4_tool_calls,
+                                parse_tool_calls)
+
+from ..data.test_tokenizer import hf_tokenizer
 
 
 def call(name: str, **arguments) -> str:
@@ -81,6 +84,48 @@ def test_tool_environment_answers_calls_and_ends_on_an_answer():
     assert out.metrics == {"tool_calls": 5.0, "tool_errors": 4.0}
     final = env.step(turn("The answer is 1786.", 1))
     assert final.done and final.messages == []
+
+
+def test_gemma4_calls_read_back_what_its_template_writes():
+    """Gemma 4's template writes a call's arguments in its own notation (`format_argument`):
+    strings between <|"|> marks, numbers, booleans, nested mappings and lists, keys sorted.
+    Parsing what it renders gives the arguments back; a call cut off or malformed is an
+    error observation, as for the JSON format."""
+    arguments = {"expression": "47 * 38, {x}: [y]", "n": 3, "f": 2.5, "ok": True, "no": False,
+                 "nested": {"a": "b", "list": [1, "two", {"c": False}]}, "empty": {}, "e": []}
+    calls = [{"type": "function", "function": {"name": "calculator", "arguments": arguments}},
+             {"type": "function", "function": {"name": "clock", "arguments": {}}}]
+    raw = hf_tokenizer("gemma4").apply_chat_template(
+        [{"role": "user", "content": "q"},
+         {"role": "assistant", "content": "", "tool_calls": calls}], tokenize=False)
+    assert [(c.name, c.arguments, c.error) for c in parse_gemma4_tool_calls(raw)] == [
+        ("calculator", arguments, None), ("clock", {}, None)]
+    for text, error in [('<|tool_call>call:calculator{expression:<|"|>1 + 2', "not closed"),
+                        ('<|tool_call>call:calculator{expression<tool_call|>',
+                         "a key without a value"),
+                        ('<|tool_call>call:calculator{expression:<|"|>1<tool_call|>',
+                         "a string is not closed"),
+                        ('<|tool_call>call:calculator{a:[1,2}<tool_call|>', "not closed by ']'"),
+                        ('<|tool_call>call:{a:1}<tool_call|>', "has no name")]:
+        (c,) = parse_gemma4_tool_calls(text)
+        assert c.error is not None and error in c.error, (text, c)
+
+
+def test_tool_environment_reads_gemma4_calls_and_returns_them_as_structure():
+    """A Gemma 4 turn's calls are read from its special tokens (`Turn.raw`); each result names
+    its call (`tool_call_id`), and the calls come back as structure for the template."""
+    env = ToolEnvironment(tools=["calculator"])
+    raw = ('<|tool_call>call:calculator{expression:<|"|>47 * 38<|"|>}<tool_call|>'
+           '<|tool_call>call:calculator{expression:<|"|>1 / 0<|"|>}<tool_call|>')
+    out = env.step(Turn("call:calculator{expression:47 * 38}", (), "stop", 0, raw))
+    assert out.messages == [
+        {"role": "tool", "tool_call_id": "call_0", "content": "47 * 38 = 1786"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "error: division by zero"}]
+    assert out.tool_calls == [
+        {"id": f"call_{k}", "type": "function",
+         "function": {"name": "calculator", "arguments": {"expression": e}}}
+        for k, e in enumerate(["47 * 38", "1 / 0"])]
+    assert out.metrics == {"tool_calls": 2.0, "tool_errors": 1.0}
 
 
 def test_unknown_bundled_tool_is_refused():
