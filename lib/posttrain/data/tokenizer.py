@@ -170,19 +170,18 @@ class ChatTokenizer:
     def end_of_turn_token_id(self) -> int | None:
         """The id of the special token an assistant turn ends with (a generator's stop token:
         ``<|END_OF_TURN_TOKEN|>`` of Cohere2's ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>``)."""
-        token = ending_special_token(self.layout.end_of_turn, self.special_tokens)
-        if token is None:
-            return None
-        ids = self.hf.convert_tokens_to_ids([token])
-        return ids[0] if ids and ids[0] != self.hf.unk_token_id else None
+        return self._token_id(ending_special_token(self.layout.end_of_turn, self.special_tokens))
 
     @cached_property
     def tool_handover_token_id(self) -> int | None:
         """The id of the special token a turn ends with when it hands over to a tool, where the
         template does not end such a turn with its end-of-turn token (Gemma 4's
         ``<|tool_response>``; `posttrain.data.turn_layout.probe_tool_handover`); else None."""
-        token = probe_tool_handover(self._render_or_none, self.layout, self.special_tokens,
-                                    self.hf.eos_token)
+        return self._token_id(probe_tool_handover(self._render_or_none, self.layout,
+                                                  self.special_tokens, self.hf.eos_token))
+
+    def _token_id(self, token: str | None) -> int | None:
+        """The id of one token of the vocabulary (None for None or an unknown token)."""
         ids = self.hf.convert_tokens_to_ids([token]) if token else []
         return ids[0] if ids and ids[0] != self.hf.unk_token_id else None
 

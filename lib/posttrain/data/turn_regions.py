@@ -8,7 +8,8 @@ module docstring tells the whole method; step 1, the template's `TurnLayout`, is
   template does not follow with a header, from the end of the generation prompt for that
   point) to the end of its end-of-turn marker, going on through harmony's second headed part;
   a tool call that marker does not close before the tool's result (Gemma 4) ends where the
-  conversation up to the call, rendered for generation, ends with a special token. A span that misses the message's content or tool calls, runs into another turn, or holds the
+  conversation up to the call, rendered for generation, ends with a special token. A span
+  that misses the message's content or tool calls, runs into another turn, or holds the
   result of its own tool call is refused with a `DataError` that says why.
 * `mask_from_encoding` / `mask_from_offsets` turn the trained spans into a token mask: a token
   is trained when its first character lies inside a span.
