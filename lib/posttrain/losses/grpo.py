@@ -92,11 +92,12 @@ REINFORCE policy gradient with a group baseline.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
-__all__ = ["estimate_advantages", "group_advantages", "grpo_loss"]
+__all__ = ["aggregation_weights", "estimate_advantages", "group_advantages", "grpo_loss",
+           "grpo_token_objective"]
 
 Aggregation = Literal["seq_mean_token_mean", "token_mean", "constant"]
 Estimator = Literal["group_norm", "rloo", "reinforce_pp"]
@@ -213,34 +214,18 @@ def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_B: to
     counts_BT = mask_BT.bool()          # what the normalizers count: the whole responses
     m_BT = counts_BT if held_BT is None else counts_BT & held_BT.bool()
     logp = _wide(logp_BT)
-    # where, not multiply: a masked position may hold -inf or NaN, and 0 * inf is NaN.
-    log_ratio_BT = (logp - _wide(old_logp_BT).detach()).where(m_BT, 0.0)
+    log_s_B1 = None
     if ratio == "sequence":                # GSPO-token: value s_b, gradient s_b grad logp
-        log_s_B1 = (log_ratio_BT.detach().sum(dim=1, keepdim=True)
+        log_ratio_BT = (logp - _wide(old_logp_BT)).detach().where(m_BT, 0.0)
+        log_s_B1 = (log_ratio_BT.sum(dim=1, keepdim=True)
                     / m_BT.sum(dim=1, keepdim=True).clamp(min=1))
-        log_ratio_BT = (log_s_B1 + logp - logp.detach()).where(m_BT, 0.0)
-    ratio_BT = log_ratio_BT.exp()
     adv_B1 = _wide(advantages_B).detach().to(logp.dtype)     # [B, 1], or [B, T] per token
     adv_B1 = adv_B1.unsqueeze(1) if adv_B1.dim() == 1 else adv_B1
-    unclipped_BT = ratio_BT * adv_B1
-    clipped_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high) * adv_B1
-    pg_BT = -torch.minimum(unclipped_BT, clipped_BT)
-
-    is_weight_BT = None
-    if engine_logp_BT is not None:
-        log_w_BT = (_wide(old_logp_BT) - _wide(engine_logp_BT)).detach().where(m_BT, 0.0)
-        is_weight_BT = log_w_BT.exp()
-        if is_cap is not None:
-            is_weight_BT = is_weight_BT.clamp(max=is_cap)
-        pg_BT = is_weight_BT * pg_BT
-    loss_BT = pg_BT
-
-    kl_BT = None
-    if ref_logp_BT is not None:
-        d_BT = (_wide(ref_logp_BT).detach() - logp).where(m_BT, 0.0)
-        kl_BT = d_BT.exp() - d_BT - 1.0
-        if kl_coef:
-            loss_BT = loss_BT + kl_coef * kl_BT
+    loss_BT, ratio_BT, pg_BT, is_weight_BT, kl_BT = _token_terms(
+        logp, _wide(old_logp_BT), adv_B1, m_BT, clip_low=clip_low, clip_high=clip_high,
+        engine_logp=None if engine_logp_BT is None else _wide(engine_logp_BT), is_cap=is_cap,
+        ref_logp=None if ref_logp_BT is None else _wide(ref_logp_BT), kl_coef=kl_coef,
+        log_s=log_s_B1)
 
     loss = _aggregate(loss_BT.where(m_BT, 0.0), counts_BT, aggregation, constant_norm,
                       global_tokens, global_sequences)
@@ -271,19 +256,86 @@ def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_B: to
     return loss, metrics
 
 
+def _token_terms(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
+                 m: torch.Tensor, *, clip_low: float, clip_high: float,
+                 engine_logp: torch.Tensor | None, is_cap: float | None,
+                 ref_logp: torch.Tensor | None, kl_coef: float, log_s: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                            torch.Tensor | None]:
+    """The per-token terms of the module docstring on tensors of one shape (or broadcasting):
+    (L, rho, w pg, w or None, k3 or None), L as yet unmasked. Without `log_s` term t reads
+    logp_t alone, so the loss root can take the terms' slopes chunk by chunk
+    (`grpo_token_objective`); GSPO's `log_s` (detached) needs all of a response's log-probs
+    first."""
+    # where, not multiply: a masked position may hold -inf or NaN, and 0 * inf is NaN.
+    log_ratio = (logp - old_logp.detach()).where(m, 0.0)
+    if log_s is not None:
+        log_ratio = (log_s + logp - logp.detach()).where(m, 0.0)
+    ratio = log_ratio.exp()
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    pg = -torch.minimum(unclipped, clipped)
+    is_weight = None
+    if engine_logp is not None:
+        is_weight = (old_logp - engine_logp).detach().where(m, 0.0).exp()
+        if is_cap is not None:
+            is_weight = is_weight.clamp(max=is_cap)
+        pg = is_weight * pg
+    loss, kl = pg, None
+    if ref_logp is not None:
+        d = (ref_logp.detach() - logp).where(m, 0.0)
+        kl = d.exp() - d - 1.0
+        if kl_coef:
+            loss = loss + kl_coef * kl
+    return loss, ratio, pg, is_weight, kl
+
+
+def grpo_token_objective(old_logp: torch.Tensor | None, advantages: torch.Tensor,
+                         mask: torch.Tensor, weights: torch.Tensor, *, clip_low: float,
+                         clip_high: float, engine_logp: torch.Tensor | None,
+                         is_cap: float | None, ref_logp: torch.Tensor | None, kl_coef: float
+                         ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`grpo_loss`'s loss (token ratio) as a token-separable objective for
+    `posttrain.ops.cross_entropy.chunked_logprob_objective`: the per-position constants are
+    given in one flat layout (old log-probs, None on policy: each position's own, detached;
+    advantages; the mask; `aggregation_weights`; the engine's and reference's log-probs), and
+    the objective maps a chunk's log-probs at `positions` to its terms w L."""
+    def objective(logp_c: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        def at(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[positions]
+
+        m_c = mask[positions]
+        old_c = logp_c.detach() if old_logp is None else old_logp[positions]
+        loss_c = _token_terms(logp_c, old_c, advantages[positions], m_c, clip_low=clip_low,
+                              clip_high=clip_high, engine_logp=at(engine_logp), is_cap=is_cap,
+                              ref_logp=at(ref_logp), kl_coef=kl_coef)[0]
+        return loss_c.where(m_c, 0.0) * weights[positions]
+    return objective
+
+
+def aggregation_weights(m_BT: torch.Tensor, aggregation: str, constant_norm: float | None,
+                        global_tokens: int | None, global_sequences: int | None,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Each token's weight in the aggregated loss (0 off the mask `m_BT`, the responses'
+    tokens that the normalizers count): the loss is sum_bt weight_bt L_bt."""
+    m = m_BT.to(dtype)
+    if aggregation == "token_mean":
+        count = global_tokens if global_tokens is not None else int(m_BT.sum())
+        return m / max(count, 1)
+    num_seq = global_sequences if global_sequences is not None else int(m_BT.any(dim=1).sum())
+    if aggregation == "seq_mean_token_mean":
+        return m / (m.sum(dim=1, keepdim=True).clamp(min=1) * max(num_seq, 1))
+    norm = constant_norm if constant_norm is not None else m_BT.shape[1]
+    return m / (max(num_seq, 1) * norm)
+
+
 def _aggregate(loss_BT: torch.Tensor, m_BT: torch.Tensor, aggregation: str,
                constant_norm: float | None, global_tokens: int | None,
                global_sequences: int | None) -> torch.Tensor:
     """Reduce masked per-token losses (already 0 off the mask) to a scalar."""
-    if aggregation == "token_mean":
-        count = global_tokens if global_tokens is not None else int(m_BT.sum())
-        return loss_BT.sum() / max(count, 1)
-    num_seq = global_sequences if global_sequences is not None else int(m_BT.any(dim=1).sum())
-    if aggregation == "seq_mean_token_mean":
-        per_seq_B = loss_BT.sum(dim=1) / m_BT.sum(dim=1).clamp(min=1)
-        return per_seq_B.sum() / max(num_seq, 1)
-    norm = constant_norm if constant_norm is not None else loss_BT.shape[1]
-    return loss_BT.sum() / (max(num_seq, 1) * norm)
+    weights_BT = aggregation_weights(m_BT, aggregation, constant_norm, global_tokens,
+                                     global_sequences, loss_BT.dtype)
+    return (loss_BT * weights_BT).sum()
 
 
 def _check_args(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_B: torch.Tensor,

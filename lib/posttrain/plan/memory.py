@@ -179,8 +179,14 @@ def micro_batch_shape(cfg: Any) -> tuple[int, int]:
 
 
 def _loss_kernel(cfg: Any) -> str:
-    return "logprobs" if type(cfg).__name__ in ("GRPOConfig", "DPOConfig", "DistillConfig") \
-        else "cross_entropy"
+    """The head kernel the recipe's loss runs: GRPO's token-ratio loss forms its gradients in
+    the forward like SFT's cross-entropy, except under context parallelism
+    (`posttrain.train.grpo_loss_root.GRPOLoss`); DPO, distillation and GSPO recompute."""
+    name = type(cfg).__name__
+    if name in ("GRPOConfig", "SequenceRLConfig"):
+        fused = cfg.algorithm.ratio == "token" and cfg.train.engine.parallel.cp == 1
+        return "cross_entropy" if fused else "logprobs"
+    return "logprobs" if name in ("DPOConfig", "DistillConfig") else "cross_entropy"
 
 
 # --------------------------------------------------------------------------- the plan

@@ -128,14 +128,15 @@ def trace_step(args: ModelArgs, *, rows: int, seq_len: int, compute_dtype: torch
                lora: Any, activation_checkpointing: str, ac_every: int, chunk_tokens: int,
                loss: str = "cross_entropy") -> StepTrace:
     """Run one micro-batch of `rows` x `seq_len` tokens (one document per row) forward and
-    backward on fake tensors and measure it (`StepTrace`). `loss`: ``cross_entropy`` (SFT's
-    kernel, gradients formed in forward) or ``logprobs`` (the log-prob kernel of DPO, GRPO and
-    distillation, which recomputes the logits in backward)."""
+    backward on fake tensors and measure it (`StepTrace`). `loss`: ``cross_entropy`` (the
+    kernel of SFT and of GRPO's token-ratio loss, gradients formed in forward) or ``logprobs``
+    (the log-prob kernel of DPO, distillation and GSPO, which recomputes the logits in
+    backward)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from posttrain.distributed.parallelize import apply_activation_checkpointing
     from posttrain.models.transformer import build_model
-    from posttrain.ops.cross_entropy import _ChunkedCrossEntropySum, _ChunkedTargetLogProb
+    from posttrain.ops.head_kernels import ChunkedObjective, ChunkedTargetLogProb
 
     def loss_fn(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # the kernels themselves, every position a target (the most the loss can cost): the
@@ -144,9 +145,9 @@ def trace_step(args: ModelArgs, *, rows: int, seq_len: int, compute_dtype: torch
         targets = labels.reshape(-1)
         real, softcap = args.vocab_size, args.final_logit_softcapping
         if loss == "cross_entropy":
-            return _ChunkedCrossEntropySum.apply(hidden_NH, weight, None, targets, real,
-                                                 chunk_tokens, softcap)
-        return _ChunkedTargetLogProb.apply(hidden_NH, weight, None, targets, real, chunk_tokens,
+            return ChunkedObjective.apply(hidden_NH, weight, None, targets, real, chunk_tokens,
+                                           softcap, 1.0, None, False)[0]
+        return ChunkedTargetLogProb.apply(hidden_NH, weight, None, targets, real, chunk_tokens,
                                            softcap, 1.0).sum()
 
     with FakeTensorMode(allow_non_fake_inputs=True):

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from posttrain.config.grpo import AlgorithmConfig
-from posttrain.losses.grpo import grpo_loss
+from posttrain.losses.grpo import aggregation_weights, grpo_loss, grpo_token_objective
 from posttrain.models.routing_replay import routing_replay_counts, set_routing_replay
 from posttrain.models.transformer import Transformer
-from posttrain.ops.cross_entropy import chunked_logprobs
+from posttrain.ops.cross_entropy import IGNORE_INDEX, chunked_logprob_objective, chunked_logprobs
 from posttrain.ops.vocab import restrict_head
 
 __all__ = ["GRPOLoss", "TOKEN_STATS"]
@@ -42,8 +42,10 @@ class GRPOLoss(nn.Module):
 
     def __init__(self, model: Transformer, algo: AlgorithmConfig, temperature: float,
                  constant_norm: float | None, chunk_tokens: int = 1024,
-                 allowed_token_ranges: tuple = ()):
+                 allowed_token_ranges: tuple = (), fuse_head: bool = True):
         super().__init__()
+        # False: the head projects each chunk again in backward (the reference path of tests)
+        self.fuse_head = fuse_head
         self.model, self.algo = model, algo
         self.temperature, self.constant_norm = temperature, constant_norm
         self.chunk_tokens = chunk_tokens
@@ -60,11 +62,13 @@ class GRPOLoss(nn.Module):
             self._replaying = routing is not None
 
     def sequence_logprobs(self, input_ids, position_ids, document_lengths, targets,
-                          token_index, mask, with_entropy: bool = False
-                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          token_index, mask, with_entropy: bool = False, objective=None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(log-probs [S, T] of the completion tokens, 0 off the mask; with `with_entropy` the
         summed entropy of the sampling distribution over the targeted positions, from the same
-        chunked logits, else None)."""
+        chunked logits, else None; the loss of a token-separable `objective` over the row's
+        positions (`chunked_logprob_objective`: the log-probs are then detached, the loss
+        carries the gradients, formed in the forward), else None)."""
         hidden = self.model(input_ids, position_ids, document_lengths)
         head = self.model.head
         weight, bias, real = head.weight, getattr(head, "bias", None), head.real_vocab_size
@@ -72,14 +76,45 @@ class GRPOLoss(nn.Module):
             weight, bias, targets = restrict_head(weight, bias, targets,
                                                   self.allowed_token_ranges)
             real = weight.shape[0]
-        out = chunked_logprobs(hidden, weight, targets, real_vocab_size=real,
-                               chunk_tokens=self.chunk_tokens,
-                               softcap=getattr(head, "softcap", None), bias=bias,
-                               temperature=self.temperature, return_entropy=with_entropy)
-        logp, entropy = out if with_entropy else (out, None)
+        kw = dict(real_vocab_size=real, chunk_tokens=self.chunk_tokens,
+                  softcap=getattr(head, "softcap", None), bias=bias,
+                  temperature=self.temperature, return_entropy=with_entropy)
+        loss = None
+        if objective is not None:
+            loss, logp, entropy = chunked_logprob_objective(hidden, weight, targets, objective,
+                                                            **kw)
+        else:
+            out = chunked_logprobs(hidden, weight, targets, **kw)
+            logp, entropy = out if with_entropy else (out, None)
         logp_flat = self._whole_row(logp.reshape(-1))
         return (logp_flat[token_index].where(mask, 0.0),
-                None if entropy is None else entropy.sum())
+                None if entropy is None else entropy.sum(), loss)
+
+    def _objective(self, targets, token_index, mask, advantages, old_logp, ref_logp, terms,
+                   norms):
+        """`grpo_loss`'s loss (its per-token `terms`, aggregation `norms`) as a token-separable
+        objective over the row's positions (`grpo_token_objective`), or None where the head's
+        gradients cannot be formed in the forward: GSPO's sequence ratio reads a response's
+        every log-prob, and the check below fails only for a batch that trains a token whose
+        log-prob is not projected."""
+        positions = token_index[mask]              # the row positions of the trained tokens
+        if (not self.fuse_head or self.algo.ratio != "token" or not torch.is_grad_enabled()
+                or bool((targets.reshape(-1)[positions] == IGNORE_INDEX).any())):
+            return None
+        n = targets.numel()
+
+        def on_row(x_BT: torch.Tensor | None) -> torch.Tensor | None:
+            if x_BT is None:
+                return None
+            x_BT = x_BT[:, None].expand(mask.shape) if x_BT.dim() == 1 else x_BT
+            return x_BT.new_zeros(n).index_put_((positions,), x_BT[mask])
+
+        weights = aggregation_weights(mask.bool(), **norms)
+        return grpo_token_objective(
+            on_row(old_logp), on_row(advantages.float()), on_row(mask.bool()), on_row(weights),
+            clip_low=terms["clip_low"], clip_high=terms["clip_high"], kl_coef=terms["kl_coef"],
+            engine_logp=on_row(terms["engine_logp_BT"]), is_cap=terms["is_cap"],
+            ref_logp=on_row(ref_logp))
 
     def _whole_row(self, local_flat: torch.Tensor) -> torch.Tensor:
         """Per-position values of this rank's tokens of the row placed at their positions in
@@ -115,20 +150,27 @@ class GRPOLoss(nn.Module):
             from posttrain.models.lora import disable_adapters
             with torch.no_grad(), disable_adapters(self.model):
                 ref_logp = self.sequence_logprobs(*seq_args)[0]
-        logp, entropy_sum = self.sequence_logprobs(*seq_args, with_entropy=self.algo.log_entropy)
         held = self.held(token_index, input_ids.shape[1])
+        use_engine, aggregation = algo.use_engine_logprobs, algo.aggregation
+        terms = dict(clip_low=algo.clip_low, clip_high=algo.clip_high, kl_coef=algo.kl_coef,
+                     engine_logp_BT=engine_logp if use_engine else None,
+                     is_cap=algo.is_cap if use_engine else None)
+        norms = dict(aggregation=aggregation,
+                     constant_norm=self.constant_norm if aggregation == "constant" else None,
+                     global_tokens=global_tokens if aggregation == "token_mean" else None,
+                     global_sequences=None if aggregation == "token_mean" else global_sequences)
+        # without context parallelism the head's gradients are formed in the forward (one
+        # projection per chunk); `grpo_loss` below then gives the metrics from detached
+        # log-probs, and the objective's loss is the loss
+        objective = None if held is not None else self._objective(
+            targets, token_index, mask, advantages, old_logp, ref_logp, terms, norms)
+        logp, entropy_sum, fused = self.sequence_logprobs(
+            *seq_args, with_entropy=self.algo.log_entropy, objective=objective)
         old = old_logp if old_logp is not None else logp.detach()
-        use_engine = algo.use_engine_logprobs
-        aggregation = algo.aggregation
-        loss, m = grpo_loss(
-            logp, old, advantages, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
-            ref_logp_BT=ref_logp, kl_coef=algo.kl_coef,
-            engine_logp_BT=engine_logp if use_engine else None,
-            is_cap=algo.is_cap if use_engine else None, aggregation=aggregation,
-            constant_norm=self.constant_norm if aggregation == "constant" else None,
-            global_tokens=global_tokens if aggregation == "token_mean" else None,
-            global_sequences=None if aggregation == "token_mean" else global_sequences,
-            held_BT=held, ratio=algo.ratio)
+        loss, m = grpo_loss(logp, old, advantages, mask, ref_logp_BT=ref_logp, held_BT=held,
+                            ratio=algo.ratio, **terms, **norms)
+        if fused is not None:
+            loss = fused
         if held is not None:
             mask = mask & held
         n = mask.sum()

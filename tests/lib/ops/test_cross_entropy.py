@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.ops.cross_entropy import (chunked_argmax, chunked_cross_entropy, chunked_entropy,
-                                         chunked_logprobs, naive_cross_entropy, naive_logprobs)
+                                         chunked_logprob_objective, chunked_logprobs,
+                                         naive_cross_entropy, naive_logprobs)
+from posttrain.ops import head_kernels
 from posttrain.ops.vocab import mask_padded_logits, sample_next_token
 
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -238,25 +240,35 @@ def test_argmax_is_the_full_logits_argmax_over_the_real_vocabulary(chunk, softca
     assert torch.equal(got[0], logits.argmax(dim=-1))
 
 
-def test_scaled_loss_gradients_and_one_projection_per_chunk():
+def count_projections(monkeypatch) -> list[int]:
+    """The rows of every projection onto the vocabulary from now on, forward and backward
+    (the kernels' `chunk_logits`, which the autograd engine also calls in backward)."""
+    rows: list[int] = []
+    project = head_kernels.chunk_logits
+
+    def counting(h_cH, *args, **kwargs):
+        rows.append(h_cH.shape[0])
+        return project(h_cH, *args, **kwargs)
+
+    monkeypatch.setattr(head_kernels, "chunk_logits", counting)
+    return rows
+
+
+def per_chunk(kept: int, chunk: int) -> list[int]:
+    return [chunk] * (kept // chunk) + ([kept % chunk] if kept % chunk else [])
+
+
+def test_scaled_loss_gradients_and_one_projection_per_chunk(monkeypatch):
     """The loss's gradients are formed in the forward pass and only scaled in backward: the
     head projects each chunk once (not again in backward), and an incoming gradient other than
     1 scales hidden, weight and bias gradients exactly like the reference's."""
     hidden, weight, b, labels = make(seed=11, bias=True)
-    projections = []
-
-    class CountLinear(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is F.linear:
-                projections.append(args[0].shape[0])
-            return func(*args, **(kwargs or {}))
-
-    with CountLinear():
-        got = chunked_cross_entropy(hidden, weight, labels, real_vocab_size=REAL,
-                                    chunk_tokens=8, reduction="sum", bias=b)
-        got_grads = grads(-3.5 * got, hidden, weight, b)
+    rows = count_projections(monkeypatch)
+    got = chunked_cross_entropy(hidden, weight, labels, real_vocab_size=REAL, chunk_tokens=8,
+                                reduction="sum", bias=b)
+    got_grads = grads(-3.5 * got, hidden, weight, b)
     kept = int((labels != -100).sum())
-    assert projections == [8] * (kept // 8) + ([kept % 8] if kept % 8 else [])
+    assert rows == per_chunk(kept, 8)
     want = naive_cross_entropy(hidden, weight, labels, real_vocab_size=REAL, reduction="sum",
                                bias=b)
     torch.testing.assert_close(got, want, **TOL)
@@ -280,3 +292,41 @@ def test_logprobs_with_entropy_from_the_same_logits(softcap, temperature):
     assert torch.all(entropy[~keep] == 0) and not entropy.requires_grad
     for a, b in zip(grads(logp.sum(), hidden, weight), grads(plain.sum(), hidden, weight)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("softcap,temperature,chunk", [(None, 1.0, 8), (2.0, 0.7, 8),
+                                                       (None, 1.3, 1024)])
+def test_token_objective_gradients_in_one_projection_per_chunk(softcap, temperature, chunk,
+                                                               monkeypatch):
+    """A token-separable loss sum_n f_n(logp_n), nonlinear in each log-prob and with constants
+    per position (a clipped ratio, as GRPO's): its value and its hidden, weight and bias
+    gradients equal autograd through the full-logits log-probs, under an incoming gradient
+    other than 1, with one projection per chunk; the log-probs and entropies it returns are
+    `chunked_logprobs`' exactly."""
+    hidden, weight, b, tokens = make(seed=13, bias=True)
+    gen = torch.Generator().manual_seed(3)
+    old = -3.0 * torch.rand(N, generator=gen)
+    coef = torch.randn(N, generator=gen)
+
+    def f(logp, old_n, coef_n):
+        ratio = (logp - old_n).exp()
+        return -torch.minimum(ratio * coef_n, ratio.clamp(0.8, 1.2) * coef_n) + 0.1 * logp ** 2
+
+    kw = dict(real_vocab_size=REAL, softcap=softcap, temperature=temperature, bias=b)
+    rows = count_projections(monkeypatch)
+    loss, logp, entropy = chunked_logprob_objective(
+        hidden, weight, tokens, lambda lp, pos: f(lp, old[pos], coef[pos]), chunk_tokens=chunk,
+        return_entropy=True, **kw)
+    got = grads(-2.5 * loss, hidden, weight, b)
+    keep = tokens != -100
+    assert rows == per_chunk(int(keep.sum()), chunk)
+    monkeypatch.undo()
+    full = naive_logprobs(hidden, weight, tokens, **kw)
+    want_loss = f(full, old, coef)[keep].sum()
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    for a, c in zip(got, grads(-2.5 * want_loss, hidden, weight, b)):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+    plain, plain_entropy = chunked_logprobs(hidden, weight, tokens, chunk_tokens=chunk,
+                                            return_entropy=True, **kw)
+    assert torch.equal(logp, plain.detach()) and torch.equal(entropy, plain_entropy)
+    assert not logp.requires_grad and not entropy.requires_grad

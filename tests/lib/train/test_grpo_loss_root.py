@@ -15,6 +15,7 @@ from posttrain.config.grpo import AlgorithmConfig
 from posttrain.rl.batch import pack_micro_batches
 from posttrain.train.grpo_loss_root import GRPOLoss
 
+from ..ops.test_cross_entropy import count_projections
 from ..rl.test_batch import masked_samples, random_samples
 from ..rl.test_native_engine import tiny_model
 
@@ -139,3 +140,55 @@ def test_first_mini_batch_needs_no_old_policy_pass(is_cap):
     for name in own_grads:
         torch.testing.assert_close(own_grads[name], scored_grads[name], atol=1e-6, rtol=1e-5,
                                    msg=name)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "constant"])
+def test_head_gradients_formed_in_forward_equal_the_recomputing_path(aggregation, monkeypatch):
+    """Off policy (old log-probs up to 0.5 nats from the policy's, so both clips act), with the
+    k3 term against a reference and the truncated IS weight (the engine's log-probs up to 0.6
+    nats from the old ones), on multi-turn masks and several
+    chunks per micro-batch: the root that forms the head's gradients in the forward (the
+    default) gives the loss, the stats and every gradient of the root that projects each chunk
+    again in backward (`fuse_head=False`), and projects each chunk once where that one
+    projects it twice."""
+    model = tiny_model("qwen3").train()
+    algo = AlgorithmConfig(aggregation=aggregation, kl_coef=0.3, reference="copy", is_cap=1.5,
+                           clip_low=0.1, clip_high=0.15)
+    batches = pack_micro_batches(masked_samples(10, seed=3), max_tokens=40, num_ranks=2)
+    keys = GRPOLoss.input_keys
+    results = {}
+    for fuse in (True, False):
+        root = GRPOLoss(model, algo, temperature=TEMPERATURE, constant_norm=16.0, chunk_tokens=4,
+                        fuse_head=fuse)
+        gen = torch.Generator().manual_seed(11)
+        losses, stats, projected = [], [], 0
+        for b in batches:
+            with torch.no_grad():
+                logp = root(*(b[k] for k in keys), score_only=True)
+            m = b["mask"]
+
+            def near(x, nats):
+                return x + nats * (2 * torch.rand(m.shape, generator=gen) - 1) * m
+
+            old = near(logp, 0.5)
+            args = {**b, "old_logp": old, "engine_logp": near(old, 0.6), "ref_logp": logp - 0.3 * m}
+            rows = count_projections(monkeypatch)
+            loss, st = root(*(args[k] for k in keys))
+            loss.backward()
+            monkeypatch.undo()
+            projected += sum(rows)
+            losses.append(float(loss.detach()))
+            stats.append({k: float(v) for k, v in st.items()})
+        results[fuse] = losses, stats, projected, grads(model)
+    (f_loss, f_stats, f_proj, f_grads), (r_loss, r_stats, r_proj, r_grads) = (results[True],
+                                                                           results[False])
+    trained = sum(int(b["mask"].sum()) for b in batches)
+    assert (f_proj, r_proj) == (trained, 2 * trained)
+    assert f_loss == pytest.approx(r_loss, abs=1e-6)
+    assert f_stats == r_stats          # the metrics come from the same log-probs
+    clipped = sum(s["clip_fraction_low"] + s["clip_fraction_high"] for s in f_stats)
+    assert clipped > 0 and any(s["is_truncated_fraction"] > 0 for s in f_stats)
+    assert set(f_grads) == set(r_grads)
+    for name in r_grads:
+        torch.testing.assert_close(f_grads[name], r_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+
