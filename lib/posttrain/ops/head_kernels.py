@@ -173,7 +173,7 @@ class ChunkedObjective(torch.autograd.Function):
                 if tanh_cV is not None:
                     g_cV.mul_(tanh_cV.square_().neg_().add_(1.0))
                 grads.add(sl, g_cV, h_cH, real)
-                del g_cV        # p_cV's buffer: freed before the next chunk's logits exist
+                del g_cV        # p_cV's buffer: the next chunk's block, or freed first
             del z_cV, tanh_cV, p_cV, shifted_cV
         ctx.grads = grads.done() if grads.any else None
         ctx.mark_non_differentiable(logp_K, entropy_K)
