@@ -97,7 +97,7 @@ from typing import Callable, Literal
 import torch
 
 __all__ = ["aggregation_weights", "estimate_advantages", "group_advantages", "grpo_loss",
-           "grpo_token_objective"]
+           "grpo_token_objective", "head_gradients_in_forward"]
 
 Aggregation = Literal["seq_mean_token_mean", "token_mean", "constant"]
 Estimator = Literal["group_norm", "rloo", "reinforce_pp"]
@@ -288,6 +288,13 @@ def _token_terms(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
         if kl_coef:
             loss = loss + kl_coef * kl
     return loss, ratio, pg, is_weight, kl
+
+
+def head_gradients_in_forward(ratio: Ratio, context_parallel: bool) -> bool:
+    """Whether the loss root forms the LM head's gradients in the forward (one projection per
+    chunk, `grpo_token_objective`): with the token ratio, whose terms each read their own
+    log-prob, and without context parallelism, whose ranks hold parts of a response."""
+    return ratio == "token" and not context_parallel
 
 
 def grpo_token_objective(old_logp: torch.Tensor | None, advantages: torch.Tensor,

@@ -90,9 +90,9 @@ class ChunkedTargetLogProb(torch.autograd.Function):
         blocks = _LogitBlocks(hidden_KH, weight_VH, real, chunk)
         for start in range(0, hidden_KH.shape[0], chunk):
             sl = slice(start, start + chunk)
-            z_cV, tanh_cV = chunk_logits(hidden_KH[sl], weight_VH, bias_V, real, softcap,
-                                         temperature, want_tanh=True,
-                                         out=blocks.get(0, hidden_KH[sl].shape[0]))
+            h_cH = hidden_KH[sl]
+            z_cV, tanh_cV = chunk_logits(h_cH, weight_VH, bias_V, real, softcap, temperature,
+                                         want_tanh=True, out=blocks.get(0, h_cH.shape[0]))
             # d logp / d z = onehot(y) - p, scaled by the incoming gradient; built in place.
             g_cV = z_cV.sub_(lse_K[sl, None]).exp_()
             g_cV.scatter_add_(1, targets_K[sl, None], g_cV.new_full((g_cV.shape[0], 1), -1.0))
@@ -101,7 +101,7 @@ class ChunkedTargetLogProb(torch.autograd.Function):
                 g_cV.div_(temperature)
             if tanh_cV is not None:
                 g_cV.mul_(tanh_cV.square_().neg_().add_(1.0))  # d/dx c*tanh(x/c) = 1 - tanh^2
-            grads.add(sl, g_cV, hidden_KH[sl], real)
+            grads.add(sl, g_cV, h_cH, real)
             del z_cV, tanh_cV, g_cV
         grad_h, grad_w, grad_b = grads.done()
         return grad_h, grad_w, grad_b, None, None, None, None, None, None

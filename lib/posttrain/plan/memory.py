@@ -184,7 +184,8 @@ def _loss_kernel(cfg: Any) -> str:
     (`posttrain.train.grpo_loss_root.GRPOLoss`); DPO, distillation and GSPO recompute."""
     name = type(cfg).__name__
     if name in ("GRPOConfig", "SequenceRLConfig"):
-        fused = cfg.algorithm.ratio == "token" and cfg.train.engine.parallel.cp == 1
+        from posttrain.losses.grpo import head_gradients_in_forward
+        fused = head_gradients_in_forward(cfg.algorithm.ratio, cfg.train.engine.parallel.cp > 1)
         return "cross_entropy" if fused else "logprobs"
     return "logprobs" if name in ("DPOConfig", "DistillConfig") else "cross_entropy"
 

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from posttrain.config.grpo import AlgorithmConfig
-from posttrain.losses.grpo import aggregation_weights, grpo_loss, grpo_token_objective
+from posttrain.losses.grpo import (aggregation_weights, grpo_loss, grpo_token_objective,
+                                   head_gradients_in_forward)
 from posttrain.models.routing_replay import routing_replay_counts, set_routing_replay
 from posttrain.models.transformer import Transformer
 from posttrain.ops.cross_entropy import IGNORE_INDEX, chunked_logprob_objective, chunked_logprobs
@@ -91,14 +92,15 @@ class GRPOLoss(nn.Module):
                 None if entropy is None else entropy.sum(), loss)
 
     def _objective(self, targets, token_index, mask, advantages, old_logp, ref_logp, terms,
-                   norms):
+                   norms, context_parallel: bool):
         """`grpo_loss`'s loss (its per-token `terms`, aggregation `norms`) as a token-separable
         objective over the row's positions (`grpo_token_objective`), or None where the head's
-        gradients cannot be formed in the forward: GSPO's sequence ratio reads a response's
-        every log-prob, and the check below fails only for a batch that trains a token whose
-        log-prob is not projected."""
+        gradients cannot be formed in the forward (`head_gradients_in_forward`: not with GSPO's
+        ratio or context parallelism; the last check fails only for a batch that trains a
+        token whose log-prob is not projected)."""
         positions = token_index[mask]              # the row positions of the trained tokens
-        if (not self.fuse_head or self.algo.ratio != "token" or not torch.is_grad_enabled()
+        if (not self.fuse_head or not head_gradients_in_forward(self.algo.ratio, context_parallel)
+                or not torch.is_grad_enabled()
                 or bool((targets.reshape(-1)[positions] == IGNORE_INDEX).any())):
             return None
         n = targets.numel()
@@ -162,8 +164,8 @@ class GRPOLoss(nn.Module):
         # without context parallelism the head's gradients are formed in the forward (one
         # projection per chunk); `grpo_loss` below then gives the metrics from detached
         # log-probs, and the objective's loss is the loss
-        objective = None if held is not None else self._objective(
-            targets, token_index, mask, advantages, old_logp, ref_logp, terms, norms)
+        objective = self._objective(targets, token_index, mask, advantages, old_logp, ref_logp,
+                                    terms, norms, context_parallel=held is not None)
         logp, entropy_sum, fused = self.sequence_logprobs(
             *seq_args, with_entropy=self.algo.log_entropy, objective=objective)
         old = old_logp if old_logp is not None else logp.detach()
