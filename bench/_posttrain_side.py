@@ -72,11 +72,19 @@ def prepare(work: Path, tokenizer: str, out: Path) -> dict[str, Any]:
             "peak_rss_bytes": peak_rss()}
 
 
+def _host_budget(config_cls: type, cfg: dict[str, Any]) -> int | None:
+    """The host budget the driver hands its workers (`steps.common.run_recipe`)."""
+    from posttrain.config.loader import build
+    from posttrain.plan import host_budget
+    return host_budget(build(config_cls, cfg))
+
+
 def sft(work: Path, prepared: str, steps: int, warmup: int = 1) -> dict[str, Any]:
     from posttrain.train.recipe import RecipeWorker
     from posttrain.train.sft import SFT
     cfg = sft_config(work)
-    worker = RecipeWorker(SFT, cfg, str(work / "model"), prepared, cfg["run"]["dir"])
+    worker = RecipeWorker(SFT, cfg, str(work / "model"), prepared, cfg["run"]["dir"], None,
+                          _host_budget(SFT.config_cls, cfg))
     for _ in range(warmup):
         worker.train_step()
     real = loss_tokens = 0
@@ -117,7 +125,8 @@ def dpo(work: Path, prepared: str, steps: int, warmup: int = 1) -> dict[str, Any
     from steps.common import ensure_prepared
     cfg = dpo_config(work)
     ensure_prepared(build(DPOConfig, cfg), prepared, show_progress=False)
-    worker = RecipeWorker(DPO, cfg, str(work / "model"), prepared, cfg["run"]["dir"])
+    worker = RecipeWorker(DPO, cfg, str(work / "model"), prepared, cfg["run"]["dir"], None,
+                          _host_budget(DPOConfig, cfg))
     t0 = time.perf_counter()
     worker.before_training()
     ref_s = time.perf_counter() - t0
@@ -165,7 +174,8 @@ def grpo(work: Path, prepared_root: Path, prompts: int, completions: int, max_ne
     cfg["rollout"] = {"kind": "native", "placement": "colocated"}
     gcfg = build(GRPOConfig, cfg)
     prepared = ensure_prepared(gcfg, str(prepared_root), show_progress=False)
-    worker = GRPOWorker(to_dict(gcfg), str(work / "model"), prepared, cfg["run"]["dir"])
+    worker = GRPOWorker(to_dict(gcfg), str(work / "model"), prepared, cfg["run"]["dir"], None,
+                        _host_budget(GRPOConfig, cfg))
     group = _Inline(worker)
     tok = AutoTokenizer.from_pretrained(f"{prepared}/tokenizer")
     ctl = GRPOController(gcfg, group, ColocatedRollouts(group), tok,

@@ -367,7 +367,9 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
     state_dir = checkpoint_dir or str(run_dir)
     metrics_path = run_dir / "metrics.jsonl"
     writer = MetricsWriter(metrics_path, tensorboard_dir=cfg.run.tensorboard_dir)
-    args = (to_dict(cfg), hf_dir, prepared_dir, state_dir, model_dirs)
+    from posttrain.plan import host_budget
+    # what each CPU trainer rank may keep resident: its planned peak (`HostHeap`)
+    args = (to_dict(cfg), hf_dir, prepared_dir, state_dir, model_dirs, host_budget(cfg))
     if worker is None:                  # the kernel's worker runs the recipe it is given
         worker, args = RecipeWorker, (recipe, *args)
     seconds = Seconds()

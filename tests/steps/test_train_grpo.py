@@ -16,6 +16,7 @@ point on every machine, and no 500-step SFT run inside the suite. What is proved
 from __future__ import annotations
 
 import json
+import logging
 import math
 import tempfile
 from functools import partial
@@ -279,12 +280,42 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def one_update(resume_reference, workdir) -> Path:
-    """One GRPO step (two optimizer steps) of the resume config on one inline rank, exported."""
+    """One GRPO step (two optimizer steps) of the resume config on one inline rank, exported;
+    the engine's log lines are kept in `ENGINE_LOG`."""
     config, ref = resume_reference
-    result = train_grpo.run(config, overrides={"run.dir": str(workdir / "one_update"),
-                                               "train.max_steps": 1},
-                            prepared_dir=str(ref / "prepared"), show_progress=False)
+    engine_log = logging.getLogger("posttrain.train.engine")
+    handler = _Keep()
+    engine_log.addHandler(handler)
+    level = engine_log.level
+    engine_log.setLevel(logging.INFO)       # (setLevel: it also clears the logger's cache)
+    try:
+        result = train_grpo.run(config, overrides={"run.dir": str(workdir / "one_update"),
+                                                   "train.max_steps": 1},
+                                prepared_dir=str(ref / "prepared"), show_progress=False)
+    finally:
+        engine_log.removeHandler(handler)
+        engine_log.setLevel(level)
     return Path(result["run_dir"])
+
+
+ENGINE_LOG: list[str] = []
+
+
+class _Keep(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        ENGINE_LOG.append(record.getMessage())
+
+
+def test_the_driver_hands_its_rank_the_planned_host_budget(resume_reference, one_update):
+    """`run_recipe` plans the run once and hands each worker its trainer peak as the host
+    budget; the rank's heap reports it when its first optimizer step settles it. Catches a
+    driver or worker that drops the budget (the rank would release at every point)."""
+    from posttrain.plan import host_budget
+    config, _ = resume_reference
+    budget = host_budget(load_recipe(config, GRPOConfig, {"train.max_steps": 1}))
+    settled = [m for m in ENGINE_LOG if m.startswith("host heap:")]
+    assert budget and len(settled) == 1, ENGINE_LOG
+    assert f"planned peak of {budget / 2**30:.2f} GiB" in settled[0]
 
 
 @pytest.mark.parametrize("cp", [1, 2], ids=["dp2", "cp2"])

@@ -45,9 +45,10 @@ class ParallelConfig:
     release_host_heap: on a CPU, give the heap's freed pages back to the system where a step's
         phase (forward, backward, optimizer step) has just freed its transients
         (`posttrain.train.host_heap`), so the process's peak follows its live tensors, which
-        is what the memory plan predicts; false keeps glibc's default, which holds ~0.9 GiB
-        more per rank for the Qwen3-0.6B shape and is ~3 % faster per step on tiny models.
-        Ignored on accelerators.
+        is what the memory plan predicts. After the first optimizer step a rank keeps freed
+        pages for reuse where they fit its planned peak (the driver plans the run once), so
+        only ranks near their plan pay for the release. False keeps glibc's default, which
+        holds ~0.9 GiB more per rank for the Qwen3-0.6B shape. Ignored on accelerators.
     """
 
     dp_shard: int = -1

@@ -10,9 +10,11 @@ table a config's ``run.gpu`` is checked against) is read without it."""
 
 import importlib
 
-__all__ = ["MemoryPlan", "PlanError", "RankPlan", "check_fits", "check_run", "plan_run"]
+__all__ = ["MemoryPlan", "PlanError", "RankPlan", "check_fits", "check_run", "host_budget",
+           "plan_run"]
 
 _HOMES = {"PlanError": "check", "check_fits": "check", "check_run": "check",
+          "host_budget": "check",
           "MemoryPlan": "memory", "RankPlan": "memory", "plan_run": "memory"}
 
 

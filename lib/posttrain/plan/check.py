@@ -79,12 +79,12 @@ def check_run(cfg: Any, *, gpu: str | None = None, mode: str | None = None) -> M
     if mode == "off":
         return None
     gpu = gpu or getattr(cfg.run, "gpu", None)
-    if gpu is None and float(dict(cfg.run.resources_per_worker or {}).get("GPU", 0)) > 0:
+    if gpu is None and _asks_for_gpus(cfg):
         log.warning("memory plan not checked: the config asks for GPUs but does not say which; "
                     "set run.gpu (e.g. h100-80g) to check it before launch")
         return None
     hf_dir = cfg.model.hf_dir
-    if hf_dir and not (Path(hf_dir) / "config.json").is_file():
+    if not _base_readable(cfg):
         log.warning("memory plan not checked: model.hf_dir %s is not readable here (made by an "
                     "earlier step, or remote); `posttrain plan` once it exists", hf_dir)
         return None
@@ -100,3 +100,31 @@ def check_run(cfg: Any, *, gpu: str | None = None, mode: str | None = None) -> M
         log.info("memory plan: %s", ", ".join(f"{k} {v / GiB:.2f} GiB"
                                                for k, v in plan.peak_bytes.items()))
     return plan
+
+
+def host_budget(cfg: Any) -> int | None:
+    """What a trainer rank of CPU run `cfg` may keep resident before its heap gives freed pages
+    back (`posttrain.train.host_heap.HostHeap`): the plan's predicted trainer peak. None where
+    that does not apply or no plan is made here: a GPU run, `release_host_heap` off,
+    `run.plan_check: off`, a base model not readable here, or a config the plan cannot trace
+    (then every release point releases, as without a budget)."""
+    if (_asks_for_gpus(cfg) or getattr(cfg.run, "gpu", None)
+            or not cfg.train.engine.parallel.release_host_heap
+            or getattr(cfg.run, "plan_check", "error") == "off" or not _base_readable(cfg)):
+        return None
+    try:
+        plan = plan_run(cfg)
+    except (ConfigError, NotImplementedError, ValueError, RuntimeError) as e:
+        log.warning("memory plan not made (%s): the trainer gives freed host memory back at "
+                    "every phase", e)
+        return None
+    return plan.peak_bytes["trainer"]
+
+
+def _asks_for_gpus(cfg: Any) -> bool:
+    return float(dict(cfg.run.resources_per_worker or {}).get("GPU", 0)) > 0
+
+
+def _base_readable(cfg: Any) -> bool:
+    hf_dir = cfg.model.hf_dir
+    return not hf_dir or (Path(hf_dir) / "config.json").is_file()

@@ -109,10 +109,10 @@ class Critic:
 
     def __init__(self, cfg: CriticConfig, model: ModelConfig, engine: EngineConfig,
                  hf_dir: str, run_dir: str, *, vocab_size: int | None, aggregation: str,
-                 constant_norm: float | None):
+                 constant_norm: float | None, host_budget: int | None = None):
         """`model` and `engine` are the policy's (dtype, parallelism, seed, optimizer steps);
         `hf_dir` the policy's starting checkpoint; `aggregation` and `constant_norm` the policy
-        loss's, which the value loss shares."""
+        loss's, which the value loss shares; `host_budget` the rank's, as the policy's."""
         self.cfg = cfg
         engine_cfg = replace(engine, optimizer=cfg.optimizer, scheduler=cfg.scheduler,
                              grad_clip_norm=cfg.grad_clip_norm,
@@ -120,7 +120,7 @@ class Critic:
         start = cfg.hf_dir or hf_dir
         self.engine = Engine(
             replace(model, hf_dir=start, init=None, lora=None), engine_cfg, start,
-            f"{run_dir.rstrip('/')}/critic", vocab_size=vocab_size,
+            f"{run_dir.rstrip('/')}/critic", vocab_size=vocab_size, host_budget=host_budget,
             loss_factory=lambda m: ValueLoss(m, cfg.value_clip, aggregation, constant_norm))
         with torch.no_grad():
             for p in self.engine.model.head.parameters():

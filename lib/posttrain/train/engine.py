@@ -51,7 +51,7 @@ from posttrain.models.args import ModelArgs
 from posttrain.models.transformer import Transformer
 from posttrain.train.build import build_sharded, write_random_hf_model
 from posttrain.train.checkpoint import CheckpointConfig, CheckpointManager
-from posttrain.train.host_heap import release_after_blocks, release_free_heap
+from posttrain.train.host_heap import HostHeap, release_after_blocks
 from posttrain.train.optim import build_optimizer, build_scheduler
 
 __all__ = ["all_reduce_max", "all_reduce_sum", "build_sharded", "CausalLMLoss", "DataParallel",
@@ -107,7 +107,10 @@ class Engine:
 
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, hf_dir: str, run_dir: str,
                  *, loss_factory: Callable[[Transformer], nn.Module] | None = None,
-                 vocab_size: int | None = None, added_tokens: Sequence[int] = ()):
+                 vocab_size: int | None = None, added_tokens: Sequence[int] = (),
+                 host_budget: int | None = None):
+        # `host_budget`: on a CPU, the bytes this rank may keep resident before its heap gives
+        # freed pages back (`posttrain.train.host_heap.HostHeap`; None: at every phase)
         # `added_tokens`: the ids the tokenizer added (`tokenizer_added_ids`); with LoRA,
         # `model_cfg.lora.trainable_tokens` resolves to ids here (the export reads them back)
         if model_cfg.lora is not None:
@@ -126,7 +129,8 @@ class Engine:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = get_device()
         # on a CPU, freed transients leave the heap after each block and phase (`host_heap`)
-        self._release_heap = cfg.parallel.release_host_heap and self.device.type == "cpu"
+        self.heap = (HostHeap(host_budget) if cfg.parallel.release_host_heap
+                     and self.device.type == "cpu" else None)
         self.mesh = build_mesh(cfg.parallel.dp_shard, cfg.parallel.tp,
                                cfg.parallel.dp_replicate, cfg.parallel.cp)
         self.dp = DataParallel.of_mesh(self.mesh)
@@ -142,8 +146,8 @@ class Engine:
             added_tokens=added_tokens)
         # None for a transformers model (no native definition): see `posttrain.train.fallback_build`
         self.args: ModelArgs | None = getattr(self.model, "args", None)
-        if self._release_heap:
-            release_after_blocks(self.model)
+        if self.heap is not None:
+            release_after_blocks(self.model, self.heap.phase_done)
         self.optimizer = build_optimizer(self.root, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.max_steps, cfg.scheduler)
         self.checkpoints = CheckpointManager(
@@ -204,6 +208,8 @@ class Engine:
         grad_norm = self._clip()
         self.optimizer.step()
         self._phase_done()
+        if self.heap is not None and not self.heap.settled:
+            self._settle_heap()
         balance = self._update_score_bias() if self.bias_update_speed else {}
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
@@ -221,8 +227,18 @@ class Engine:
 
     def _phase_done(self) -> None:
         """A phase of the step (forward, backward, optimizer step) freed its transients."""
-        if self._release_heap:
-            release_free_heap()
+        if self.heap is not None:
+            self.heap.phase_done()
+
+    def _settle_heap(self) -> None:
+        """The first optimizer step has shown how much a step grows between release points."""
+        heap = self.heap
+        heap.settle()
+        if self.rank == 0 and heap.budget is not None:
+            log.info("host heap: freed pages stay for reuse while resident memory + %.2f GiB "
+                     "(the most it grew between two release points) fits the planned peak "
+                     "of %.2f GiB; released at %d points of the first step",
+                     heap.growth / 2**30, heap.budget / 2**30, heap.released)
 
     def _update_score_bias(self) -> dict[str, float]:
         """Auxiliary-loss-free balancing after the optimizer step: the step's expert loads,

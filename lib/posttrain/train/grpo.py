@@ -135,8 +135,9 @@ class GRPOWorker:
     config_cls: type = GRPOConfig
 
     def __init__(self, cfg: dict[str, Any], hf_dir: str, prepared_dir: str, run_dir: str,
-                 models: dict[str, str] | None = None):
-        """`models`: the driver's other model directories (GRPO has none)."""
+                 models: dict[str, str] | None = None, host_budget: int | None = None):
+        """`models`: the driver's other model directories (GRPO has none); `host_budget`:
+        what this rank may keep resident on a CPU (`posttrain.train.host_heap.HostHeap`)."""
         self.cfg = build(self.config_cls, cfg, where=f"{self.config_cls.__name__} config")
         self.prepared_dir = local_view(prepared_dir)
         self.hf_dir = hf_dir
@@ -148,7 +149,7 @@ class GRPOWorker:
         self.engine = Engine(
             self.cfg.model, train.optimizer_engine, hf_dir, run_dir,
             vocab_size=tokenizer_vocab(prepared_dir),
-            added_tokens=tokenizer_added_ids(prepared_dir),
+            added_tokens=tokenizer_added_ids(prepared_dir), host_budget=host_budget,
             loss_factory=lambda m: GRPOLoss(m, self.cfg.algorithm, self._temperature, constant,
                                             self.cfg.model.loss_chunk_tokens,
                                             self.token_ranges))
@@ -162,7 +163,7 @@ class GRPOWorker:
             self.critic = Critic(self.cfg.critic, self.cfg.model, train.optimizer_engine, hf_dir,
                                  run_dir, vocab_size=self.engine.vocab_size,
                                  aggregation=self.cfg.algorithm.aggregation,
-                                 constant_norm=constant)
+                                 constant_norm=constant, host_budget=host_budget)
         self.reference: GRPOLoss | None = None
         if self.cfg.algorithm.reference == "copy":
             self.reference = self._frozen_copy().eval()

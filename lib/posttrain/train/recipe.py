@@ -283,7 +283,8 @@ class RecipeWorker:
     """
 
     def __init__(self, recipe_cls: type[Recipe], cfg: dict[str, Any], hf_dir: str,
-                 prepared_dir: str, run_dir: str, models: dict[str, str] | None = None):
+                 prepared_dir: str, run_dir: str, models: dict[str, str] | None = None,
+                 host_budget: int | None = None):
         # here, not at import: the driver and the evaluation import the recipes, not the engine
         from posttrain.distributed.env import init_process_group
         from posttrain.train.engine import Engine
@@ -297,7 +298,8 @@ class RecipeWorker:
         self.engine = Engine(self.cfg.model, engine_cfg, hf_dir, run_dir,
                              loss_factory=self.recipe.loss_root,
                              vocab_size=tokenizer_vocab(prepared_dir),
-                             added_tokens=tokenizer_added_ids(prepared_dir))
+                             added_tokens=tokenizer_added_ids(prepared_dir),
+                             host_budget=host_budget)
         self.rank, self.world = self.engine.rank, self.engine.world
         if self.engine.args is None and not recipe_cls.transformers_fallback:
             raise ConfigError(f"the {recipe_cls.name} recipe needs a model with a native "

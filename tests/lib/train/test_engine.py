@@ -1,5 +1,7 @@
 """Engine: sharded build from an HF checkpoint, vocabulary growth, one step against a reference."""
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,6 +13,7 @@ from posttrain.models.hf_io import load_hf
 from posttrain.train.engine import Engine, EngineConfig, ModelConfig, ModelInitConfig, \
     write_random_hf_model
 from posttrain.train.export import export_hf
+from posttrain.train.host_heap import resident_bytes
 from posttrain.train.optim import OptimizerConfig
 
 INIT = ModelInitConfig(family="qwen3", overrides={"hidden_size": 32, "intermediate_size": 64,
@@ -88,6 +91,33 @@ def test_one_step_equals_plain_adamw_on_the_loss(tmp_path):
     for name, p in ref.named_parameters():
         torch.testing.assert_close(engine.model.get_parameter(name).full_tensor(), p.detach(),
                                    atol=1e-5, rtol=1e-4)  # Adam amplifies 1e-9 grad noise
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap, Linux's VmRSS")
+def test_a_host_budget_keeps_pages_after_the_first_step_and_changes_no_number(tmp_path):
+    """On a CPU the engine's heap (`host_heap.HostHeap`) releases at every point of the first
+    step; with a budget the rank fits, later points keep their pages, and without one every
+    point releases. Catches a budget the engine does not hand its heap, a heap that never
+    settles, and a release policy that touches the numbers (losses and weights are bitwise
+    those of the run that releases everywhere)."""
+    hf_dir = write_random_hf_model(INIT, 300, tmp_path / "base")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 300, (2, 16), generator=gen)
+    labels = torch.roll(ids, -1, 1)
+    batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(16).expand(2, 16),
+             "document_lengths": None}
+    runs = {}
+    for budget in (None, resident_bytes()[0] + (4 << 30)):
+        engine = _engine(tmp_path / str(budget), hf_dir, host_budget=budget)
+        losses = [engine.train_step([batch], 32)["loss"] for _ in range(3)]
+        runs[budget] = (losses, engine.full_state_dict(), engine.heap)
+    (plain_losses, plain_state, plain), (losses, state, heap) = runs.values()
+    # a step's points: before the forward, after each of the 2 blocks, after the forward,
+    # after the backward, after the optimizer step
+    assert (plain.released, plain.kept) == (3 * 6, 0)
+    assert heap.settled and (heap.released, heap.kept) == (6, 2 * 6)
+    assert losses == plain_losses
+    assert all(torch.equal(state[k], plain_state[k]) for k in plain_state)
 
 
 def test_lora_checkpoint_holds_adapters_only_and_resumes_bit_identical(tmp_path):
