@@ -280,6 +280,8 @@ class RecipeWorker:
 
     Called by the driver on every rank (the methods are collectives under FSDP). The caller's
     process joins the process group and seeds the global RNG here, not in the Engine.
+    `host_budget` is the rank's planned peak, which its CPU heap may keep resident
+    (`posttrain.train.host_heap.HostHeap`; None: it releases at every point).
     """
 
     def __init__(self, recipe_cls: type[Recipe], cfg: dict[str, Any], hf_dir: str,
