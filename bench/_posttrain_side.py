@@ -72,19 +72,15 @@ def prepare(work: Path, tokenizer: str, out: Path) -> dict[str, Any]:
             "peak_rss_bytes": peak_rss()}
 
 
-def _host_budget(config_cls: type, cfg: dict[str, Any]) -> int | None:
-    """The host budget the driver hands its workers (`steps.common.run_recipe`)."""
+def sft(work: Path, prepared: str, steps: int, warmup: int = 1) -> dict[str, Any]:
     from posttrain.config.loader import build
     from posttrain.plan import host_budget
-    return host_budget(build(config_cls, cfg))
-
-
-def sft(work: Path, prepared: str, steps: int, warmup: int = 1) -> dict[str, Any]:
     from posttrain.train.recipe import RecipeWorker
     from posttrain.train.sft import SFT
     cfg = sft_config(work)
+    # the budget the driver hands its workers (`steps.common.run_recipe`)
     worker = RecipeWorker(SFT, cfg, str(work / "model"), prepared, cfg["run"]["dir"], None,
-                          _host_budget(SFT.config_cls, cfg))
+                          host_budget(build(SFT.config_cls, cfg)))
     for _ in range(warmup):
         worker.train_step()
     real = loss_tokens = 0
@@ -123,10 +119,12 @@ def dpo(work: Path, prepared: str, steps: int, warmup: int = 1) -> dict[str, Any
     from posttrain.config.loader import build
     from posttrain.train.dpo import DPOConfig
     from steps.common import ensure_prepared
+    from posttrain.plan import host_budget
     cfg = dpo_config(work)
-    ensure_prepared(build(DPOConfig, cfg), prepared, show_progress=False)
+    dcfg = build(DPOConfig, cfg)
+    ensure_prepared(dcfg, prepared, show_progress=False)
     worker = RecipeWorker(DPO, cfg, str(work / "model"), prepared, cfg["run"]["dir"], None,
-                          _host_budget(DPOConfig, cfg))
+                          host_budget(dcfg))
     t0 = time.perf_counter()
     worker.before_training()
     ref_s = time.perf_counter() - t0
@@ -155,6 +153,7 @@ def grpo(work: Path, prepared_root: Path, prompts: int, completions: int, max_ne
     from transformers import AutoTokenizer
 
     from posttrain.config.loader import build, to_dict
+    from posttrain.plan import host_budget
     from posttrain.rl.prompts import read_prompt_rows
     from posttrain.train.grpo import GRPOConfig, GRPOWorker
     from steps.common import _Inline, ensure_prepared
@@ -175,7 +174,7 @@ def grpo(work: Path, prepared_root: Path, prompts: int, completions: int, max_ne
     gcfg = build(GRPOConfig, cfg)
     prepared = ensure_prepared(gcfg, str(prepared_root), show_progress=False)
     worker = GRPOWorker(to_dict(gcfg), str(work / "model"), prepared, cfg["run"]["dir"], None,
-                        _host_budget(GRPOConfig, cfg))
+                        host_budget(gcfg))
     group = _Inline(worker)
     tok = AutoTokenizer.from_pretrained(f"{prepared}/tokenizer")
     ctl = GRPOController(gcfg, group, ColocatedRollouts(group), tok,

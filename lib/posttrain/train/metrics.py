@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from posttrain.train.host_heap import resident_bytes
+
 # Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from vendor datasheets.
 PEAK_BF16_TFLOPS: dict[str, float] = {
     "H200": 989.0, "H100 SXM": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0,
@@ -72,14 +74,7 @@ def peak_memory_bytes(device: torch.device | None = None) -> int:
     process that forked it (a trainer started by a large parent would report the parent's)."""
     if device is not None and device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return resident_bytes()[1] or int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def batch_counts(batches: list[dict[str, Any]]) -> dict[str, float]:
