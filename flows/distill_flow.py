@@ -21,7 +21,8 @@ The config is validated against the distillation schema when the flow is launche
 that does not share the student's tokenizer fails the distill step before any worker starts.
 """
 
-from _posttrain_flow import parse_config, ray_nodes, ship_repo
+from _flow_ray import ray_nodes
+from _posttrain_flow import parse_config, ship_repo
 from _recipe_flow import RecipeFlow
 from metaflow import Config, card, current, retry, step
 

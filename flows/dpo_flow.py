@@ -20,7 +20,8 @@ The reward model has its own recipe (`steps/train_reward.py`); it shares the dat
 driver loop with this flow's train step.
 """
 
-from _posttrain_flow import parse_config, ray_nodes, ship_repo
+from _flow_ray import ray_nodes
+from _posttrain_flow import parse_config, ship_repo
 from _recipe_flow import RecipeFlow
 from metaflow import Config, card, current, retry, step
 

@@ -30,7 +30,8 @@ Deployed with `argo-workflows create`, the flow runs whenever an SFTFlow run fin
 (`@trigger_on_finish`) and starts from that run's export.
 """
 
-from _posttrain_flow import parse_config, ray_nodes, ship_repo
+from _flow_ray import ray_nodes
+from _posttrain_flow import parse_config, ship_repo
 from _recipe_flow import RecipeFlow
 from metaflow import (Config, Parameter, card, current, retry, step,
                       trigger_on_finish)

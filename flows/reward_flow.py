@@ -15,7 +15,8 @@
 Load the result as a GRPO reward with `posttrain.train.reward.load_reward_model(<model dir>)`.
 """
 
-from _posttrain_flow import parse_config, ray_nodes, ship_repo
+from _flow_ray import ray_nodes
+from _posttrain_flow import parse_config, ship_repo
 from _recipe_flow import RecipeFlow, eval_rows
 from metaflow import Config, card, current, retry, step
 

@@ -23,7 +23,8 @@ Load the result with `transformers.AutoModelForCausalLM.from_pretrained(<hf_uri>
 `posttrain.models.heads.load_heads(<hf_uri>)` (steps/train_sequence.py).
 """
 
-from _posttrain_flow import parse_config, ray_nodes, ship_repo
+from _flow_ray import ray_nodes
+from _posttrain_flow import parse_config, ship_repo
 from _recipe_flow import RecipeFlow
 from metaflow import Config, card, current, retry, step
 

@@ -27,7 +27,8 @@ A thin composition of the steps `tests/steps/test_train_sequence_rl.py` tests (t
 `posttrain train-sequence-rl` runs it) and of the flow helpers every recipe flow shares.
 """
 
-from _posttrain_flow import parse_config, ray_nodes, ship_repo
+from _flow_ray import ray_nodes
+from _posttrain_flow import parse_config, ship_repo
 from _recipe_flow import RecipeFlow
 from metaflow import Config, Parameter, card, current, retry, step
 

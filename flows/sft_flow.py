@@ -23,7 +23,8 @@ The config is validated against the SFT schema when the flow is launched: an unk
 fails before any step runs. Weights and datasets go to storage; artifacts hold their URIs.
 """
 
-from _posttrain_flow import parse_config, ray_nodes, ship_repo
+from _flow_ray import ray_nodes
+from _posttrain_flow import parse_config, ship_repo
 from _recipe_flow import RecipeFlow
 from metaflow import Config, card, current, retry, step
 

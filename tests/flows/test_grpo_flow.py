@@ -19,7 +19,8 @@ from .conftest import GRPO_FLOW, REPO, TINY_GRPO, get_card, ray_processes_under
 
 def test_grpo_configs_pass_the_schema():
     sys.path.insert(0, str(REPO / "flows"))
-    from _posttrain_flow import gpus_per_node, parse_config
+    from _flow_ray import gpus_per_node
+    from _posttrain_flow import parse_config
     parse = parse_config("posttrain.train.grpo.GRPOConfig")
     for name in ("tiny", "qwen3_0p6b_1gpu", "qwen3_8b_2nodes"):
         resolved = parse((REPO / "configs" / "grpo" / f"{name}.yaml").read_text())
