@@ -31,9 +31,11 @@ def _base(work: Path, run: str, fmt: str, data: str, max_tokens: int) -> dict[st
             "model": {"hf_dir": str(work / "model"), "dtype": "float32"}}
 
 
-def sft_config(work: Path, pack: int = 2048, rows: int = 4) -> dict[str, Any]:
+def sft_config(work: Path, pack: int = 2048, rows: int = 4, compile: bool = False
+               ) -> dict[str, Any]:
     cfg = _base(work, "sft", "chat", work / "data" / "chat.jsonl", pack)
     cfg["train"] = {"max_steps": 10_000, "tokens_per_step": rows * pack,
+                    "parallel": {"compile": compile},
                     "loader": {"packing": {"max_tokens_per_pack": pack, "buffer_samples": 256},
                                "mode": "packed", "rows_per_batch": rows,
                                "shuffle_buffer_samples": 1024, "seed": 0},
@@ -72,12 +74,13 @@ def prepare(work: Path, tokenizer: str, out: Path) -> dict[str, Any]:
             "peak_rss_bytes": peak_rss()}
 
 
-def sft(work: Path, prepared: str, steps: int, warmup: int = 1) -> dict[str, Any]:
+def sft(work: Path, prepared: str, steps: int, warmup: int = 1, compile: bool = False
+        ) -> dict[str, Any]:
     from posttrain.config.loader import build
     from posttrain.plan import host_budget
     from posttrain.train.recipe import RecipeWorker
     from posttrain.train.sft import SFT
-    cfg = sft_config(work)
+    cfg = sft_config(work, compile=compile)
     # the budget the driver hands its workers (`steps.common.run_recipe`)
     worker = RecipeWorker(SFT, cfg, str(work / "model"), prepared, cfg["run"]["dir"], None,
                           host_budget(build(SFT.config_cls, cfg)))
@@ -96,7 +99,8 @@ def sft(work: Path, prepared: str, steps: int, warmup: int = 1) -> dict[str, Any
     worker.close()
     return {"steps": steps, "real_tokens": real, "loss_tokens": loss_tokens, "seconds": seconds,
             "real_tokens_per_s": real / seconds, "losses": losses, "peak_rss_bytes": rss,
-            "mode": "packed 4 x 2048, document-masked attention, chunked loss"}
+            "mode": "packed 4 x 2048, document-masked attention, chunked loss"
+                    + (", parallel.compile" if compile else "")}
 
 
 def dpo_config(work: Path, pack: int = 2048, rows: int = 1) -> dict[str, Any]:

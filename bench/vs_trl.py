@@ -11,7 +11,8 @@ the two sides alternating, and the medians are reported.
 Recipes, one JSON line each (`ratio` > 1 means posttrain is faster / smaller):
 
 * ``sft``: real (non-padding) tokens/s over timed optimizer steps after a warm-up step.
-  posttrain: packed rows of 2,048 with document-masked attention and the chunked loss. TRL: each
+  posttrain: packed rows of 2,048 with document-masked attention and the chunked loss (with
+  ``--compile``, `parallel.compile`: its blocks compiled, compiled in the warm-up step). TRL: each
   of its SFT modes (BFD packing with one row of 2,048 per step, its fastest packed setting here;
   padding-free, group-by-length and plain padding with batch 8), max_length 2,048; the ratio is
   against TRL's fastest mode. Group-by-length times the 49 steps after its warm-up, one whole
@@ -161,7 +162,7 @@ def bench_sft(work: Path, a: argparse.Namespace) -> dict[str, Any]:
     mine: list[dict] = []
     for _ in range(a.repeats):
         mine.append(ours(work, a, "--recipe", "sft", "--steps", str(a.sft_steps),
-                         "--prepared", prepared))
+                         "--prepared", prepared, *(["--compile"] if a.compile else [])))
         for mode in a.sft_modes:
             # TRL's packing flattens the batch into one sequence with a dense mask over it on a
             # CPU: its fastest packed setting is one row of 2,048 per step (8 rows: 211 tok/s)
@@ -316,7 +317,7 @@ def run_side(a: argparse.Namespace) -> None:
     elif a.recipe == "sft":
         if not (Path(a.prepared) / "manifest.json").exists():
             ps.prepare(work, str(work / "tok"), Path(a.prepared))
-        res = ps.sft(work, a.prepared, a.steps)
+        res = ps.sft(work, a.prepared, a.steps, compile=a.compile)
     elif a.recipe == "dpo":
         res = ps.dpo(work, a.prepared, a.steps)
     else:
@@ -333,6 +334,8 @@ def main() -> None:
     p.add_argument("--work", default=str(ROOT / "runs" / "bench_vs_trl"))
     p.add_argument("--out", help="also append the JSON lines to this file")
     p.add_argument("--sft-steps", type=int, default=4)
+    p.add_argument("--compile", action="store_true",
+                   help="sft: posttrain with parallel.compile (TRL's side is unchanged)")
     p.add_argument("--sft-modes", default=",".join(SFT_MODES))
     p.add_argument("--dpo-steps", type=int, default=8)
     p.add_argument("--trl-dpo-steps", type=int, default=4)

@@ -34,7 +34,8 @@ class ParallelConfig:
     activation_checkpointing: "full" recomputes every block's activations in backward;
         "selective" only every `ac_every`-th block's (blocks 0, k, 2k, ...), trading memory for
         less recompute.
-    compile: torch.compile each block.
+    compile: torch.compile each block (on a CPU, around its per-document attention, which
+        stays eager: 1.1-1.2x eager's speed on packed rows here, after 8-9 s of compiling).
     mixed_precision: "bf16" computes in bf16 (params all-gathered in bf16, gradients reduced in
         fp32); the sharded master weights and optimizer state stay fp32.
     reshard_after_forward: free gathered block weights after forward (ZeRO-3); False keeps them

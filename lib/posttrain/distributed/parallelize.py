@@ -105,7 +105,7 @@ def apply_compile(model: nn.Module, *, blocks_attr: str = "layers",
     for block in _blocks(model, blocks_attr):
         block.compile(backend=backend, fullgraph=False)
     if hasattr(model, "compiled_blocks"):
-        # tensor masks: a new packing of the same shape must not recompile the blocks
+        # masks that keep a new packing of the same shape from recompiling the blocks
         model.compiled_blocks = True
 
 

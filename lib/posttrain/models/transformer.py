@@ -200,7 +200,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(
             build_block(args, i, mlp_factory) for i in range(args.num_layers))
         self.norm = make_norm(args, args.hidden_size)
-        # set by `posttrain.distributed.apply_compile`: the blocks then see tensor masks only
+        # set by `posttrain.distributed.apply_compile`: the blocks then get masks that do not
+        # recompile them for a new packing (`ops.attention.build_mask(tensors_only=True)`)
         self.compiled_blocks = False
         # set by `posttrain.distributed.apply_context_parallel`: (rank, size, group) of the
         # "cp" group this model's rows are cut over (`posttrain.ops.context_parallel`)
@@ -282,8 +283,9 @@ class Transformer(nn.Module):
                         seq_len: int, device: torch.device, *,
                         cp: Any = None) -> dict[str, DocumentMask]:
         """One mask per kind of layer (full, sliding, linear), built once per batch and shared
-        by the layers; compiled blocks get tensor masks (`compiled_blocks`), so that a new
-        packing does not recompile them. Linear-attention layers read the documents from the
+        by the layers; compiled blocks get masks that a new packing does not recompile them
+        for (`compiled_blocks`: tensor masks on CUDA, the split run outside the graph on the
+        CPU). Linear-attention layers read the documents from the
         `split` mask's lengths (their recurrence restarts at each document). With `cp` (this
         rank's `CPShard`), masks from this rank's queries to the whole rows' keys."""
         windows = {FULL: None}

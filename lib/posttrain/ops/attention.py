@@ -33,7 +33,8 @@ Backends (`backend="auto"` picks; the others can be forced, e.g. by benches and 
   while `split`'s backward is one `cat`. A document that needs a window shorter than itself gets
   SDPA with an explicit band mask; with softcap (which SDPA cannot express) the document runs an
   explicit masked softmax (so does every document with sinks). Both are still per document,
-  so masks stay L_i x L_i.
+  so masks stay L_i x L_i. It runs behind `torch.compiler.disable`: compiled blocks on the CPU
+  (`parallel.compile`) compile what comes before and after it, and keep it eager.
 - ``"flex"`` (CUDA, when `torch.nn.attention.flex_attention` imports): FlexAttention with a block
   mask built from per-position document ids, compiled once per process (torch.compile re-specialises
   per shape and keeps each). Softcap becomes a `score_mod`. FlexAttention has no CPU backward in
@@ -70,9 +71,10 @@ class DocumentMask:
     shared by every layer of that kind.
 
     It holds what its backend needs and nothing else: the lengths as Python lists for the
-    eager per-document `split` path; a dense [B, 1, T, T] boolean tensor (`masked_sdpa`) or a
-    FlexAttention `BlockMask` (`flex`) for compiled blocks, which then see tensors only, so a
-    new packing of the same shape reuses the compiled graph instead of recompiling.
+    per-document `split` path (read outside compiled graphs); a dense [B, 1, T, T] boolean
+    tensor (`masked_sdpa`) or a FlexAttention `BlockMask` (`flex`) for compiled blocks on
+    CUDA, which then see tensors only. Either way a new packing of the same shape reuses the
+    compiled graph instead of recompiling.
     """
 
     backend: Backend
@@ -93,9 +95,11 @@ def build_mask(document_lengths: Sequence[Sequence[int]] | None, batch: int, seq
     """The mask for `attention(..., mask=...)` of rows [B, T] with these documents
     (`sinks`: the layers have attention sinks, which plain causal SDPA cannot apply).
 
-    `tensors_only` (compiled blocks) never picks the list-driven `causal`/`split` paths: on
-    CUDA FlexAttention (dense masked SDPA without it), elsewhere dense masked SDPA, whatever
-    the packing, so that every batch of one shape takes the same path.
+    `tensors_only` (compiled blocks) never picks the list-driven `causal` path, so that every
+    batch of one shape takes the same path: on CUDA FlexAttention (dense masked SDPA without
+    it) inside the compiled graph; elsewhere the per-document `split`, run outside the graph
+    (`attention` reads its lengths behind `torch.compiler.disable`, so a new packing does not
+    recompile), because a dense T x T mask costs more on a CPU than the split saves.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {_BACKENDS}")
@@ -116,7 +120,8 @@ def build_mask(document_lengths: Sequence[Sequence[int]] | None, batch: int, seq
     device = torch.device(device)
     if backend == "auto":
         if tensors_only:
-            backend = "flex" if device.type == "cuda" and flex_available() else "masked_sdpa"
+            backend = (("flex" if flex_available() else "masked_sdpa") if device.type == "cuda"
+                       else "split")
         else:
             backend = _choose_backend(device, lengths, seq_len, sliding_window, softcap,
                                       sinks=sinks)
@@ -196,7 +201,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         k, v = gather_sequence(k, mask.cp, dim=2), gather_sequence(v, mask.cp, dim=2)
         return _masked_attention(q, k, v, mask.allowed, scale, softcap, sinks)
     if mask.backend in ("causal", "split"):      # a causal mask with sinks: one document per row
-        return _split_attention(q, k, v, mask.lengths, window, scale, softcap, sinks)
+        return _split_attention_outside_graph(q, k, v, mask, scale, softcap, sinks)
     if mask.backend == "flex":
         return _flex_attention(q, k, v, mask.block_mask, scale, softcap, mask.compile_flex,
                                sinks)
@@ -319,6 +324,16 @@ def _split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     outs = [_split_row(qb, kb, vb, row, window, scale, softcap, sinks)
             for qb, kb, vb, row in zip(q.split(1), k.split(1), v.split(1), lengths)]
     return torch.cat(outs, dim=0)
+
+
+@torch.compiler.disable
+def _split_attention_outside_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   mask: DocumentMask, scale: float, softcap: float | None,
+                                   sinks: torch.Tensor | None) -> torch.Tensor:
+    """`_split_attention` with the mask's lengths read here, outside any compiled graph: a
+    compiled block that traced them would specialise on the packing and recompile for every
+    new one (eager callers pay only the decorator's call)."""
+    return _split_attention(q, k, v, mask.lengths, mask.window, scale, softcap, sinks)
 
 
 def _split_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: list[int],
