@@ -20,9 +20,10 @@ experts per rank).
 On top of that, one phase at a time (the peak is the largest):
 
     load            the checkpoint streamed in: on a CPU, the memory-mapped safetensors file
-                    being read (its pages count as resident) and the largest tensor twice in
-                    the master dtype (converted, then the rank's shard cut from it); on a GPU
-                    one tensor's shard (tensors are read and cut on the host)
+                    being read (its pages count as resident), the largest tensor as read (in
+                    the dtype the checkpoint stores it in) and converted to the master dtype,
+                    and with several ranks the rank's shard cut from it; on a GPU one tensor's
+                    shard (tensors are read and cut on the host)
     step            a micro-batch's forward + backward, measured on fake tensors
                     (`posttrain.plan.trace`): activations (with the activation checkpointing
                     mode, the pack length, the cp split), the loss's logits chunks and the
@@ -250,11 +251,14 @@ def plan_run(cfg: Any, *, gpu: str | None = None, process: str | None = None) ->
     if cp > 1:
         step["cp_gathered_kv"] = int(2 * rows * seq * args.num_kv_heads // tp * args.head_dim
                                      * cb)
-    # the largest tensor converted to the master dtype and its shard cut from it (two full
-    # copies on the host; a GPU receives the shard); on a CPU also the mapped file's pages
+    # on a CPU the largest tensor as read from its file (in the checkpoint's dtype), its copy
+    # converted to the master dtype, with several ranks the rank's shard cut from that, and the
+    # mapped file's pages; a GPU receives one shard
     largest = _largest_tensor(args) * mb
     load = ({"checkpoint_read": int(largest / shard)} if on_gpu else
-            {"checkpoint_read": 2 * largest + _largest_file(cfg, counts.total)})
+            {"checkpoint_read": int(largest + _largest_stored(cfg, largest)
+                                    + (largest / shard if shard > 1 else 0)
+                                    + _largest_file(cfg, counts.total))})
     phases = {"load": load, "step": step,
               "optimizer_step": {"optimizer_temporaries": 0 if offload else int(trainable * mb)}}
     notes = [f"logits_chunk: the loss kernel's peak over {rows * local_seq} target positions "
@@ -333,6 +337,27 @@ def _largest_tensor(args: ModelArgs) -> int:
     """Elements of the largest single weight (the embedding, or a stacked expert weight)."""
     from posttrain.plan.trace import meta_model
     return max(p.numel() for p in meta_model(args).parameters())
+
+
+def _largest_stored(cfg: Any, master_bytes: float) -> float:
+    """Bytes of the largest tensor as its checkpoint stores it (safetensors headers: a bf16
+    checkpoint holds half of what its fp32 master weight takes); `master_bytes` for a random
+    init, whose file the run writes in fp32, or a checkpoint not readable here."""
+    hf_dir = cfg.model.hf_dir
+    if not hf_dir or not os.path.isdir(hf_dir):
+        return master_bytes
+    largest = 0
+    for path in Path(hf_dir).glob("*.safetensors"):
+        try:
+            with open(path, "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        except (OSError, ValueError):
+            return master_bytes
+        for name, entry in header.items():
+            if name != "__metadata__":
+                start, end = entry["data_offsets"]
+                largest = max(largest, end - start)
+    return largest or master_bytes
 
 
 def _largest_file(cfg: Any, params: int) -> int:
