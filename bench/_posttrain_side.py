@@ -151,7 +151,7 @@ def dpo(work: Path, prepared: str, steps: int, warmup: int = 1) -> dict[str, Any
 
 
 def grpo(work: Path, prepared_root: Path, prompts: int, completions: int, max_new: int,
-         steps: int) -> dict[str, Any]:
+         steps: int, compile: bool = False) -> dict[str, Any]:
     """GRPO steps with the colocated native engine: one optimizer step per batch of rollouts,
     no reference model, no KL; random model, so every completion runs to `max_new`."""
     from transformers import AutoTokenizer
@@ -168,7 +168,8 @@ def grpo(work: Path, prepared_root: Path, prompts: int, completions: int, max_ne
     cfg["train"] = {"max_steps": steps + 2, "prompts_per_step": prompts,
                     "samples_per_prompt": completions, "mini_batches": 1,
                     "max_tokens_per_micro_batch": max(4096, n * (max_new + 64)),
-                    "optimizer": {"lr": 1e-5}, "checkpoint_every_steps": 1_000_000}
+                    "optimizer": {"lr": 1e-5}, "checkpoint_every_steps": 1_000_000,
+                    "parallel": {"compile": compile}}
     cfg["algorithm"] = {"kl_coef": 0.0, "reference": "none"}
     cfg["sampling"] = {"temperature": 1.0, "max_new_tokens": max_new,
                        "stop_tokens": ["<|im_end|>"]}
@@ -184,8 +185,10 @@ def grpo(work: Path, prepared_root: Path, prompts: int, completions: int, max_ne
     ctl = GRPOController(gcfg, group, ColocatedRollouts(group), tok,
                          read_prompt_rows(prepared, "train"), [], 1)
     worker.sync_rollout()
-    ctl.step(0)                                              # warm-up
-    records = [ctl.step(s) for s in range(1, steps + 1)]
+    warmup = 2 if compile else 1      # compiled: the second step's lengths go dynamic
+    for s in range(warmup):
+        ctl.step(s)
+    records = [ctl.step(s) for s in range(warmup, warmup + steps)]
     rss = peak_rss()
     med = {k: statistics.median(r[k] for r in records) for k in
            ("time/step_s", "time/generate_s", "time/update_s", "time/logprobs_s",

@@ -31,7 +31,9 @@ Recipes, one JSON line each (`ratio` > 1 means posttrain is faster / smaller):
 * ``grpo``: seconds per step (generation with the native engine vs HF `generate`, rewards,
   one policy update) at 4 prompts x 4 completions x 32 new tokens and at 16 x 4 x 128
   (``--grpo-shapes``), median of 4 steps after a warm-up step (TRL's steps still shrink ~10-15%
-  over the first three); generation and update tokens/s separately.
+  over the first three); generation and update tokens/s separately. With ``--compile`` the
+  policy's blocks are compiled and two steps warm up: the second step's new lengths compile
+  the dynamic-shape graphs.
 
 The machine may be shared: a run at 2 threads on 2 cores while another process holds a core
 takes 5-20x longer per step (each of torch's parallel regions waits for the descheduled thread),
@@ -255,7 +257,7 @@ def bench_grpo(work: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
         for _ in range(a.repeats):
             mine.append(ours(work, a, "--recipe", "grpo", "--steps", str(a.grpo_steps),
                              "--prepared", str(work / f"prep_grpo_{prompts}x{k}x{new}"),
-                             *shape))
+                             *shape, *(["--compile"] if a.compile else [])))
             peer.append(trl(work, a, "--recipe", "grpo",
                             "--data", str(work / "data" / "prompts.jsonl"),
                             "--steps", str(a.grpo_steps), *shape))
@@ -322,7 +324,7 @@ def run_side(a: argparse.Namespace) -> None:
         res = ps.dpo(work, a.prepared, a.steps)
     else:
         res = ps.grpo(work, Path(a.prepared), a.prompts_per_step, a.completions,
-                      a.max_new_tokens, a.steps)
+                      a.max_new_tokens, a.steps, compile=a.compile)
     print(json.dumps(res))
 
 
@@ -335,7 +337,7 @@ def main() -> None:
     p.add_argument("--out", help="also append the JSON lines to this file")
     p.add_argument("--sft-steps", type=int, default=4)
     p.add_argument("--compile", action="store_true",
-                   help="sft: posttrain with parallel.compile (TRL's side is unchanged)")
+                   help="sft, grpo: posttrain with parallel.compile (TRL's side is unchanged)")
     p.add_argument("--sft-modes", default=",".join(SFT_MODES))
     p.add_argument("--dpo-steps", type=int, default=8)
     p.add_argument("--trl-dpo-steps", type=int, default=4)
