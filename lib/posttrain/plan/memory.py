@@ -251,13 +251,13 @@ def plan_run(cfg: Any, *, gpu: str | None = None, process: str | None = None) ->
     if cp > 1:
         step["cp_gathered_kv"] = int(2 * rows * seq * args.num_kv_heads // tp * args.head_dim
                                      * cb)
-    # on a CPU the largest tensor as read from its file (in the checkpoint's dtype), its copy
-    # converted to the master dtype, with several ranks the rank's shard cut from that, and the
-    # mapped file's pages; a GPU receives one shard
-    largest = _largest_tensor(args) * mb
+    # on a CPU the largest tensor as read from its file (in the checkpoint's dtype), a copy of
+    # it in the master dtype (converted, or the rank's shard cut from it), and the mapped
+    # file's pages; a GPU receives one shard
+    largest_numel = _largest_tensor(args)
+    largest = largest_numel * mb
     load = ({"checkpoint_read": int(largest / shard)} if on_gpu else
-            {"checkpoint_read": int(largest + _largest_stored(cfg, largest)
-                                    + (largest / shard if shard > 1 else 0)
+            {"checkpoint_read": int(largest + _largest_read(cfg, largest_numel, mb)
                                     + _largest_file(cfg, counts.total))})
     phases = {"load": load, "step": step,
               "optimizer_step": {"optimizer_temporaries": 0 if offload else int(trainable * mb)}}
@@ -339,25 +339,33 @@ def _largest_tensor(args: ModelArgs) -> int:
     return max(p.numel() for p in meta_model(args).parameters())
 
 
-def _largest_stored(cfg: Any, master_bytes: float) -> float:
-    """Bytes of the largest tensor as its checkpoint stores it (safetensors headers: a bf16
-    checkpoint holds half of what its fp32 master weight takes); `master_bytes` for a random
-    init, whose file the run writes in fp32, or a checkpoint not readable here."""
+def _largest_read(cfg: Any, numel: int, master_bytes_per_element: float) -> float:
+    """Bytes the loader holds of the largest native tensor (`numel` elements) as read, in the
+    dtype its checkpoint stores it in (the safetensors headers: a bf16 checkpoint reads half of
+    what the fp32 master weight takes). Twice that where the native tensor is larger than
+    any stored one: stacked from per-expert tensors, which are held until the stack is made,
+    or a vocabulary padded with a copy. The master dtype for a random init (the run writes the
+    file in fp32) or a checkpoint not readable here."""
+    fallback = numel * master_bytes_per_element
     hf_dir = cfg.model.hf_dir
     if not hf_dir or not os.path.isdir(hf_dir):
-        return master_bytes
-    largest = 0
+        return fallback
+    stored_bytes, stored_numel = 0, 0
     for path in Path(hf_dir).glob("*.safetensors"):
         try:
             with open(path, "rb") as f:
                 header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        except (OSError, ValueError):
-            return master_bytes
-        for name, entry in header.items():
-            if name != "__metadata__":
+            entries = [e for name, e in header.items() if name != "__metadata__"]
+            for entry in entries:
                 start, end = entry["data_offsets"]
-                largest = max(largest, end - start)
-    return largest or master_bytes
+                if end - start > stored_bytes:
+                    stored_bytes, stored_numel = end - start, math.prod(entry["shape"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return fallback
+    if not stored_numel:
+        return fallback
+    read = numel * stored_bytes / stored_numel
+    return 2 * read if stored_numel < numel else read
 
 
 def _largest_file(cfg: Any, params: int) -> int:
