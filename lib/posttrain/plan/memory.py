@@ -21,9 +21,10 @@ On top of that, one phase at a time (the peak is the largest):
 
     load            the checkpoint streamed in: on a CPU, the memory-mapped safetensors file
                     being read (its pages count as resident), the largest tensor as read (in
-                    the dtype the checkpoint stores it in) and converted to the master dtype,
-                    and with several ranks the rank's shard cut from it; on a GPU one tensor's
-                    shard (tensors are read and cut on the host)
+                    the dtype the checkpoint stores it in; twice when stacked or padded) and
+                    one copy of it in the master dtype (converted, or the rank's shard cut
+                    from it); on a GPU one tensor's shard (tensors are read and cut on the
+                    host)
     step            a micro-batch's forward + backward, measured on fake tensors
                     (`posttrain.plan.trace`): activations (with the activation checkpointing
                     mode, the pack length, the cp split), the loss's logits chunks and the
@@ -355,8 +356,7 @@ def _largest_read(cfg: Any, numel: int, master_bytes_per_element: float) -> floa
         try:
             with open(path, "rb") as f:
                 header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            entries = [e for name, e in header.items() if name != "__metadata__"]
-            for entry in entries:
+            for entry in (e for name, e in header.items() if name != "__metadata__"):
                 start, end = entry["data_offsets"]
                 if end - start > stored_bytes:
                     stored_bytes, stored_numel = end - start, math.prod(entry["shape"])
