@@ -87,20 +87,45 @@ def sft(work: Path, prepared: str, steps: int, warmup: int = 1, compile: bool = 
     for _ in range(warmup):
         worker.train_step()
     real = loss_tokens = 0
-    seconds, losses = 0.0, []
+    seconds, flops, losses = 0.0, 0.0, []
     for _ in range(steps):
         t0 = time.perf_counter()
         m = worker.train_step()
         seconds += time.perf_counter() - t0
         real += m["real_tokens"]
         loss_tokens += m.get("loss_tokens", 0)
+        flops += m["step_flops"]
         losses.append(m["loss"])
     rss = peak_rss()
+    args = worker.engine.args
     worker.close()
+    gemm = best_gemm_rate(args, cfg["train"]["tokens_per_step"])
     return {"steps": steps, "real_tokens": real, "loss_tokens": loss_tokens, "seconds": seconds,
             "real_tokens_per_s": real / seconds, "losses": losses, "peak_rss_bytes": rss,
+            "flops": flops, "flops_per_s": flops / seconds, "gemm_flops_per_s": gemm,
+            "gemm_floor_seconds": flops / gemm,
             "mode": "packed 4 x 2048, document-masked attention, chunked loss"
                     + (", parallel.compile" if compile else "")}
+
+
+def best_gemm_rate(args: Any, tokens: int, repeats: int = 5) -> float:
+    """The fastest FLOP rate `torch.mm` reaches here over the model's own fp32 matmul shapes
+    (a step's tokens through each projection, its input and weight gradients, and a 1,024-token
+    chunk of the LM head): the best of `repeats` timings per shape, the best shape. A step that
+    needs F matmul FLOPs cannot take less than F over this rate, whatever else it does."""
+    H, I, V = args.hidden_size, args.intermediate_size, args.padded_vocab_size
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    shapes = [(m, k, n) for out in (q, kv, I) for m, k, n in
+              ((tokens, H, out), (tokens, out, H), (out, tokens, H))] + [(1024, H, V)]
+    best = 0.0
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        a @ b
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            best = max(best, 2.0 * m * k * n / (time.perf_counter() - t0))
+    return best
 
 
 def dpo_config(work: Path, pack: int = 2048, rows: int = 1) -> dict[str, Any]:

@@ -17,7 +17,14 @@ Recipes, one JSON line each (`ratio` > 1 means posttrain is faster / smaller):
   padding-free, group-by-length and plain padding with batch 8), max_length 2,048; the ratio is
   against TRL's fastest mode. Group-by-length times the 49 steps after its warm-up, one whole
   length-sorted mega-batch (the other modes 8): its first steps are the mega-batch's longest
-  rows.
+  rows. ``floor``: posttrain's matmul FLOPs per real token (the recipe's own count: the
+  blocks over every token, attention per document, the LM head over the loss tokens), the
+  rate it ran at, the best rate `torch.mm` reaches here on the model's shapes
+  (`_posttrain_side.best_gemm_rate`), and ``ratio_at_gemm_peak``: the ratio posttrain would
+  reach if its step were only its matmuls at that rate (an upper bound for any change that
+  keeps the arithmetic). posttrain's process starts with what posttrain gives the CPU ranks it
+  starts (`posttrain.process.rank_environment`: its heap on huge pages); TRL's with the
+  machine's environment.
 * ``prepare``: chat rendering + tokenization + loss masks (+ packing for TRL's BFD, + Parquet
   shards for posttrain) of all 4,000 rows, the tokenizer loaded beforehand on both sides
   (posttrain's prepare loads it itself: its load is measured separately and also reported); also with Qwen's 151,643-token vocabulary
@@ -104,7 +111,8 @@ def _wait_quiet(limit: float, max_wait: float = 120.0) -> None:
             return
 
 
-def child(cmd: list[str], a: argparse.Namespace, timeout: int = 3600) -> dict[str, Any]:
+def child(cmd: list[str], a: argparse.Namespace, timeout: int = 3600,
+          extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one measurement in a fresh process; its last stdout line is its JSON.
 
     The machine may be shared: while another process holds a core, each of torch's parallel
@@ -115,7 +123,7 @@ def child(cmd: list[str], a: argparse.Namespace, timeout: int = 3600) -> dict[st
     (`_wait_quiet`), and one during which the others used more than ``--max-others-cpu`` is
     repeated, up to ``--retries`` times; the figure of the run kept is reported either way."""
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads),
-               PYTHONPATH=f"{ROOT}:{ROOT / 'lib'}")
+               PYTHONPATH=f"{ROOT}:{ROOT / 'lib'}", **(extra_env or {}))
     for attempt in range(a.retries + 1):
         _wait_quiet(a.max_others_cpu)
         res, others = _run_once(cmd, env, timeout)
@@ -130,8 +138,12 @@ def child(cmd: list[str], a: argparse.Namespace, timeout: int = 3600) -> dict[st
 
 
 def ours(work: Path, a: argparse.Namespace, *args: str) -> dict[str, Any]:
+    """posttrain's side trains inline in its process, which therefore starts with what
+    posttrain gives the ranks it starts (`posttrain.process.rank_environment`); TRL's process
+    starts with the machine's environment, as a plain TRL run does."""
+    from posttrain.process import rank_environment
     return child([sys.executable, __file__, "--side", "posttrain", "--work", str(work),
-                  "--threads", str(a.threads), *args], a)
+                  "--threads", str(a.threads), *args], a, extra_env=rank_environment())
 
 
 def trl(work: Path, a: argparse.Namespace, *args: str) -> dict[str, Any]:
@@ -179,6 +191,15 @@ def bench_sft(work: Path, a: argparse.Namespace) -> dict[str, Any]:
     best = max(modes, key=lambda m: modes[m]["real_tokens_per_s"])
     tps = median_of(mine, "real_tokens_per_s")
     rss = median_of(mine, "peak_rss_bytes")
+    # the most the ratio could be: posttrain's matmul FLOPs at the best GEMM rate of this
+    # machine and nothing else (no attention kernel, no elementwise work, no optimizer)
+    floor = {"posttrain_flops_per_real_token": round(mine[0]["flops"] / mine[0]["real_tokens"]),
+             "posttrain_flops_per_s": round(median_of(mine, "flops_per_s") / 1e9, 1),
+             "gemm_flops_per_s": round(median_of(mine, "gemm_flops_per_s") / 1e9, 1),
+             "units": "GFLOP/s"}
+    floor["ratio_at_gemm_peak"] = round(
+        floor["gemm_flops_per_s"] * 1e9 / floor["posttrain_flops_per_real_token"]
+        / modes[best]["real_tokens_per_s"], 3)
     return line("sft", unit="real tokens/s", posttrain=round(tps, 1),
                 trl=round(modes[best]["real_tokens_per_s"], 1), trl_best_mode=best,
                 ratio=round(tps / modes[best]["real_tokens_per_s"], 3),
@@ -187,7 +208,7 @@ def bench_sft(work: Path, a: argparse.Namespace) -> dict[str, Any]:
                                                  "trl": modes[best]["peak_rss_bytes"]},
                 rss_ratio=round(modes[best]["peak_rss_bytes"] / rss, 3),
                 posttrain_mode=mine[0]["mode"], others_cpu={"posttrain": others_cpu(mine)},
-                threads=a.threads, repeats=a.repeats)
+                floor=floor, threads=a.threads, repeats=a.repeats)
 
 
 def bench_prepare(work: Path, a: argparse.Namespace) -> list[dict[str, Any]]:

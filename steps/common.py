@@ -136,11 +136,14 @@ def launch_workers(run_cfg: Any, worker_cls: type, args: tuple) -> Iterator[Any]
     # torch threads per rank: the CPUs its bundle asks for, else an equal share of this machine
     threads = int(run_cfg.resources_per_worker.get("CPU", 0)) or max(
         1, (os.cpu_count() or 1) // run_cfg.num_workers)
+    env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    if not float(run_cfg.resources_per_worker.get("GPU", 0)):
+        from posttrain.process import rank_environment
+        env.update(rank_environment())      # a CPU rank's heap on huge pages (module doc)
     try:
         with WorkerGroup(worker_cls, run_cfg.num_workers,
                          resources_per_worker=run_cfg.resources_per_worker or None,
-                         env={"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"},
-                         init_args=args) as group:
+                         env=env, init_args=args) as group:
             try:
                 yield group
             finally:

@@ -35,7 +35,10 @@ pytestmark = pytest.mark.slow      # about a minute: scheduled first (tests/conf
 def measure(recipe: str, cfg: dict, tmp: Path) -> dict:
     path = tmp / f"{recipe}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'lib'}:{ROOT}", "OMP_NUM_THREADS": "1"}
+    from posttrain.process import rank_environment
+    # the run trains inline in the child, which starts as posttrain starts a CPU rank
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'lib'}:{ROOT}", "OMP_NUM_THREADS": "1",
+           **rank_environment()}
     out = subprocess.run([sys.executable, str(ROOT / "tests/lib/plan/measure_peak.py"), recipe,
                           str(path), str(tmp / "run")], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
