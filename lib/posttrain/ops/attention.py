@@ -26,10 +26,7 @@ Backends (`backend="auto"` picks; the others can be forced, e.g. by benches and 
 - ``"causal"``: one document per row, no window shorter than the row, no softcap: a single
   `scaled_dot_product_attention(is_causal=True)` over the batch, on every device.
 - ``"split"`` (CPU): each row is cut into its documents with `Tensor.split` and each piece runs
-  causal SDPA on its own; the pieces are joined with `torch.cat`. Where every document is plain
-  causal (no softcap, sinks or window shorter than it), `_CausalDocuments` runs the same flash
-  kernel on the same pieces and writes each result once into its place, bitwise the same
-  values without the joins. Cost grows with sum(L_i^2), not
+  causal SDPA on its own; the pieces are joined with `torch.cat`. Cost grows with sum(L_i^2), not
   (sum L_i)^2. Measured on CPU with torch 2.13 (STACK-NOTES): 0.14-0.22x the time of causal SDPA
   over the whole 8k row, where SDPA with a block-diagonal mask is 2.2x. `split` and not slicing:
   the backward of each slice `q[:, :, s:e]` allocates a zero tensor the size of the whole row,
@@ -54,7 +51,7 @@ from __future__ import annotations
 import functools
 import math
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -320,11 +317,6 @@ def _split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Per-document attention on `split` pieces (see the module docstring for why `split`)."""
     seq_len = q.shape[2]
-    rows = [[seq_len]] * q.shape[0] if lengths is None else lengths
-    if (q.device.type == "cpu" and softcap is None and sinks is None
-            and q.shape[-1] == v.shape[-1] and type(q) is torch.Tensor
-            and (window is None or window >= max(max(row) for row in rows))):
-        return _CausalDocuments.apply(q, k, v, tuple(tuple(row) for row in rows), scale)
     if lengths is None or all(row == lengths[0] for row in lengths):
         row = [seq_len] if lengths is None else lengths[0]
         return _split_row(q, k, v, row, window, scale, softcap, sinks)
@@ -332,60 +324,6 @@ def _split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     outs = [_split_row(qb, kb, vb, row, window, scale, softcap, sinks)
             for qb, kb, vb, row in zip(q.split(1), k.split(1), v.split(1), lengths)]
     return torch.cat(outs, dim=0)
-
-
-class _CausalDocuments(torch.autograd.Function):
-    """Causal attention within each document of each row, with the CPU flash kernel that
-    `scaled_dot_product_attention(is_causal=True)` runs per `split` piece, on the same pieces
-    (views, never copies, of q, k and v), so the values are bitwise those of the `split` path.
-    What differs is where the pieces go: each document's output is written once into one
-    buffer laid out [B, T, H, D], which the output projection reads as [B, T, H * D] without a
-    copy, and each document's gradients once into dq, dk, dv laid out as q, k, v are; the
-    `split` path joined them with a `cat` per row and one over the rows, and copied the output
-    again for the projection, so a layer keeps one copy of its attention output for backward
-    where it kept two. On the SFT bench (4 x 2,048 tokens, 2-3 documents a row, hidden 256) a
-    step took 2.32 s against 2.36 (medians of 3 interleaved runs; within this machine's noise)."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                lengths: tuple[tuple[int, ...], ...], scale: float) -> torch.Tensor:
-        B, H, T, D = q.shape
-        out, lse = q.new_empty(B, T, H, D).transpose(1, 2), None
-        for rows, piece in _documents(lengths):
-            at = (rows, slice(None), piece)
-            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q[at], k[at], v[at], 0.0, True, scale=scale)
-            if lse is None:     # the kernel's accumulation dtype (float32 for bf16 inputs)
-                lse = l.new_empty(B, H, T)
-            out[at].copy_(o)
-            lse[at].copy_(l)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.lengths, ctx.scale = lengths, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for rows, piece in _documents(ctx.lengths):
-            at = (rows, slice(None), piece)
-            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad[at], q[at], k[at], v[at], out[at], lse[at], 0.0, True, scale=ctx.scale)
-            dq[at].copy_(gq)
-            dk[at].copy_(gk)
-            dv[at].copy_(gv)
-        return dq, dk, dv, None, None
-
-
-def _documents(lengths: tuple[tuple[int, ...], ...]) -> Iterator[tuple[slice, slice]]:
-    """(rows, positions) of each kernel call: every document of every row, or, where all rows
-    are split alike, each document across all rows at once (as the `split` path does)."""
-    same = all(row == lengths[0] for row in lengths)
-    for b, row in enumerate(lengths[:1] if same else lengths):
-        rows, start = (slice(None) if same else slice(b, b + 1)), 0
-        for n in row:
-            yield rows, slice(start, start + n)
-            start += n
 
 
 @torch.compiler.disable

@@ -277,32 +277,3 @@ def test_unknown_backend():
     q, k, v = make_qkv(1, 2, 2, 8)
     with pytest.raises(ValueError, match="unknown attention backend"):
         attention(q, k, v, backend="flash")
-
-
-def test_plain_causal_documents_are_bitwise_the_joined_split_pieces():
-    """On a CPU, rows of plain causal documents go through `_CausalDocuments`, which writes
-    each document's flash-kernel result straight into its place. Forward and gradients must be
-    bitwise those of the same pieces run through SDPA and joined with `cat` (the `split` path it
-    replaces), on q, k, v laid out as the model makes them ([B, T, H, D] memory) with GQA and
-    rows split differently. Catches a piece written to the wrong place, a gradient left
-    unwritten (its buffer is uninitialised memory), or a kernel call that is not SDPA's."""
-    g = torch.Generator().manual_seed(3)
-    lengths = [[7, 1, 20, 12], [40], [1] * 5 + [35]]
-
-    def qkv():
-        return [torch.randn(3, 40, h, 16, generator=g).transpose(1, 2).requires_grad_()
-                for h in (4, 2, 2)]
-
-    q, k, v = qkv()
-    grad = torch.randn(3, 4, 40, 16, generator=g)
-    mask = attention_module.build_mask(lengths, 3, 40, "cpu")
-    assert mask.backend == "split"
-    out = attention(q, k, v, mask=mask)
-    got = (out, *torch.autograd.grad(out, (q, k, v), grad))
-    joined = torch.cat([attention_module._split_row(q[b:b + 1], k[b:b + 1], v[b:b + 1], row,
-                                                    None, 16 ** -0.5, None, None)
-                        for b, row in enumerate(lengths)])
-    want = (joined, *torch.autograd.grad(joined, (q, k, v), grad))
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    assert out.transpose(1, 2).is_contiguous()       # the output projection reads it as is
