@@ -48,3 +48,15 @@ def test_exit_collects_garbage_then_freezes_the_rest():
     tuned = _finalized("tuned")
     assert tuned.count("garbage") == 1, tuned
     assert "live" not in tuned, "the teardown still walked the live objects: no freeze at exit"
+
+
+def test_a_rank_environment_adds_the_huge_page_heap_to_the_parents_tunables():
+    """`rank_environment`: the tunable alone, appended to tunables the parent sets, and a
+    parent's own `glibc.malloc.hugetlb` choice kept. Catches a merge that drops the parent's
+    other tunables or overrides a user who turned huge pages off."""
+    from posttrain.process import rank_environment
+    assert rank_environment({}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    assert rank_environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {
+        "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
+    off = "glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2"
+    assert rank_environment({"GLIBC_TUNABLES": off}) == {"GLIBC_TUNABLES": off}
