@@ -103,7 +103,6 @@ def sft(work: Path, prepared: str, steps: int, warmup: int = 1, compile: bool = 
     return {"steps": steps, "real_tokens": real, "loss_tokens": loss_tokens, "seconds": seconds,
             "real_tokens_per_s": real / seconds, "losses": losses, "peak_rss_bytes": rss,
             "flops": flops, "flops_per_s": flops / seconds, "gemm_flops_per_s": gemm,
-            "gemm_floor_seconds": flops / gemm,
             "mode": "packed 4 x 2048, document-masked attention, chunked loss"
                     + (", parallel.compile" if compile else "")}
 

@@ -193,13 +193,12 @@ def bench_sft(work: Path, a: argparse.Namespace) -> dict[str, Any]:
     rss = median_of(mine, "peak_rss_bytes")
     # the most the ratio could be: posttrain's matmul FLOPs at the best GEMM rate of this
     # machine and nothing else (no attention kernel, no elementwise work, no optimizer)
-    floor = {"posttrain_flops_per_real_token": round(mine[0]["flops"] / mine[0]["real_tokens"]),
+    per_token = mine[0]["flops"] / mine[0]["real_tokens"]
+    gemm = median_of(mine, "gemm_flops_per_s")
+    floor = {"posttrain_flops_per_real_token": round(per_token),
              "posttrain_flops_per_s": round(median_of(mine, "flops_per_s") / 1e9, 1),
-             "gemm_flops_per_s": round(median_of(mine, "gemm_flops_per_s") / 1e9, 1),
-             "units": "GFLOP/s"}
-    floor["ratio_at_gemm_peak"] = round(
-        floor["gemm_flops_per_s"] * 1e9 / floor["posttrain_flops_per_real_token"]
-        / modes[best]["real_tokens_per_s"], 3)
+             "gemm_flops_per_s": round(gemm / 1e9, 1), "units": "GFLOP/s",
+             "ratio_at_gemm_peak": round(gemm / per_token / modes[best]["real_tokens_per_s"], 3)}
     return line("sft", unit="real tokens/s", posttrain=round(tps, 1),
                 trl=round(modes[best]["real_tokens_per_s"], 1), trl_best_mode=best,
                 ratio=round(tps / modes[best]["real_tokens_per_s"], 3),

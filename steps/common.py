@@ -35,6 +35,7 @@ from posttrain.config.loader import to_dict
 from posttrain.config.recipes import OutputConfig, PrepareConfig, load_recipe
 from posttrain.data.prepared import local_view
 from posttrain.errors import ConfigError
+from posttrain.process import rank_environment
 from steps.arguments import overrides_from
 
 log = logging.getLogger("posttrain.driver")
@@ -138,7 +139,6 @@ def launch_workers(run_cfg: Any, worker_cls: type, args: tuple) -> Iterator[Any]
         1, (os.cpu_count() or 1) // run_cfg.num_workers)
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     if not float(run_cfg.resources_per_worker.get("GPU", 0)):
-        from posttrain.process import rank_environment
         env.update(rank_environment())      # a CPU rank's heap on huge pages (module doc)
     try:
         with WorkerGroup(worker_cls, run_cfg.num_workers,
