@@ -4,7 +4,6 @@ proxy in front of it that a test can take down and bring back (`s3_outage`)."""
 from __future__ import annotations
 
 import os
-import random
 import select
 import socket
 import struct
@@ -32,6 +31,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
                   if p and p not in _OWN_PATHS])
 
 # The test process trains inline as a CLI process does (`posttrain.process`)
+from posttrain.distributed.env import free_port  # noqa: E402
 from posttrain.process import tune_cycle_collector  # noqa: E402
 
 tune_cycle_collector()
@@ -61,18 +61,6 @@ class S3Server:
         return f"s3://{self.bucket}/{key}"
 
 
-def _free_port(low: int = 0, high: int = 0) -> int:
-    """A free port on 127.0.0.1: any (the kernel's choice), or one in [low, high)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", random.SystemRandom().randrange(low, high) if high else 0))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError(f"no free port in [{low}, {high})")
-
-
 def _wait_until_up(proc: subprocess.Popen, endpoint: str, log_path: str) -> None:
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -98,7 +86,7 @@ def _wait_until_up(proc: subprocess.Popen, endpoint: str, log_path: str) -> None
 def s3() -> Iterator[S3Server]:
     """A moto S3 server on 127.0.0.1 for the whole session, with AWS_* variables pointing at it."""
     boto3 = pytest.importorskip("boto3")
-    port = _free_port()
+    port = free_port("127.0.0.1")
     endpoint = f"http://127.0.0.1:{port}"
     log = tempfile.NamedTemporaryFile(prefix="moto-", suffix=".log", delete=False)
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
@@ -138,7 +126,7 @@ class FlakyProxy:
     def __init__(self, upstream: str, storage_options: dict):
         host, port = upstream.removeprefix("http://").split(":")
         self.upstream = (host, int(port))
-        self.port = _free_port(low=20_000, high=32_000)  # below the ephemeral range: see start
+        self.port = free_port("127.0.0.1")   # below the ephemeral range: see start
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.storage_options = {**storage_options, "endpoint_url": self.endpoint}
         self.outages = 0

@@ -8,6 +8,7 @@ The helpers also work in a plain single process, where rank is 0 and the world i
 from __future__ import annotations
 
 import os
+import random
 import socket
 from datetime import timedelta
 
@@ -49,8 +50,39 @@ def get_device() -> torch.device:
     return torch.device("cpu")
 
 
+_LISTEN_PORTS_FROM = 20_000     # above Ray's worker ports (10002-19999 by default)
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range [low, high] of local ports for outgoing connections: Linux's
+    `ip_local_port_range`, else Linux's default."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32_768, 60_999
+
+
 def free_port(host: str = "") -> int:
-    """A TCP port free on this host right now (the OS picks it; another process may take it)."""
+    """A TCP port that nothing on this host listens on right now, for a rendezvous to listen on.
+
+    Chosen at random below the ephemeral range, never by the kernel: a port the kernel hands
+    out (bind to port 0) lies in that range, so in the seconds before rank 0 listens on it
+    any outgoing connection on the host may take it as its local port and rank 0 fails with
+    EADDRINUSE (seen in the test suite). Below the range only another listener can take it.
+    Where the range starts too low to leave room, the kernel picks."""
+    low = _LISTEN_PORTS_FROM
+    high = ephemeral_ports()[0]
+    rng = random.SystemRandom()
+    for _ in range(100 if high - low >= 1_000 else 0):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as TCPStore binds
+            try:
+                s.bind((host, rng.randrange(low, high)))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))

@@ -403,3 +403,31 @@ def test_mesh_that_does_not_match_the_config_is_refused():
     with pytest.raises(ConfigError, match="cp=2"):
         _check_mesh(_FakeMesh(), ParallelConfig(cp=2))
     _check_mesh(_FakeMesh(), ParallelConfig())
+
+
+def test_free_port_lies_below_the_ephemeral_range_and_skips_a_listened_port(monkeypatch):
+    """A rendezvous port the kernel could hand an outgoing connection as its local port fails
+    rank 0 with EADDRINUSE (seen in CI): `free_port` picks below that range, never a port
+    something listens on; where the range leaves no room the kernel picks."""
+    import random
+    import socket
+
+    from posttrain.distributed import env
+    low = env.ephemeral_ports()[0]
+    ports = {env.free_port("127.0.0.1") for _ in range(20)}
+    assert all(20_000 <= p < low for p in ports) and len(ports) > 1, ports
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", low - 1))
+        taken.listen(1)
+        draws = []
+
+        class FirstTheTakenPort(random.Random):
+            def randrange(self, a, b):
+                draws.append(low - 1 if not draws else super().randrange(a, b))
+                return draws[-1]
+
+        monkeypatch.setattr(env.random, "SystemRandom", FirstTheTakenPort)
+        got = env.free_port("127.0.0.1")
+        assert draws[0] == low - 1 and len(draws) == 2 and got == draws[1] != low - 1
+        monkeypatch.setattr(env, "ephemeral_ports", lambda: (20_500, 60_999))
+        assert not 20_000 <= env.free_port("127.0.0.1") < 20_500   # no room: the kernel picks

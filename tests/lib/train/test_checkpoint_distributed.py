@@ -20,7 +20,6 @@ import copy
 import errno
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+
+from posttrain.distributed.env import free_port
 
 DIM, BLOCKS, BATCH = 16, 3, 4
 SAVE_STEP = 2
@@ -167,15 +168,9 @@ def _save_on_a_full_disk(work: Path, model, opt, sched, rank: int, world: int) -
 
 # --- the test ----------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(phase: str, work: Path, world: int) -> list[dict]:
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+           "MASTER_PORT": str(free_port("127.0.0.1")), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, __file__, phase, str(work)],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
