@@ -35,9 +35,10 @@ from torch import nn
 
 from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
-from posttrain.models.layers import _ACTIVATIONS, RMSNorm, position_ids_from_documents
+from posttrain.models.layers import RMSNorm, position_ids_from_documents
 from posttrain.ops.delta_rule import (causal_conv, gated_delta_rule,
                                       recurrent_gated_delta_rule)
+from posttrain.ops.gated import ACTIVATIONS
 
 __all__ = ["DeltaNetState", "GatedDeltaNet", "GatedRMSNorm"]
 
@@ -95,14 +96,14 @@ class GatedDeltaNet(nn.Module):
         if la is None:
             raise ConfigError(f"layer {layer_id} is a linear-attention layer, but the model args "
                               "have no linear_attention settings")
-        if args.hidden_act not in _ACTIVATIONS:
+        if args.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"hidden_act '{args.hidden_act}' is not supported; "
-                              f"use one of {sorted(_ACTIVATIONS)}")
+                              f"use one of {sorted(ACTIVATIONS)}")
         hidden = args.hidden_size
         self.num_k_heads, self.num_v_heads = la.num_k_heads, la.num_v_heads
         self.head_k_dim, self.head_v_dim = la.head_k_dim, la.head_v_dim
         self.chunk_size, self.kernel = la.chunk_size, la.conv_kernel
-        self.act = _ACTIVATIONS[args.hidden_act]
+        self.act = ACTIVATIONS[args.hidden_act]
         self.q = nn.Linear(hidden, la.key_dim, bias=False)
         self.k = nn.Linear(hidden, la.key_dim, bias=False)
         self.v = nn.Linear(hidden, la.value_dim, bias=False)

@@ -44,9 +44,10 @@ from torch import nn
 
 from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
-from posttrain.models.layers import (_ACTIVATIONS, Attention, FeedForward, SharedKV, embedding,
+from posttrain.models.layers import (Attention, FeedForward, SharedKV, embedding,
                                      make_norm)
 from posttrain.ops.attention import DocumentMask
+from posttrain.ops.gated import gated
 
 __all__ = ["Gemma4Block", "PerLayerInputs"]
 
@@ -117,7 +118,7 @@ class Gemma4Block(nn.Module):
             self.post_moe_norm = make_norm(args, H)
         self.per_layer_gate: nn.Linear | None = None
         if g.per_layer_input_size:
-            self.act = _ACTIVATIONS[args.hidden_act]
+            self.hidden_act = args.hidden_act
             self.per_layer_gate = nn.Linear(H, g.per_layer_input_size, bias=False)
             self.per_layer_proj = nn.Linear(g.per_layer_input_size, H, bias=False)
             self.post_per_layer_norm = make_norm(args, H)
@@ -142,6 +143,6 @@ class Gemma4Block(nn.Module):
         x = x + self.post_mlp_norm(h)
         if self.per_layer_gate is not None:
             assert per_layer_input is not None, "a Gemma 4 block with PLE needs its input"
-            gated = self.act(self.per_layer_gate(x)) * per_layer_input
-            x = x + self.post_per_layer_norm(self.per_layer_proj(gated))
+            unit = gated(self.per_layer_gate(x), per_layer_input, self.hidden_act)
+            x = x + self.post_per_layer_norm(self.per_layer_proj(unit))
         return x * self.layer_scalar

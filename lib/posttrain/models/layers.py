@@ -12,12 +12,12 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
 from posttrain.ops import attention as attention_ops
+from posttrain.ops.gated import ACTIVATIONS, gated
 
 
 class RMSNorm(nn.Module):
@@ -361,22 +361,16 @@ class Attention(nn.Module):
                               torch.zeros(shape, dtype=dtype, device=device))
 
 
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-
-
 class FeedForward(nn.Module):
-    """Gated MLP: down(act(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)), the gated unit from `ops.gated` (which keeps
+    two of its three tensors for backward)."""
 
     def __init__(self, args: ModelArgs, intermediate_size: int | None = None):
         super().__init__()
-        if args.hidden_act not in _ACTIVATIONS:
+        if args.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"hidden_act '{args.hidden_act}' is not supported; "
-                              f"use one of {sorted(_ACTIVATIONS)}")
-        self.act = _ACTIVATIONS[args.hidden_act]
+                              f"use one of {sorted(ACTIVATIONS)}")
+        self.hidden_act = args.hidden_act
         inter = intermediate_size or args.intermediate_size
         bias = args.mlp_bias
         self.gate = nn.Linear(args.hidden_size, inter, bias=bias)
@@ -384,7 +378,7 @@ class FeedForward(nn.Module):
         self.down = nn.Linear(inter, args.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.gate(x)) * self.up(x))
+        return self.down(gated(self.gate(x), self.up(x), self.hidden_act))
 
 
 def position_ids_from_documents(document_lengths: list[list[int]], seq_len: int,

@@ -75,7 +75,8 @@ from torch import nn
 
 from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
-from posttrain.models.layers import _ACTIVATIONS, FeedForward, rms_norm
+from posttrain.models.layers import FeedForward, rms_norm
+from posttrain.ops.gated import ACTIVATIONS, gated
 
 __all__ = ["Experts", "MoEBlock", "build_moe", "clamped_swiglu", "expert_group",
            "grouped_mm_available", "grouped_mm_flops", "local_tensor", "router_logits"]
@@ -169,10 +170,10 @@ class Experts(nn.Module):
                  hidden_act: str, *, bias: bool = False, swiglu_limit: float | None = None,
                  swiglu_alpha: float = 1.702):
         super().__init__()
-        if swiglu_limit is None and hidden_act not in _ACTIVATIONS:
+        if swiglu_limit is None and hidden_act not in ACTIVATIONS:
             raise ConfigError(f"hidden_act '{hidden_act}' is not supported; "
-                              f"use one of {sorted(_ACTIVATIONS)}")
-        self.act = _ACTIVATIONS.get(hidden_act)
+                              f"use one of {sorted(ACTIVATIONS)}")
+        self.hidden_act = hidden_act
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
         self.num_experts = num_experts
         self.gate = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
@@ -196,7 +197,7 @@ class Experts(nn.Module):
     def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.swiglu_limit is not None:
             return clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha)
-        return self.act(gate) * up
+        return gated(gate, up, self.hidden_act)
 
     def forward(self, x_NH: torch.Tensor, expert_NK: torch.Tensor,
                 weight_NK: torch.Tensor) -> torch.Tensor:
