@@ -45,8 +45,10 @@ on D, and the per-stream states restore on any D that divides S.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -58,7 +60,7 @@ from posttrain.data.events import LABEL_PREFIX
 from posttrain.data.mixer import Mixer
 from posttrain.data.packing import AsyncPacker, Packer, Sample, collate, pad_rows
 from posttrain.data.sources import RowStream, shard_for
-from posttrain.data.stream import StatefulIterable
+from posttrain.data.stream import StatefulIterable, as_state, capture
 from posttrain.errors import ConfigError, DataError
 from posttrain.losses.dpo import sequence_ids
 
@@ -172,18 +174,34 @@ class ShuffleBuffer(StatefulIterable[Sample]):
             self._buffer[i], self._buffer[-1] = self._buffer[-1], self._buffer[i]
             yield self._buffer.pop()
 
+    def capture(self) -> _BufferCapture:
+        """The state by reference: the buffered samples, whose arrays nothing writes to, are
+        turned into lists only by `to_state` (`posttrain.data.stream.capture`)."""
+        return _BufferCapture(capture(self.upstream), self._rng.bit_generator.state,
+                              tuple(self._buffer))
+
     def state_dict(self) -> dict[str, Any]:
-        return {"upstream": self.upstream.state_dict(), "rng": self._rng.bit_generator.state,
-                "buffer": [[s.input_ids.tolist(), s.loss_mask.tolist(), s.sample_id,
-                            list(s.segment_lengths) if s.segment_lengths else None,
-                            *([{k: [v.dtype.str, v.tolist()] for k, v in s.extras.items()}]
-                              if s.extras else [])]
-                           for s in self._buffer]}
+        return self.capture().to_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.upstream.load_state_dict(state["upstream"])
         self._rng.bit_generator.state = state["rng"]
         self._buffer = [_sample_from_state(entry) for entry in state["buffer"]]
+
+
+@dataclass(frozen=True)
+class _BufferCapture:
+    upstream: Any
+    rng: dict[str, Any]
+    buffer: tuple[Sample, ...]
+
+    def to_state(self) -> dict[str, Any]:
+        return {"upstream": as_state(self.upstream), "rng": copy.deepcopy(self.rng),
+                "buffer": [[s.input_ids.tolist(), s.loss_mask.tolist(), s.sample_id,
+                            list(s.segment_lengths) if s.segment_lengths else None,
+                            *([{k: [v.dtype.str, v.tolist()] for k, v in s.extras.items()}]
+                              if s.extras else [])]
+                           for s in self.buffer]}
 
 
 def _sample_from_state(entry: list) -> Sample:

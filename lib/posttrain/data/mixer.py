@@ -19,13 +19,14 @@ import copy
 import math
 from bisect import bisect_right
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, TypeVar
 
 import numpy as np
 
 from posttrain.config.data import MixerConfig
-from posttrain.data.stream import StatefulIterable
+from posttrain.data.stream import StatefulIterable, as_state, capture
 from posttrain.errors import ConfigError
 
 T = TypeVar("T")
@@ -94,14 +95,16 @@ class Mixer(StatefulIterable[T]):
             counts[name] += 1
             yield item
 
+    def capture(self) -> _MixerCapture:
+        """The state with each stream's own capture (`posttrain.data.stream.capture`)."""
+        return _MixerCapture(self._rng.bit_generator.state,
+                             {n: capture(self._streams[n]) for n in self._names},
+                             [n for n in self._names if n in self._exhausted],
+                             dict(self._counts))
+
     def state_dict(self) -> dict[str, Any]:
         """Generator state, each stream's state, exhausted sources, counts; JSON-serializable."""
-        return {
-            "rng": copy.deepcopy(self._rng.bit_generator.state),
-            "streams": {n: self._streams[n].state_dict() for n in self._names},
-            "exhausted": [n for n in self._names if n in self._exhausted],
-            "counts": dict(self._counts),
-        }
+        return self.capture().to_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from `state_dict()`; call on a fresh Mixer over fresh streams."""
@@ -115,3 +118,16 @@ class Mixer(StatefulIterable[T]):
         self._exhausted = set(state["exhausted"])
         self._counts = {n: int(state["counts"][n]) for n in self._names}
         self._iters = None
+
+
+@dataclass(frozen=True)
+class _MixerCapture:
+    rng: dict[str, Any]
+    streams: dict[str, Any]
+    exhausted: list[str]
+    counts: dict[str, int]
+
+    def to_state(self) -> dict[str, Any]:
+        return {"rng": copy.deepcopy(self.rng),
+                "streams": {n: as_state(c) for n, c in self.streams.items()},
+                "exhausted": list(self.exhausted), "counts": dict(self.counts)}

@@ -28,7 +28,6 @@ the *consumer* received, not what the thread has produced ahead.
 
 from __future__ import annotations
 
-import copy
 import queue
 import threading
 import warnings
@@ -43,7 +42,7 @@ import numpy as np
 from posttrain.config.data import PackingConfig
 from posttrain.data.rows import (IGNORE_INDEX, STATS_KEYS, PackedRow, Pending, RowBuilder, Sample,
                                  admit, collate, concat_extras, pad_rows)
-from posttrain.data.stream import StatefulIterable
+from posttrain.data.stream import StatefulIterable, as_state, capture
 from posttrain.errors import ConfigError
 
 __all__ = ["IGNORE_INDEX", "STATS_KEYS", "AsyncPacker", "PackedRow", "Packer", "PackingConfig",
@@ -63,7 +62,7 @@ def _key(p: Pending) -> int:
 class _Snapshot:
     """A cheap, immutable capture of a Packer's state; turned into JSON only when asked."""
 
-    upstream: dict[str, Any]
+    upstream: Any                   # the upstream's capture (`posttrain.data.stream.capture`)
     pending: tuple[Pending, ...]
     next_seq: int
     stats: dict[str, int]
@@ -82,7 +81,7 @@ class _Snapshot:
         return {
             "version": _STATE_VERSION,
             "config": dict(self.config),
-            "upstream": copy.deepcopy(self.upstream),
+            "upstream": as_state(self.upstream),
             "next_seq": self.next_seq,
             "stats": dict(self.stats),
             "buffer": {
@@ -180,7 +179,7 @@ class Packer:
                 "overlong": c.overlong, "pad_token_id": c.pad_token_id}
 
     def _snapshot(self) -> _Snapshot:
-        return _Snapshot(upstream=self._upstream.state_dict(), pending=tuple(self._pending),
+        return _Snapshot(upstream=capture(self._upstream), pending=tuple(self._pending),
                          next_seq=self._next_seq, stats=dict(self._stats),
                          config=self._config_state())
 

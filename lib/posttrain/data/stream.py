@@ -14,10 +14,17 @@ A stage (source reader, mixer, packer) is an iterable with a position it can sav
 
 The state returned must not alias anything the stage mutates later, so a caller can hold it
 while iteration continues.
+
+A stage whose state holds data (the shuffle buffer's samples) may also offer ``capture()``:
+the same state taken cheaply, by reference to what it will not mutate, and turned into the
+JSON state only by ``to_state()``. The background packer takes a state after every row it
+builds, while only a checkpoint reads one; `capture(stage)` and `as_state(captured)` take and
+read either kind.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -34,6 +41,18 @@ class StatefulIterable(Protocol[T_co]):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def capture(stage: StatefulIterable[Any]) -> Any:
+    """`stage`'s state now: its `capture()` where it has one, else its `state_dict()`."""
+    take = getattr(stage, "capture", None)
+    return take() if take is not None else stage.state_dict()
+
+
+def as_state(captured: Any) -> dict[str, Any]:
+    """The JSON state of what `capture` took (a copy: the caller may change it)."""
+    to_state = getattr(captured, "to_state", None)
+    return to_state() if to_state is not None else copy.deepcopy(captured)
 
 
 class ListStream(StatefulIterable[T]):

@@ -6,8 +6,8 @@ so no run's high-water mark hides another's):
 
 | config | what dominates | measured here (AMD EPYC, 2 cores) |
 |---|---|---|
-| tiny SFT (bundled `sft/tiny.yaml`, 2 steps) | the process baseline | predicted 0.682 GB, measured 0.678 GB |
-| Qwen3-0.6B-shaped LoRA SFT (bundled `sft/qwen3_0p6b_lora_1gpu.yaml`, 256-token packs, fp32, full checkpointing, 1 step) | fp32 weights and the checkpoint load | predicted 4.41 GB, measured 4.07 GB (AMD), 3.93-4.15 GB (Intel Xeon) |
+| tiny SFT (bundled `sft/tiny.yaml`, 2 steps) | the process baseline | predicted 0.550 GB, measured 0.544 GB (0.682 / 0.678 before the packer took the shuffle buffer by reference) |
+| Qwen3-0.6B-shaped LoRA SFT (bundled `sft/qwen3_0p6b_lora_1gpu.yaml`, 256-token packs, fp32, full checkpointing, 1 step) | fp32 weights and the checkpoint load | predicted 4.28 GB, measured 4.06 GB (AMD; earlier 4.41 / 4.07, and 3.93-4.15 GB on an Intel Xeon) |
 | GRPO with a colocated native engine (bundled `grpo/tiny.yaml` from the committed arithmetic SFT checkpoint, 4 x 4 rollouts, 1 step) | the baseline; the engine's copy and cache | predicted 0.52 GB, measured 0.51 GB |
 
 The CPU baselines are calibrated on the two tiny configs (`posttrain.plan.devices`), so those
