@@ -26,14 +26,16 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def _gelu_tanh_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+
+
 # each activation by its config name (`hidden_act`), with the kernel autograd uses for its
 # gradient: (forward, backward(grad_out, input))
 _KERNELS: dict[str, tuple[Callable, Callable]] = {
     "silu": (F.silu, torch.ops.aten.silu_backward),
-    "gelu_pytorch_tanh": (_gelu_tanh, lambda g, x: torch.ops.aten.gelu_backward(
-        g, x, approximate="tanh")),
-    "gelu_tanh": (_gelu_tanh, lambda g, x: torch.ops.aten.gelu_backward(
-        g, x, approximate="tanh")),
+    "gelu_pytorch_tanh": (_gelu_tanh, _gelu_tanh_backward),
+    "gelu_tanh": (_gelu_tanh, _gelu_tanh_backward),
 }
 
 # the activations by name, for the layers that apply one on its own
