@@ -36,6 +36,7 @@ from torch import nn
 from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
 from posttrain.models.layers import RMSNorm, position_ids_from_documents
+from posttrain.ops.compiler import outside_graphs
 from posttrain.ops.delta_rule import (causal_conv, gated_delta_rule,
                                       recurrent_gated_delta_rule)
 from posttrain.ops.gated import ACTIVATIONS
@@ -157,7 +158,7 @@ class GatedDeltaNet(nn.Module):
         core = self._mix(self.q(x), self.k(x), self.v(x), g, beta, mask)
         return self._output(core, x)
 
-    @torch.compiler.disable
+    @outside_graphs
     def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              beta: torch.Tensor, mask: Any) -> torch.Tensor:
         """Convolution and delta rule over the batch's documents, outside compiled graphs:

@@ -76,6 +76,7 @@ from torch import nn
 from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
 from posttrain.models.layers import FeedForward, rms_norm
+from posttrain.ops.compiler import outside_graphs
 from posttrain.ops.gated import ACTIVATIONS, gated
 
 __all__ = ["Experts", "MoEBlock", "build_moe", "clamped_swiglu", "expert_group",
@@ -102,7 +103,7 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _GROUPED_OK[key]
 
 
-@torch.compiler.disable
+@outside_graphs
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     # The first MoE forward may run under no_grad or inference_mode, inside an activation-
     # checkpointed block (whose saved-tensor hooks would count the probe's tensors as the

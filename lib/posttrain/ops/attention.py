@@ -58,6 +58,8 @@ from typing import Callable, Literal
 import torch
 import torch.nn.functional as F
 
+from posttrain.ops.compiler import before_compiling, outside_graphs
+
 Backend = Literal["auto", "causal", "split", "flex", "masked_sdpa", "cp"]
 _BACKENDS = typing.get_args(Backend)
 
@@ -326,7 +328,7 @@ def _split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.cat(outs, dim=0)
 
 
-@torch.compiler.disable
+@outside_graphs
 def _split_attention_outside_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    mask: DocumentMask, scale: float, softcap: float | None,
                                    sinks: torch.Tensor | None) -> torch.Tensor:
@@ -451,6 +453,7 @@ def _compiled_flex() -> Callable:
     """One compiled FlexAttention per process; torch.compile keeps a specialisation per shape."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    before_compiling()
     return torch.compile(flex_attention, dynamic=False)
 
 
