@@ -31,6 +31,7 @@ from posttrain.process import tune_cycle_collector
 
 _READY_TIMEOUT_S = 300.0
 _TEARDOWN_TIMEOUT_S = 10.0
+_PEER_GRACE_S = 3.0          # for a dead peer to show, after another rank failed
 
 
 class WorkerError(PosttrainError, RuntimeError):
@@ -194,11 +195,33 @@ class WorkerGroup:
                     # str() is the formatted remote traceback
                     cause = e.cause
                     summary = f"{type(cause).__name__}: {cause}" if cause is not None else str(e)
-                    raise WorkerError(rank, method, summary, str(e), cause) from None
+                    error = WorkerError(rank, method, summary, str(e), cause)
+                    raise self._dead_peer(pending, method, error) or error from None
                 except ray.exceptions.RayActorError as e:
                     raise WorkerError(rank, method, f"the worker process died ({e})", None,
                                       e) from None
         return [results[r] for r in ranks]
+
+    @staticmethod
+    def _dead_peer(pending: dict[ray.ObjectRef, int], method: str,
+                   error: WorkerError) -> WorkerError | None:
+        """The rank that died, if one did, when another rank's call failed: a rank killed inside
+        a collective makes its peers fail there too ("Connection closed by peer"), and on a busy
+        host that error can reach the driver before Ray reports the death. The death is the
+        cause, so the ranks still pending get `_PEER_GRACE_S` to show it."""
+        if not pending:
+            return None
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=_PEER_GRACE_S)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                return WorkerError(pending[ref], method,
+                                   f"the worker process died ({e}); then "
+                                   f"{str(error).splitlines()[0]}", None, e)
+            except Exception:           # noqa: BLE001 - a second failure: the first is raised
+                continue
+        return None
 
     # --------------------------------------------------------------------------- shutdown
 

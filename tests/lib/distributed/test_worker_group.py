@@ -67,6 +67,14 @@ class RankWorker:
     def close(self) -> None:
         pass
 
+    def fail_then_peer_dies(self, delay: float) -> None:
+        """Rank 0 fails at once; rank 1's process ends `delay` seconds later: the order in
+        which a busy host can report a rank killed inside a collective and its peer's error."""
+        if dist.get_rank() == 0:
+            raise RuntimeError("Connection closed by peer")
+        time.sleep(delay)
+        os._exit(1)
+
     def fail_on(self, bad_rank: int) -> str:
         if dist.get_rank() == bad_rank:
             raise ValueError(f"boom from rank {bad_rank}")
@@ -142,6 +150,15 @@ def test_exception_surfaces_with_rank_and_remote_traceback(local_ray):
         with pytest.raises(AttributeError, match="no method 'nope'"):
             group.call("nope")
         assert group.call("fail_on", -1) == ["ok", "ok"]  # the group is still usable
+        # a peer's error that reaches the driver before a rank's death: the death is named
+        # (the cause), then the error (without the grace for dead peers: "rank 0 failed")
+        with pytest.raises(WorkerError) as info:
+            group.call("fail_then_peer_dies", 0.5)
+        assert info.value.rank == 1, str(info.value)
+        assert str(info.value).startswith("rank 1 failed in fail_then_peer_dies(): the worker "
+                                          "process died"), str(info.value)
+        assert "; then rank 0 failed in fail_then_peer_dies(): RuntimeError: Connection " \
+               "closed by peer" in str(info.value), str(info.value)
     finally:
         group.shutdown()
 
