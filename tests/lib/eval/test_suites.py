@@ -17,6 +17,8 @@ from posttrain.eval.heldout import sequence_logps
 from posttrain.eval.suites import GraderConfig, SuiteConfig, load_suite, run_suite
 from posttrain.train.engine import ModelInitConfig, write_random_hf_model
 
+from ..rl.test_native_engine import recompute_greedy
+
 REPO = Path(__file__).resolve().parents[3]
 TOKENIZER = str(REPO / "assets" / "tokenizer")
 DATA = REPO / "assets" / "data"
@@ -234,18 +236,19 @@ def test_preference_accuracy_matches_hugging_face_log_probs(env):
 
 
 def _greedy_answers(hf_dir: str, path: str, max_new_tokens: int) -> list[str]:
-    """The full-recompute greedy generator of `posttrain.eval.heldout` (no KV cache)."""
+    """Greedy answers by full recomputation (no KV cache, one sequence at a time), cut after
+    the first stop token: the reference the engine's answers must equal."""
     from posttrain.data.tokenizer import ChatTokenizer, TokenizerConfig
-    from posttrain.eval.heldout import generate
     from posttrain.models.hf_io import load_hf
     tok = ChatTokenizer(TokenizerConfig(path=TOKENIZER))
-    model = load_hf(hf_dir)
+    model = load_hf(hf_dir).eval()
     stop = {tok.eos_token_id, tok.hf.convert_tokens_to_ids("<|im_end|>")}
     out = []
     for line in Path(path).read_text().splitlines():
-        ids = generate(model, tok.encode_prompt(json.loads(line)["prompt"]),
-                       max_new_tokens=max_new_tokens, stop_ids=stop)
-        out.append(tok.hf.decode(ids, skip_special_tokens=True))
+        ids = recompute_greedy(model, tok.encode_prompt(json.loads(line)["prompt"]),
+                               max_new_tokens)
+        ends = [i for i, t in enumerate(ids) if t in stop]
+        out.append(tok.hf.decode(ids[:ends[0] + 1] if ends else ids, skip_special_tokens=True))
     return out
 
 
@@ -330,6 +333,31 @@ def test_a_model_against_itself_has_zero_deltas(env):
         for rec in task.records:
             assert rec.get("model_output") == rec.get("baseline_output")
     json.dumps(result.to_dict())            # the published artifact is plain JSON
+
+
+def test_heldout_samples_are_the_greedy_answers(env):
+    """A held-out loss task's `samples`: the native engine's greedy answers to the chats' last
+    assistant turns, equal to full recomputation cut after the first stop token."""
+    from posttrain.data.tokenizer import ChatTokenizer, TokenizerConfig
+    from posttrain.models.hf_io import load_hf
+    result = run_suite(_suite({"name": "loss", "kind": "heldout_loss",
+                               "data": {"path": env["chat"]}, "samples": 3,
+                               "generation": {"max_new_tokens": 10}}),
+                       env["model"], env["baseline"])
+    tok = ChatTokenizer(TokenizerConfig(path=TOKENIZER))
+    stop = {tok.end_of_turn_token_id, tok.eos_token_id}
+    chats = [json.loads(line)["messages"] for line in
+             Path(env["chat"]).read_text().splitlines()[:3]]
+    for which in ("model", "baseline"):
+        model, expected = load_hf(env[which]).eval(), []
+        for messages in chats:
+            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            ids = recompute_greedy(model, tok.encode_prompt(messages[:last]), 10)
+            ends = [i for i, t in enumerate(ids) if t in stop]
+            expected.append(tok.hf.decode(ids[:ends[0] + 1] if ends else ids,
+                                          skip_special_tokens=True))
+        got = [r[f"{which}_output"] for r in result.tasks[0].records[:3]]
+        assert got == expected, which
 
 
 def test_sequence_logps_do_not_depend_on_packing(env):
