@@ -36,7 +36,6 @@ from posttrain.config.parallel import (ActivationCheckpointing, MixedPrecision,
                                        ParallelConfig, UnsupportedParallelismError)
 from posttrain.distributed.tensor_parallel import check_tp_block, tp_plan
 from posttrain.errors import ConfigError
-from posttrain.ops.compiler import before_compiling
 
 
 def _blocks(model: nn.Module, blocks_attr: str) -> nn.ModuleList:
@@ -103,7 +102,6 @@ def apply_compile(model: nn.Module, *, blocks_attr: str = "layers",
     Per block rather than whole-model: blocks are identical, so one compiled graph is reused,
     and FSDP's per-block hooks stay outside the graphs.
     """
-    before_compiling()
     for block in _blocks(model, blocks_attr):
         block.compile(backend=backend, fullgraph=False)
     if hasattr(model, "compiled_blocks"):

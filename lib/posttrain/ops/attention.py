@@ -58,7 +58,7 @@ from typing import Callable, Literal
 import torch
 import torch.nn.functional as F
 
-from posttrain.ops.compiler import before_compiling, outside_graphs
+from posttrain.ops.compiler import outside_graphs
 
 Backend = Literal["auto", "causal", "split", "flex", "masked_sdpa", "cp"]
 _BACKENDS = typing.get_args(Backend)
@@ -453,7 +453,6 @@ def _compiled_flex() -> Callable:
     """One compiled FlexAttention per process; torch.compile keeps a specialisation per shape."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    before_compiling()
     return torch.compile(flex_attention, dynamic=False)
 
 

@@ -10,11 +10,8 @@ load it:
 - until `torch._dynamo` is imported nothing can trace, so the wrapper calls `fn` as it is;
 - once it is, the wrapper calls `torch.compiler.disable(fn)` (made once), so `fn`'s own frames
   run eagerly even when a compiled graph's resumed code calls it;
-- the wrapper carries dynamo's `_torchdynamo_disable` mark, and `before_compiling()` (which
-  posttrain's compile paths call first) has dynamo skip the wrapper's frame (one code object for
-  every wrapper), so dynamo neither inlines nor traces the wrapper itself. Without them the
-  results are the same (tests/lib/ops/test_compiler.py): dynamo would trace the wrapper's few
-  lines and break its graph at the disabled call inside.
+- the wrapper carries dynamo's `_torchdynamo_disable` mark, so a graph being traced breaks at
+  the call instead of inlining the wrapper.
 """
 
 from __future__ import annotations
@@ -44,16 +41,3 @@ def outside_graphs(fn: F) -> F:
     call._torchdynamo_disable = True  # type: ignore[attr-defined]
     return call  # type: ignore[return-value]
 
-
-_WRAPPER_CODE = outside_graphs(lambda: None).__code__
-
-
-@functools.cache
-def before_compiling() -> None:
-    """Import the compiler and have it skip `outside_graphs`' wrapper frames (their calls still
-    run: `fn` behind `torch.compiler.disable`). Call before anything is compiled."""
-    import torch._dynamo.eval_frame as eval_frame
-
-    skip = getattr(eval_frame, "skip_code", None)
-    if skip is not None:            # a torch without it traces the wrapper once: same results
-        skip(_WRAPPER_CODE)

@@ -48,7 +48,7 @@ def test_the_models_run_eagerly_without_importing_the_compiler():
 
 
 def test_a_compiled_caller_runs_the_marked_function_outside_its_graphs():
-    from posttrain.ops.compiler import before_compiling, outside_graphs
+    from posttrain.ops.compiler import outside_graphs
 
     calls = []
 
@@ -57,7 +57,6 @@ def test_a_compiled_caller_runs_the_marked_function_outside_its_graphs():
         calls.append(len(calls))          # a Python side effect a graph would not repeat
         return x * float(len(calls))
 
-    before_compiling()
     torch._dynamo.reset()
     graphs = []
 
