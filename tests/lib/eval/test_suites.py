@@ -245,11 +245,16 @@ def _greedy_answers(hf_dir: str, path: str, max_new_tokens: int) -> list[str]:
     stop = {tok.eos_token_id, tok.hf.convert_tokens_to_ids("<|im_end|>")}
     out = []
     for line in Path(path).read_text().splitlines():
-        ids = recompute_greedy(model, tok.encode_prompt(json.loads(line)["prompt"]),
-                               max_new_tokens)
-        ends = [i for i, t in enumerate(ids) if t in stop]
-        out.append(tok.hf.decode(ids[:ends[0] + 1] if ends else ids, skip_special_tokens=True))
+        out.append(_greedy_text(model, tok, tok.encode_prompt(json.loads(line)["prompt"]),
+                                max_new_tokens, stop))
     return out
+
+
+def _greedy_text(model, tok, prompt: list[int], max_new_tokens: int, stop: set[int]) -> str:
+    """`recompute_greedy`'s answer cut after its first stop token, decoded."""
+    ids = recompute_greedy(model, prompt, max_new_tokens)
+    ends = [i for i, t in enumerate(ids) if t in stop]
+    return tok.hf.decode(ids[:ends[0] + 1] if ends else ids, skip_special_tokens=True)
 
 
 def test_generation_grading_counts(env, tmp_path):
@@ -352,10 +357,8 @@ def test_heldout_samples_are_the_greedy_answers(env):
         model, expected = load_hf(env[which]).eval(), []
         for messages in chats:
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            ids = recompute_greedy(model, tok.encode_prompt(messages[:last]), 10)
-            ends = [i for i, t in enumerate(ids) if t in stop]
-            expected.append(tok.hf.decode(ids[:ends[0] + 1] if ends else ids,
-                                          skip_special_tokens=True))
+            expected.append(_greedy_text(model, tok, tok.encode_prompt(messages[:last]), 10,
+                                         stop))
         got = [r[f"{which}_output"] for r in result.tasks[0].records[:3]]
         assert got == expected, which
 
