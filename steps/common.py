@@ -95,7 +95,7 @@ def base_model_dir(cfg: Any, prepared_dir: str, run_dir: Path) -> str:
     if cfg.model.hf_dir:
         check_base_model(cfg.model)
         return cfg.model.hf_dir
-    from posttrain.train.engine import write_random_hf_model
+    from posttrain.models.random_init import write_random_hf_model
     manifest = json.loads((Path(prepared_dir) / "manifest.json").read_text())
     vocab = int(manifest["tokenizer"]["vocab_size"])
     return write_random_hf_model(cfg.model.init, vocab, run_dir / "base_model",

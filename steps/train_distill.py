@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from posttrain.models.random_init import write_random_hf_model
 from posttrain.train.distill import Distill, DistillConfig, check_teacher
-from posttrain.train.engine import write_random_hf_model
 from steps.common import main_for, run_recipe
 
 

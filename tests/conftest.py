@@ -291,3 +291,22 @@ def _no_process_group_left_behind() -> Iterator[None]:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _random_models_built_once(tmp_path_factory) -> Iterator[None]:
+    """The random initial checkpoints (`model.init`) of this run, kept by key in one directory
+    that every pytest worker and the processes they start share (POSTTRAIN_INIT_CACHE): a
+    driver process then copies one instead of importing transformers' model code to build it.
+    The same bytes either way (`tests/lib/train/test_engine.py`)."""
+    if os.environ.get("POSTTRAIN_INIT_CACHE"):
+        yield
+        return
+    base = tmp_path_factory.getbasetemp()
+    # under pytest-xdist each worker's base is inside the run's: share the run's
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.environ["POSTTRAIN_INIT_CACHE"] = str(root / "random-init")
+    try:
+        yield
+    finally:
+        os.environ.pop("POSTTRAIN_INIT_CACHE", None)

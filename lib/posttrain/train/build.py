@@ -1,7 +1,6 @@
 """Building one rank's model: the native definition of a Hugging Face checkpoint, laid out
 on the device mesh and filled from the checkpoint shard by shard (`build_sharded`; an
-architecture without a native definition goes through `posttrain.train.fallback_build`), and
-a random checkpoint from a tiny config to build from (`write_random_hf_model`).
+architecture without a native definition goes through `posttrain.train.fallback_build`).
 
     meta model (HF config) -> grow the vocabulary -> LoRA (+ trainable tokens) -> loss root
       -> parallelize (TP, CP, EP, AC, compile, FSDP2) -> stream the HF tensors, each rank
@@ -11,13 +10,12 @@ a random checkpoint from a tiny config to build from (`write_random_hf_model`).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from posttrain.config.model import ModelConfig, ModelInitConfig
+from posttrain.config.model import ModelConfig
 from posttrain.distributed.env import build_mesh
 from posttrain.distributed.materialize import materialize
 from posttrain.distributed.parallelize import (ParallelConfig, param_device, parallelize,
@@ -28,7 +26,7 @@ from posttrain.models.families.base import VOCAB_PARAMS
 from posttrain.models.hf_io import grow_vocab_rows, iter_hf_tensors, load_hf
 from posttrain.models.transformer import LMHead, Transformer, build_model
 
-__all__ = ["build_sharded", "fit_vocab", "write_random_hf_model"]
+__all__ = ["build_sharded", "fit_vocab"]
 
 log = logging.getLogger(__name__)
 
@@ -105,28 +103,3 @@ def fit_vocab(name: str, t: torch.Tensor, ckpt: ModelArgs, model: ModelArgs) -> 
     if name not in VOCAB_PARAMS or ckpt.vocab_size == model.vocab_size:
         return t
     return grow_vocab_rows(t, ckpt.vocab_size, model.vocab_size, model.padded_vocab_size)
-
-
-
-def write_random_hf_model(init: ModelInitConfig, vocab_size: int, out_dir: str | Path,
-                          tokenizer_dir: str | None = None) -> str:
-    """Create a random HF checkpoint from a tiny config (deterministic for `init.seed`)."""
-    from transformers import AutoModelForCausalLM
-
-    from posttrain.models.verify import tiny_hf_config
-    out = Path(out_dir)
-    if (out / "config.json").is_file():
-        return str(out)
-    config = tiny_hf_config(init.family, **{"initializer_range": 0.02, "vocab_size": vocab_size,
-                                            **init.overrides})
-    torch.manual_seed(init.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    if tokenizer_dir:
-        import shutil
-        for f in Path(tokenizer_dir).iterdir():
-            if f.is_file():
-                shutil.copy2(f, tmp / f.name)
-    tmp.rename(out)
-    return str(out)

@@ -48,8 +48,9 @@ from posttrain.distributed.env import build_mesh, get_device
 from posttrain.distributed.parallelize import count_params
 from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
+from posttrain.models.random_init import write_random_hf_model
 from posttrain.models.transformer import Transformer
-from posttrain.train.build import build_sharded, write_random_hf_model
+from posttrain.train.build import build_sharded
 from posttrain.train.checkpoint import CheckpointConfig, CheckpointManager
 from posttrain.train.host_heap import HostHeap, release_after_blocks
 from posttrain.train.optim import build_optimizer, build_scheduler

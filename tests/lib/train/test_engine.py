@@ -1,6 +1,9 @@
 """Engine: sharded build from an HF checkpoint, vocabulary growth, one step against a reference."""
 
+import dataclasses
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +44,38 @@ def test_building_an_engine_has_no_global_side_effects(tmp_path):
     before = torch.get_rng_state()
     Engine(ModelConfig(init=INIT), cfg, hf_dir, str(tmp_path / "run"))
     assert torch.equal(torch.get_rng_state(), before)
+
+
+_BUILD_FROM_THE_CACHE = """
+import sys, torch
+from posttrain.config.model import ModelInitConfig
+from posttrain.models.random_init import write_random_hf_model
+write_random_hf_model(ModelInitConfig(**{init!r}), 300, {out!r})
+sys.stdout.buffer.write(torch.get_rng_state().numpy().tobytes())
+assert "transformers.modeling_utils" not in sys.modules, "built, not copied"
+assert "posttrain.train.engine" not in sys.modules, "a launcher would import the engine"
+"""
+
+
+def test_a_kept_random_model_is_the_one_a_build_writes(tmp_path, monkeypatch):
+    """POSTTRAIN_INIT_CACHE: another process copies the checkpoint a build kept (the same
+    bytes, the generator left in the same state) without importing transformers' model code
+    or the training stack; another seed is another entry."""
+    monkeypatch.setenv("POSTTRAIN_INIT_CACHE", str(tmp_path / "cache"))
+    built = Path(write_random_hf_model(INIT, 300, tmp_path / "built"))
+    state = torch.get_rng_state().numpy().tobytes()
+    script = _BUILD_FROM_THE_CACHE.format(init=dataclasses.asdict(INIT),
+                                          out=str(tmp_path / "copied"))
+    copied = subprocess.run([sys.executable, "-c", script], capture_output=True)
+    assert copied.returncode == 0, copied.stderr.decode()[-2000:]
+    assert copied.stdout == state
+    names = sorted(p.name for p in built.iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "copied").iterdir())
+    for name in names:
+        assert (built / name).read_bytes() == (tmp_path / "copied" / name).read_bytes(), name
+    other = Path(write_random_hf_model(dataclasses.replace(INIT, seed=4), 300, tmp_path / "o"))
+    assert (other / "model.safetensors").read_bytes() != (built / "model.safetensors").read_bytes()
+    assert len(list((tmp_path / "cache").iterdir())) == 2
 
 
 def test_build_matches_checkpoint(tmp_path):
