@@ -349,7 +349,7 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
     `lineage` is what the caller knows of the run (a flow's ``metaflow.*`` ids), for the
     tags of `run.trackers` (`posttrain.train.trackers`).
     """
-    from posttrain.train.recipe import RecipeWorker
+    from posttrain.train.recipe import RecipeWorker, tokenizer_vocab
     cfg = (config if isinstance(config, recipe.config_cls)
            else load_recipe(config, recipe.config_cls, overrides))
     run_dir = Path(cfg.run.dir)
@@ -371,8 +371,10 @@ def run_recipe(recipe: Any, config: Any, *, overrides: dict | None = None,
     metrics_path = run_dir / "metrics.jsonl"
     writer = MetricsWriter(metrics_path, tensorboard_dir=cfg.run.tensorboard_dir)
     from posttrain.plan import host_budget
-    # what each CPU trainer rank may keep resident: its planned peak (`HostHeap`)
-    args = (to_dict(cfg), hf_dir, prepared_dir, state_dir, model_dirs, host_budget(cfg))
+    # what each CPU trainer rank may keep resident: its planned peak (`HostHeap`), planned
+    # from what the ranks build: this base checkpoint and the vocabulary prepare recorded
+    budget = host_budget(cfg, hf_dir=hf_dir, vocab_size=tokenizer_vocab(prepared_dir))
+    args = (to_dict(cfg), hf_dir, prepared_dir, state_dir, model_dirs, budget)
     if worker is None:                  # the kernel's worker runs the recipe it is given
         worker, args = RecipeWorker, (recipe, *args)
     seconds = Seconds()

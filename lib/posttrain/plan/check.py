@@ -9,6 +9,7 @@ A GPU config without `run.gpu` (the kind is unknown) is not checked, with a warn
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -102,18 +103,26 @@ def check_run(cfg: Any, *, gpu: str | None = None, mode: str | None = None) -> M
     return plan
 
 
-def host_budget(cfg: Any) -> int | None:
+def host_budget(cfg: Any, *, hf_dir: str | None = None,
+                vocab_size: int | None = None) -> int | None:
     """What a trainer rank of CPU run `cfg` may keep resident before its heap gives freed pages
     back (`posttrain.train.host_heap.HostHeap`): the plan's predicted trainer peak. None where
     that does not apply or no plan is made here: a GPU run, `release_host_heap` off,
     `run.plan_check: off`, a base model not readable here, or a config the plan cannot trace
-    (then every release point releases, as without a budget)."""
+    (then every release point releases, as without a budget).
+
+    The driver passes what the ranks will build from: `hf_dir`, the checkpoint the run starts
+    from (a `model.init` run's random one, once written), and `vocab_size`, the tokenizer's as
+    prepare recorded it; so the plan reads a config.json and loads no tokenizer."""
+    if hf_dir is not None:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_dir=hf_dir,
+                                                                 init=None))
     if (_asks_for_gpus(cfg) or getattr(cfg.run, "gpu", None)
             or not cfg.train.engine.parallel.release_host_heap
             or getattr(cfg.run, "plan_check", "error") == "off" or not _base_readable(cfg)):
         return None
     try:
-        plan = plan_run(cfg)
+        plan = plan_run(cfg, vocab_size=vocab_size)
     except (ConfigError, NotImplementedError, ValueError, RuntimeError) as e:
         log.warning("memory plan not made (%s): the trainer gives freed host memory back at "
                     "every phase", e)

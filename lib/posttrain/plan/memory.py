@@ -141,13 +141,14 @@ class MemoryPlan:
 # --------------------------------------------------------------------------- the config's facts
 
 
-def model_args(cfg: Any) -> ModelArgs:
+def model_args(cfg: Any, vocab_size: int | None = None) -> ModelArgs:
     """The native model args of the run: from `model.hf_dir`'s config.json, or `model.init`
     (a random model of the tokenizer's vocabulary); the vocabulary grows to the tokenizer's
-    when it has added tokens, as in training."""
+    when it has added tokens, as in training. `vocab_size` is the tokenizer's (added tokens
+    included) where it is known, as prepare records it; else the tokenizer is loaded."""
     from posttrain.models.hf_io import read_hf_config
     m = cfg.model
-    vocab = _tokenizer_vocab(cfg)           # loads the tokenizer: once
+    vocab = vocab_size if vocab_size is not None else _tokenizer_vocab(cfg)
     if m.hf_dir:
         args = args_from_hf_config(read_hf_config(m.hf_dir), vocab_multiple=m.vocab_multiple)
     else:
@@ -195,10 +196,12 @@ def _loss_kernel(cfg: Any) -> str:
 # --------------------------------------------------------------------------- the plan
 
 
-def plan_run(cfg: Any, *, gpu: str | None = None, process: str | None = None) -> MemoryPlan:
+def plan_run(cfg: Any, *, gpu: str | None = None, process: str | None = None,
+             vocab_size: int | None = None) -> MemoryPlan:
     """The memory plan of recipe config `cfg` on `gpu` (a kind in `devices.GPU_MEMORY_BYTES`;
     None: the config's `run.gpu`, else this machine's CPU). `process` names the CPU process
     kind for the baseline (default: ``inline`` for `run.launcher: inline`, else ``ray_worker``).
+    `vocab_size`: the tokenizer's, where prepare has recorded it (`model_args`).
     """
     run, engine_cfg = cfg.run, cfg.train.engine
     par = engine_cfg.parallel
@@ -208,7 +211,7 @@ def plan_run(cfg: Any, *, gpu: str | None = None, process: str | None = None) ->
     dp_shard, tp = resolve_mesh_shape(world, par.dp_shard, par.tp, par.dp_replicate, par.cp)
     cp, ep = par.cp, getattr(par, "ep", 1)
     offload = bool(getattr(par, "offload", False))
-    args = model_args(cfg)
+    args = model_args(cfg, vocab_size)
     lora = cfg.model.lora
     counts = count_params(args, lora)
     master = DTYPES[cfg.model.dtype]
