@@ -28,10 +28,10 @@ def write_random_hf_model(init: ModelInitConfig, vocab_size: int, out_dir: str |
 
     With POSTTRAIN_INIT_CACHE set to a directory, the checkpoint is kept there under a key of
     everything that decides its bytes (`init`, the vocabulary, the source of the tiny configs
-    and of this builder, the torch and transformers versions). A later call with that key copies
-    it, and sets the generator to the state the build left, instead of importing transformers'
-    model code to build it again (the test suite sets it: its driver processes would each pay
-    that import)."""
+    and of this builder, the torch and transformers versions, the CPU's kernel set). A later
+    call with that key copies it, and sets the generator to the state the build left, instead
+    of importing transformers' model code to build it again (the test suite sets it: its
+    driver processes would each pay that import)."""
     out = Path(out_dir)
     if (out / "config.json").is_file():
         return str(out)
@@ -71,6 +71,8 @@ def _init_cache_entry(init: ModelInitConfig, vocab_size: int) -> Path | None:
     key = json.dumps({"family": init.family, "overrides": init.overrides, "seed": init.seed,
                       "vocab_size": vocab_size, "torch": metadata.version("torch"),
                       "transformers": metadata.version("transformers"),
+                      # the sampling kernels the CPU runs (ATEN_CPU_CAPABILITY)
+                      "cpu": torch.backends.cpu.get_cpu_capability(),
                       "code": [hashlib.sha256(Path(f).read_bytes()).hexdigest()
                                for f in (tiny_configs.__file__, __file__)]},
                      sort_keys=True, default=str)
