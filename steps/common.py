@@ -96,9 +96,9 @@ def base_model_dir(cfg: Any, prepared_dir: str, run_dir: Path) -> str:
         check_base_model(cfg.model)
         return cfg.model.hf_dir
     from posttrain.models.random_init import write_random_hf_model
-    manifest = json.loads((Path(prepared_dir) / "manifest.json").read_text())
-    vocab = int(manifest["tokenizer"]["vocab_size"])
-    return write_random_hf_model(cfg.model.init, vocab, run_dir / "base_model",
+    from posttrain.train.recipe import tokenizer_vocab
+    return write_random_hf_model(cfg.model.init, tokenizer_vocab(prepared_dir),
+                                 run_dir / "base_model",
                                  tokenizer_dir=f"{prepared_dir}/tokenizer")
 
 

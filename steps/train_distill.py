@@ -20,13 +20,13 @@ ends with the same student weights.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from posttrain.models.random_init import write_random_hf_model
 from posttrain.train.distill import Distill, DistillConfig, check_teacher
+from posttrain.train.recipe import tokenizer_vocab
 from steps.common import main_for, run_recipe
 
 
@@ -51,8 +51,7 @@ def teacher_model_dir(cfg: DistillConfig, prepared_dir: str, run_dir: Path) -> s
     """teacher.hf_dir, or a random teacher made from teacher.init with the data's tokenizer."""
     if cfg.teacher.hf_dir:
         return cfg.teacher.hf_dir
-    manifest = json.loads((Path(prepared_dir) / "manifest.json").read_text())
-    return write_random_hf_model(cfg.teacher.init, int(manifest["tokenizer"]["vocab_size"]),
+    return write_random_hf_model(cfg.teacher.init, tokenizer_vocab(prepared_dir),
                                  run_dir / "teacher_model",
                                  tokenizer_dir=f"{prepared_dir}/tokenizer")
 
