@@ -212,9 +212,20 @@ def apply_rope(x_BHTD: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tenso
     cos, sin = cos_BTR.unsqueeze(1), sin_BTR.unsqueeze(1)
     rotary = cos.shape[-1]
     if rotary == x_BHTD.shape[-1]:
-        return x_BHTD * cos + _rotate_half(x_BHTD) * sin
+        return _rotate(x_BHTD, cos, sin)
     x_rot, x_pass = x_BHTD[..., :rotary], x_BHTD[..., rotary:]
-    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+    return torch.cat((_rotate(x_rot, cos, sin), x_pass), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`x * cos + rotate_half(x) * sin`, the second product and the sum written over the
+    tensors just made for them (the same ops on the same values, two new tensors of x's size
+    fewer: `posttrain.ops.gated` says why that pays on a CPU). Autograd keeps only the tables
+    for these products, so the in-place ops leave nothing it saved; tables of another dtype
+    (a promoting product) or with gradients take the plain expression."""
+    if cos.dtype != x.dtype or sin.dtype != x.dtype or cos.requires_grad or sin.requires_grad:
+        return x * cos + _rotate_half(x) * sin
+    return (x * cos).add_(_rotate_half(x).mul_(sin))
 
 
 class SharedKV:

@@ -134,6 +134,30 @@ def test_positions_restart_per_document_by_default() -> None:
     torch.testing.assert_close(packed, torch.cat([first, second], dim=1), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary", [16, 8])          # the whole head, and partial rotary
+def test_rope_is_the_plain_expression_bitwise(dtype, rotary) -> None:
+    """`apply_rope` writes its second product and the sum in place; values and gradients are
+    those of `x * cos + rotate_half(x) * sin` bit for bit, and tables of another dtype take
+    that expression itself."""
+    from posttrain.models.layers import _rotate_half, apply_rope
+    gen = torch.Generator().manual_seed(0)
+    x0, grad = (torch.randn(2, 3, 5, 16, generator=gen).to(dtype) for _ in range(2))
+    cos, sin = (torch.randn(2, 5, rotary, generator=gen).to(dtype) for _ in range(2))
+
+    def plain(x, cos, sin):
+        c, s, r = cos.unsqueeze(1), sin.unsqueeze(1), rotary
+        return torch.cat((x[..., :r] * c + _rotate_half(x[..., :r]) * s, x[..., r:]), dim=-1)
+
+    for tables in ((cos, sin), (cos.double(), sin.double())):
+        mine, ref = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+        out, want = apply_rope(mine, *tables), plain(ref, *tables)
+        out.backward(grad.to(out.dtype))
+        want.backward(grad.to(want.dtype))
+        assert out.dtype == want.dtype and torch.equal(out, want)
+        assert torch.equal(mine.grad, ref.grad)
+
+
 def test_mlp_factory_slot_and_custom_head() -> None:
     args = args_from_hf_config(tiny_hf_config("qwen3").to_dict())
     moe_args = args.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
