@@ -259,7 +259,7 @@ def train_recipe(step_module: str, schema: str, config: Any, prepared_uri: str, 
     cfg = build_config(schema, config)
     changes = {"run": dataclasses.replace(cfg.run, dir=scratch_dir(root, name))}
     if start_from:
-        changes["model"] = dataclasses.replace(cfg.model, hf_dir=fetch(start_from), init=None)
+        changes["model"] = cfg.model.starting_from(fetch(start_from))
     cfg = dataclasses.replace(cfg, **changes)
     started = time.time()
     from _flow_ray import ray_cluster

@@ -9,7 +9,7 @@ keep working).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Sequence
 
 from posttrain.config.data import TargetKind, check_kind
@@ -113,6 +113,11 @@ class ModelConfig:
             raise ValueError("model.moe_aux_loss_coef and model.moe_z_loss_coef must be >= 0")
         if self.moe_bias_update_speed < 0:
             raise ValueError("model.moe_bias_update_speed must be >= 0")
+
+    def starting_from(self, hf_dir: str) -> ModelConfig:
+        """This model config, started from the checkpoint in `hf_dir` instead of its own
+        `hf_dir` or random `init` (a flow's `--sft-run` export, the driver's written base)."""
+        return replace(self, hf_dir=hf_dir, init=None)
 
 
 @dataclass(frozen=True)

@@ -115,8 +115,7 @@ def host_budget(cfg: Any, *, hf_dir: str | None = None,
     from (a `model.init` run's random one, once written), and `vocab_size`, the tokenizer's as
     prepare recorded it; so the plan reads a config.json and loads no tokenizer."""
     if hf_dir is not None:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_dir=hf_dir,
-                                                                 init=None))
+        cfg = dataclasses.replace(cfg, model=cfg.model.starting_from(hf_dir))
     if (_asks_for_gpus(cfg) or getattr(cfg.run, "gpu", None)
             or not cfg.train.engine.parallel.release_host_heap
             or getattr(cfg.run, "plan_check", "error") == "off" or not _base_readable(cfg)):

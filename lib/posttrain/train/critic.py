@@ -119,7 +119,7 @@ class Critic:
                              keep_checkpoints=engine.keep_checkpoints + 1)
         start = cfg.hf_dir or hf_dir
         self.engine = Engine(
-            replace(model, hf_dir=start, init=None, lora=None), engine_cfg, start,
+            replace(model.starting_from(start), lora=None), engine_cfg, start,
             f"{run_dir.rstrip('/')}/critic", vocab_size=vocab_size, host_budget=host_budget,
             loss_factory=lambda m: ValueLoss(m, cfg.value_clip, aggregation, constant_norm))
         with torch.no_grad():
