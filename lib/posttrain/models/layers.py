@@ -18,6 +18,7 @@ from posttrain.errors import ConfigError
 from posttrain.models.args import ModelArgs
 from posttrain.ops import attention as attention_ops
 from posttrain.ops.gated import ACTIVATIONS, gated
+from posttrain.ops.rms_norm import fusable, rms_norm_scaled
 
 
 class RMSNorm(nn.Module):
@@ -39,6 +40,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fusable(x, self.weight):         # fp32: fewer tensors made and kept, same bits
+            return rms_norm_scaled(x, 1.0 + self.weight if self.offset else self.weight,
+                                   self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
