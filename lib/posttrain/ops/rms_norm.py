@@ -67,8 +67,7 @@ class _ScaledRMSNorm(torch.autograd.Function):
             # rsqrt's, the mean's and the square's backward, as autograd writes them
             grad_var = grad_r.mul(-0.5).mul_(r.pow(3))
             grad_square = torch.div(grad_var.expand(x.shape), x.shape[-1])
-            grad_square.mul_(torch.mul(x, 2.0, out=buf) if buf.shape == x.shape
-                             else x * 2.0)
+            grad_square.mul_(torch.mul(x, 2.0, out=buf))     # 2 * x.pow(1): exact
         return grad_x, grad_square, grad_scale, None
 
 
