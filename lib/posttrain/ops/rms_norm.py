@@ -1,4 +1,4 @@
-"""RMSNorm in fp32, `norm(x) * scale`, keeping x and its [.., 1] reciprocal root for backward.
+"""RMSNorm in fp32, `norm(x) * scale`, keeping x and its [..., 1] reciprocal root for backward.
 
 Written as plain tensor ops (`x * rsqrt(mean(x ** 2) + eps) * w`), autograd keeps x twice
 (for the square's and the product's gradients), the normalized x (for the scale's gradient)
