@@ -40,7 +40,6 @@ from posttrain.ops.compiler import outside_graphs
 from posttrain.ops.delta_rule import (causal_conv, gated_delta_rule,
                                       recurrent_gated_delta_rule)
 from posttrain.ops.gated import ACTIVATIONS
-from posttrain.ops.rms_norm import fusable, rms_norm_scaled
 
 __all__ = ["DeltaNetState", "GatedDeltaNet", "GatedRMSNorm"]
 
@@ -50,13 +49,7 @@ class GatedRMSNorm(RMSNorm):
     `RMSNormGated` does (norm before gate)."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if fusable(x, self.weight):         # fp32: `ops.rms_norm`, the same bits
-            out = rms_norm_scaled(x, self.weight, self.eps)
-        else:
-            x32 = x.float()
-            normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-            out = self.weight * normed.type_as(x)
-        return (out * F.silu(gate.float())).type_as(x)
+        return (super().forward(x) * F.silu(gate.float())).type_as(x)
 
 
 @dataclass
