@@ -49,10 +49,18 @@ class FlowSandbox:
     env: dict[str, str]
     ray_tmpdir: str
 
-    def config(self, base: Path = TINY_SFT, name: str = "config.yaml", **overrides: Any) -> Path:
-        """Write `base` with dotted-key overrides as this sandbox's config file `name`."""
+    def config(self, base: Path = TINY_SFT, name: str = "config.yaml", *, plan: bool = False,
+               **overrides: Any) -> Path:
+        """Write `base` with dotted-key overrides as this sandbox's config file `name`.
+
+        The start step's memory plan is off (`run.plan_check: off`) unless `plan`: it is 3 s
+        of a task's imports and tracing per run. The SFT flow tests keep it, through the
+        `RecipeFlow.start` every recipe flow shares, and tests/lib/plan/test_check.py plans
+        each recipe flow's bundled config as its start step would."""
         data = yaml.safe_load(base.read_text())
         data.setdefault("run", {})["dir"] = str(self.root / "runs")
+        if not plan:
+            data["run"]["plan_check"] = "off"
         for dotted, value in overrides.items():
             node = data
             *parents, last = dotted.split(".")

@@ -18,8 +18,8 @@ on one worker: a case takes 15-40 s on two cores. The Ray launcher's resume insi
 test_sft_flow.py's killed train attempt (two Ray workers continue from its checkpoint under
 @retry), and its bit-identical multi-worker resume is tests/steps'; on two Ray workers here,
 the SFT case took 88-95 s in the suite for what those two already check.
-The start step's memory plan is off (`run.plan_check: off`): it is 3-4 s of imports and
-tracing per run that a resume does not exercise (the SFT flow tests and tests/lib/plan do).
+The start step's memory plan is off (`run.plan_check: off`), as in every flow test but the SFT
+flow's (`FlowSandbox.config`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ pytestmark = pytest.mark.slow
 INLINE = {"run.launcher": "inline", "run.num_workers": 1}
 FOUR_STEPS = {"train.max_steps": 4, "train.checkpoint_every_steps": 2}
 ARITHMETIC_MODEL = str(REPO / "tests/fixtures/arithmetic_sft")
-NO_PLAN = {"run.plan_check": "off"}
 SHORT_GRPO = {**FOUR_STEPS, "train.prompts_per_step": 4, "train.samples_per_prompt": 4,
               "train.mini_batches": 1, "eval.max_prompts": 4, "eval.num_records": 2}
 
@@ -116,7 +115,7 @@ def test_resume_continues_a_killed_run_from_its_checkpoint(sandbox, monkeypatch,
     case = CASES[name]
     monkeypatch.setenv("USER", sandbox.env["USER"])
     configs = {key: _suite(sandbox) if key == "suite" else
-               sandbox.config(base, name=f"{key}.yaml", **{**NO_PLAN, **changes})
+               sandbox.config(base, name=f"{key}.yaml", **changes)
                for key, (base, changes) in case.configs.items()}
 
     origin_id = run_and_kill(sandbox, case.flow_file, configs, case.flow, case.checkpoints, 2)

@@ -127,7 +127,7 @@ def test_sft_flow_end_to_end_local_survives_a_killed_train_attempt(sandbox, monk
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")           # to read it back here
     trackers = [{"kind": "mlflow", "tracking_uri": f"file:{sandbox.root / 'mlruns'}"},
                 {"kind": "wandb", "mode": "offline", "dir": str(sandbox.root / "wb")}]
-    config = sandbox.config(**{**QUICK, "run.trackers": trackers})
+    config = sandbox.config(plan=True, **{**QUICK, "run.trackers": trackers})
     killer = threading.Thread(target=_kill_train_after_checkpoint,
                               args=(sandbox.root / "runs", 2), daemon=True)
     killer.start()
@@ -232,7 +232,7 @@ def test_sft_flow_two_nodes_metaflow_ray_on_s3(sandbox, s3):
            "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1"}
     sandbox.env.update(env)
-    config = sandbox.config(**{**QUICK, "train.max_steps": 2, "run.num_nodes": 2})
+    config = sandbox.config(plan=True, **{**QUICK, "train.max_steps": 2, "run.num_nodes": 2})
     with _runner(sandbox, config, datastore="s3") as runner:
         result = runner.run()
         run = result.run
