@@ -75,8 +75,9 @@ def fusable(x: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether `rms_norm_scaled(x, scale, eps)` applies: fp32 plain tensors (not DTensors), a
     1-D scale as wide as x's last dim, which is wider than one, outside torch.compile's graphs
     (Inductor fuses the plain expression into its own kernels)."""
-    return (not torch.compiler.is_compiling() and x.dtype == torch.float32 and scale.dtype == torch.float32 and scale.dim() == 1
-            and x.dim() >= 2 and x.shape[-1] == scale.shape[0] > 1
+    return (not torch.compiler.is_compiling() and x.dtype == torch.float32
+            and scale.dtype == torch.float32 and scale.dim() == 1 and x.dim() >= 2
+            and x.shape[-1] == scale.shape[0] > 1
             and not hasattr(x, "to_local") and not hasattr(scale, "to_local"))
 
 

@@ -80,7 +80,10 @@ class NativeEngine:
         # a causal-LM head whose weight the chunked log-probs read (not a custom head)
         self._lm_head = fallback or isinstance(self.model.head, LMHead)
         self._released: dict[int, torch.Size] | None = None   # id(tensor) -> shape
-        self._targets: dict[str, torch.Tensor] | None = None    # `update_weights`' names
+        # name -> parameter or buffer, for `update_weights`: made once, since a weight sync
+        # writes one tensor per call and walking the modules each time made a sync quadratic
+        # in the tensors; they stay the same objects (`release_memory` swaps storage only)
+        self._targets = {**dict(self.model.named_buffers()), **dict(self.model.named_parameters())}
 
     partial_updates = True        # `update_weights` takes any subset of the parameters
 
@@ -262,7 +265,7 @@ class NativeEngine:
 
         A tied head has no `head.weight` of its own: send `embed.weight`.
         """
-        targets = self._named_targets()
+        targets = self._targets
         with torch.no_grad():
             for name, tensor in named_tensors:
                 if name not in targets:
@@ -277,16 +280,6 @@ class NativeEngine:
                                      f"the model expects {tuple(target.shape)} (full, unsharded "
                                      "tensors are required)")
                 target.copy_(tensor)
-
-    def _named_targets(self) -> dict[str, torch.Tensor]:
-        """Name -> the model's parameter or buffer, made once: a weight sync writes one tensor
-        per call (`posttrain.rl.weight_sync`), and walking the modules on every call made a
-        sync quadratic in the number of tensors. The model's parameters and buffers stay the
-        same objects while the engine holds it (`release_memory` swaps their storage only)."""
-        if self._targets is None:
-            self._targets = {**dict(self.model.named_buffers()),
-                             **dict(self.model.named_parameters())}
-        return self._targets
 
     @torch.inference_mode()
     def logprobs(self, sequences: list[list[int]], prompt_lens: list[int], *,
